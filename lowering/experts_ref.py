@@ -1,0 +1,276 @@
+"""Torch reference lowering of the expert op ``hiermoe::experts`` (forward and backward math).
+
+This is the pure-torch lowering of the one op every MoE layer is rewritten into: dropless
+(every (token, expert) slot is computed, no capacity) and sort-based (slots are sorted by
+expert so each expert sees one contiguous block of rows). It follows the data-centric
+execution of HEXA-MoE (papers/hexa-moe.txt): the re-index vector is the stable argsort of the
+flattened routing, the expert-specific matmul (ESMM) is a grouped matmul over those blocks,
+and the top-k combine is an add into the token rows. The Triton ESMM/ESS/ESTMM kernels from
+HEXA-MoE are a separate, later lowering of the same op and are checked against this one.
+
+Semantics (nn.Linear layouts, ``act`` from ``ACTIVATIONS``)::
+
+    gated:      h = act(x W_gate^T + b_gate) * (x W_up^T + b_up)
+    non-gated:  h = act(x W_up^T + b_up)
+    y_e(x) = h W_down^T + b_down
+    y[t]   = sum_k topk_weights[t, k] * y_{topk_idx[t, k]}(x[t])
+
+Expert ids must lie in [0, E); rows of ``topk_idx`` may repeat an expert (each slot counts).
+Matmuls and the activation run in x.dtype (as the model would); the top-k weighting and
+both scatter-adds run in promote(x.dtype, topk_weights.dtype, float32), so bf16/fp16 tokens
+are accumulated in fp32.
+
+Shape legend:
+    T tokens, K experts per token, N = T*K slots, E experts, H hidden size, F ffn size.
+    x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF,
+    b_down_EH; slot tensors in expert-sorted order end in _N (x_NH, up_NF, expert_N, tok_N);
+    offs_E are the int32 end offsets of each expert's block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
+
+_ACT_FWD: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "identity": lambda z: z,
+}
+
+# d act(z)/dz applied to an incoming grad; the aten backward ops are the ones autograd uses for
+# the eager model, so rewritten and original layers get bit-identical activation gradients.
+_ACT_BWD: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "silu": lambda g, z: torch.ops.aten.silu_backward(g, z),
+    "gelu": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="none"),
+    "gelu_tanh": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="tanh"),
+    "relu": lambda g, z: torch.ops.aten.threshold_backward(g, z, 0),
+    "sigmoid": lambda g, z: torch.ops.aten.sigmoid_backward(g, torch.sigmoid(z)),
+    "identity": lambda g, z: g,
+}
+
+# (device type -> dtypes) for which F.grouped_mm has an eager kernel we have run. CPU: fp32,
+# bf16, fp16 (checked on torch 2.13). CUDA: bf16 is the documented dtype (SM80+); others untested.
+_GROUPED_MM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16,),
+}
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r}; use one of {ACTIVATIONS}")
+
+
+class _Routing(NamedTuple):
+    order_N: Tensor  # slot ids (t*K + k) sorted stably by expert: the re-index vector
+    tok_N: Tensor  # token row of each sorted slot
+    expert_N: Tensor  # expert of each sorted slot (non-decreasing)
+    offs_E: Tensor  # int32 end offset of each expert's block
+    bounds: list[int] | None  # [0, end_0, ..., end_{E-1}] for the per-expert loop; None = grouped_mm
+
+
+def _gmm_layout_ok(m: Tensor) -> bool:
+    """Whether grouped_mm's kernel accepts m's strides (mirrors its meta check: row- or
+    column-major, leading stride a multiple of 16 bytes). Symmetric under m.mT."""
+    align = 16 // m.element_size()
+    s_r, s_c = m.stride(-2), m.stride(-1)
+    if s_r == 1 and s_c >= max(1, m.shape[-2]):
+        lead = s_c
+    elif s_c == 1 and s_r >= max(1, m.shape[-1]):
+        lead = s_r
+    else:
+        return False
+    return lead % align == 0 and m.data_ptr() % 16 == 0
+
+
+def _use_grouped_mm(
+    x_TH: Tensor, w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor
+) -> bool:
+    """grouped_mm for every matmul of this call, or the per-expert loop for all of them."""
+    dtype, device = x_TH.dtype, x_TH.device
+    if dtype not in _GROUPED_MM_DTYPES.get(device.type, ()):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    # The slot tensors we build (x_NH, up_NF, h_NF, dy_NH, ...) are fresh and contiguous, so
+    # their leading strides are H and F.
+    num_h, num_f = w_down_EHF.shape[-2], w_down_EHF.shape[-1]
+    if (num_h * x_TH.element_size()) % 16 or (num_f * x_TH.element_size()) % 16:
+        return False
+    weights = [w for w in (w_up_EFH, w_gate_EFH, w_down_EHF) if w is not None]
+    return all(w.dtype == dtype and _gmm_layout_ok(w) for w in weights)
+
+
+def _route(topk_idx_TK: Tensor, num_experts: int, grouped: bool) -> _Routing:
+    num_k = topk_idx_TK.shape[1]
+    flat_N = topk_idx_TK.reshape(-1).long()
+    # Stable so slots of one expert keep token order: the result is deterministic and the
+    # per-expert row order matches a per-token loop.
+    order_N = torch.argsort(flat_N, stable=True)
+    expert_N = flat_N[order_N]
+    # Same counts as bincount, but searchsorted needs no device sync to size its output.
+    ends_E = torch.searchsorted(expert_N, torch.arange(num_experts, device=expert_N.device), right=True)
+    bounds = None if grouped else [0, *ends_E.tolist()]  # the one host sync
+    return _Routing(order_N, order_N // num_k, expert_N, ends_E.to(torch.int32), bounds)
+
+
+def _seg_mm(a_NI: Tensor, b_EIO: Tensor, r: _Routing) -> Tensor:
+    """Rows of expert e's block times b[e]: [N, I] x [E, I, O] -> [N, O]."""
+    if r.bounds is None:
+        return F.grouped_mm(a_NI, b_EIO, offs=r.offs_E)
+    out_NO = a_NI.new_zeros(a_NI.shape[0], b_EIO.shape[-1])
+    for e in range(b_EIO.shape[0]):
+        start, end = r.bounds[e], r.bounds[e + 1]
+        if start < end:  # empty experts cost nothing
+            out_NO[start:end] = a_NI[start:end] @ b_EIO[e]
+    return out_NO
+
+
+def _seg_wgrad(a_NO: Tensor, b_NI: Tensor, r: _Routing, num_experts: int) -> Tensor:
+    """Per-expert a^T b over its block: [N, O] x [N, I] -> [E, O, I] (zero for empty experts)."""
+    if r.bounds is None:
+        return F.grouped_mm(a_NO.t(), b_NI, offs=r.offs_E)
+    out_EOI = a_NO.new_zeros(num_experts, a_NO.shape[1], b_NI.shape[1])
+    for e in range(num_experts):
+        start, end = r.bounds[e], r.bounds[e + 1]
+        if start < end:
+            out_EOI[e] = a_NO[start:end].t() @ b_NI[start:end]
+    return out_EOI
+
+
+def _seg_sum(v_NX: Tensor, r: _Routing, num_experts: int, acc_dtype: torch.dtype) -> Tensor:
+    return v_NX.new_zeros(num_experts, v_NX.shape[1], dtype=acc_dtype).index_add_(0, r.expert_N, v_NX.to(acc_dtype))
+
+
+def _acc_dtype(x_TH: Tensor, topk_weights_TK: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x_TH.dtype, topk_weights_TK.dtype), torch.float32)
+
+
+class _Ffn(NamedTuple):
+    x_NH: Tensor
+    up_NF: Tensor  # x W_up^T + b_up (pre-activation when non-gated)
+    gate_NF: Tensor | None  # x W_gate^T + b_gate (pre-activation when gated)
+    h_NF: Tensor
+    y_NH: Tensor
+
+
+def _ffn(
+    x_TH: Tensor, r: _Routing, w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None, activation: str,
+) -> _Ffn:
+    x_NH = x_TH.index_select(0, r.tok_N).contiguous()
+    up_NF = _seg_mm(x_NH, w_up_EFH.mT, r)
+    if b_up_EF is not None:
+        up_NF = up_NF + b_up_EF.index_select(0, r.expert_N)
+    act = _ACT_FWD[activation]
+    gate_NF = None
+    if w_gate_EFH is not None:
+        gate_NF = _seg_mm(x_NH, w_gate_EFH.mT, r)
+        if b_gate_EF is not None:
+            gate_NF = gate_NF + b_gate_EF.index_select(0, r.expert_N)
+        h_NF = act(gate_NF) * up_NF
+    else:
+        h_NF = act(up_NF)
+    y_NH = _seg_mm(h_NF, w_down_EHF.mT, r)
+    if b_down_EH is not None:
+        y_NH = y_NH + b_down_EH.index_select(0, r.expert_N)
+    return _Ffn(x_NH, up_NF, gate_NF, h_NF, y_NH)
+
+
+def experts_reference(
+    x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+    w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
+    activation: str,
+) -> Tensor:
+    """Forward of ``hiermoe::experts`` in plain torch: returns y_TH in x's dtype."""
+    check_activation(activation)
+    num_experts = w_up_EFH.shape[0]
+    grouped = _use_grouped_mm(x_TH, w_up_EFH, w_gate_EFH, w_down_EHF)
+    r = _route(topk_idx_TK, num_experts, grouped)
+    ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation)
+    acc = _acc_dtype(x_TH, topk_weights_TK)
+    weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
+    contrib_NH = ffn.y_NH.to(acc) * weight_N[:, None]
+    y_TH = x_TH.new_zeros(x_TH.shape, dtype=acc).index_add_(0, r.tok_N, contrib_NH)
+    return y_TH.to(x_TH.dtype)
+
+
+def experts_reference_backward(
+    grad_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+    w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``experts_reference`` w.r.t. (x, topk_weights, w_up, w_gate, w_down, b_up,
+    b_gate, b_down), recomputing the slot activations from the inputs (nothing large is saved).
+
+    An absent optional input gets a zero-size tensor (the op schema has no optional outputs).
+    Every result is a fresh contiguous tensor in its input's dtype.
+    """
+    check_activation(activation)
+    num_experts = w_up_EFH.shape[0]
+    grouped = _use_grouped_mm(x_TH, w_up_EFH, w_gate_EFH, w_down_EHF)
+    r = _route(topk_idx_TK, num_experts, grouped)
+    ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation)
+    acc = _acc_dtype(x_TH, topk_weights_TK)
+    cd = x_TH.dtype
+
+    def none() -> Tensor:  # outputs may not alias each other, so one fresh tensor per absent input
+        return x_TH.new_empty(0)
+
+    # Step 1: combine. y[t] += w * y_e  =>  dw = <g[t], y_e>, dy_e = w * g[t].
+    g_NH = grad_TH.index_select(0, r.tok_N).to(acc)
+    weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
+    d_weight_N = (g_NH * ffn.y_NH.to(acc)).sum(-1)
+    d_weights = torch.empty_like(d_weight_N).index_copy_(0, r.order_N, d_weight_N)
+    d_weights_TK = d_weights.view(topk_weights_TK.shape).to(topk_weights_TK.dtype).contiguous()
+    dy_acc_NH = g_NH * weight_N[:, None]
+    dy_NH = dy_acc_NH.to(cd)
+
+    # Step 2: down projection.
+    d_b_down = _seg_sum(dy_acc_NH, r, num_experts, acc).to(b_down_EH.dtype) if b_down_EH is not None else none()
+    d_w_down_EHF = _seg_wgrad(dy_NH, ffn.h_NF, r, num_experts)
+    dh_NF = _seg_mm(dy_NH, w_down_EHF, r)
+
+    # Step 3: activation (and gate).
+    act_bwd = _ACT_BWD[activation]
+    if ffn.gate_NF is not None:
+        d_up_NF = dh_NF * _ACT_FWD[activation](ffn.gate_NF)
+        d_gate_NF: Tensor | None = act_bwd(dh_NF * ffn.up_NF, ffn.gate_NF)
+    else:
+        d_up_NF = act_bwd(dh_NF, ffn.up_NF)
+        d_gate_NF = None
+
+    # Step 4: up (and gate) projection, then scatter slot grads back to token rows.
+    d_b_up = _seg_sum(d_up_NF, r, num_experts, acc).to(b_up_EF.dtype) if b_up_EF is not None else none()
+    d_w_up_EFH = _seg_wgrad(d_up_NF, ffn.x_NH, r, num_experts)
+    dx_NH = _seg_mm(d_up_NF, w_up_EFH, r).to(acc)
+    d_w_gate, d_b_gate = none(), none()
+    if w_gate_EFH is not None:
+        assert d_gate_NF is not None
+        d_w_gate = _seg_wgrad(d_gate_NF, ffn.x_NH, r, num_experts).to(w_gate_EFH.dtype).contiguous()
+        dx_NH = dx_NH + _seg_mm(d_gate_NF, w_gate_EFH, r).to(acc)
+        if b_gate_EF is not None:
+            d_b_gate = _seg_sum(d_gate_NF, r, num_experts, acc).to(b_gate_EF.dtype)
+    dx_TH = x_TH.new_zeros(x_TH.shape, dtype=acc).index_add_(0, r.tok_N, dx_NH).to(cd)
+    return (
+        dx_TH.contiguous(),
+        d_weights_TK,
+        d_w_up_EFH.to(w_up_EFH.dtype).contiguous(),
+        d_w_gate,
+        d_w_down_EHF.to(w_down_EHF.dtype).contiguous(),
+        d_b_up.contiguous(),
+        d_b_gate.contiguous(),
+        d_b_down.contiguous(),
+    )

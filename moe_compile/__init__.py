@@ -1,0 +1,41 @@
+"""moe_compile: the ``hiermoe`` torch.compile backend for Mixture-of-Experts models.
+
+``torch.compile(model, backend="hiermoe")`` finds the MoE layers of a model in its FX graph and
+replaces each, after checking it numerically, by one dropless expert op.  Importing this package
+registers the backend (an installed package also registers it through the
+``torch_dynamo_backends`` entry point, so ``import moe_compile`` is optional), registers the
+``hiermoe`` experts implementation with Hugging Face transformers when transformers is installed,
+and turns on Dynamo's ``capture_dynamic_output_shape_ops`` so per-expert loops over
+``torch.where(mask)`` trace as one graph instead of breaking at every expert.
+"""
+
+from __future__ import annotations
+
+import torch._dynamo
+
+import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe.*)
+from moe_compile.backend import hiermoe_backend
+from moe_compile.explain import explain
+from moe_compile.options import Options, parse_options
+from moe_compile.report import RegionReport, Report, SkipReport
+
+__all__ = ["Options", "RegionReport", "Report", "SkipReport", "explain", "hiermoe_backend", "parse_options"]
+
+# Per-expert loops (`idx, pos = torch.where(mask[e])`) have data-dependent shapes; without this
+# Dynamo breaks the graph at each expert and no layer can be seen whole.
+torch._dynamo.config.capture_dynamic_output_shape_ops = True
+
+
+def _register_backend() -> None:
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    # When installed, the entry point registers the backend on first lookup; registering here
+    # too would make that lookup fail with "duplicate name".
+    installed = "hiermoe" in entry_points(group="torch_dynamo_backends").names
+    if not installed and "hiermoe" not in _COMPILER_FNS:
+        register_backend(hiermoe_backend, name="hiermoe")
+
+
+_register_backend()

@@ -1,0 +1,90 @@
+"""The ``hiermoe`` torch.compile backend.
+
+``torch.compile(model, backend="hiermoe", options={...})`` calls ``hiermoe_backend`` once per
+Dynamo graph: the pass pipeline finds and rewrites the MoE layers, a ``GraphReport`` records
+what happened (read by ``explain`` and written to the dump directory), and the inner compiler
+(Inductor by default) compiles the rewritten graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+
+import torch.fx as fx
+
+from moe_compile.dump import dump_graph_report
+from moe_compile.options import Options, parse_options
+from moe_compile.pipeline import PassContext, run_pipeline
+from moe_compile.report import GraphReport, RegionReport, SkipReport
+
+_graph_counter = itertools.count()
+_collectors = threading.local()
+
+
+def hiermoe_backend(gm: fx.GraphModule, example_inputs: Sequence[object], *,
+                    options: dict[str, object] | None = None, mode: str | None = None) -> Callable[..., object]:
+    opts = parse_options(options)
+    index = next(_graph_counter)
+    before = gm.code
+    ctx = run_pipeline(PassContext(gm=gm, example_inputs=example_inputs, options=opts))
+    report = _graph_report(ctx, index, before)
+    for collector in getattr(_collectors, "stack", []):
+        collector.append(report)
+    if opts.dump_dir:
+        dump_graph_report(opts.dump_dir, report, gm)
+    return _inner_compile(gm, list(example_inputs), opts, mode)
+
+
+def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
+    regions = []
+    for r in ctx.canonical.rewritten if ctx.canonical else []:
+        reg, lay = r.region, r.layout
+        regions.append(RegionReport(
+            name=reg.name, pattern=reg.pattern, num_experts=reg.num_experts, top_k=reg.top_k,
+            hidden_size=reg.hidden_size, ffn_size=lay.ffn_size, activation=lay.activation, gated=lay.gated,
+            bias=lay.b_up is not None or lay.b_down is not None, router=reg.router,
+            plan=ctx.plans.get(reg.name, "local"), layout=lay.describe(), drops=reg.drops,
+            num_tokens=reg.num_tokens, dtype=reg.dtype, verified=r.verdict is not None,
+            forward_err=r.verdict.forward_err if r.verdict else float("nan"),
+            backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index))
+    skipped = [SkipReport(s.name, s.reason, index) for s in ctx.skipped]
+    if ctx.found is not None and ctx.found.num_topk == 0:
+        skipped.append(SkipReport(f"graph {index}", "no MoE layer found (no top-k router in this graph)", index))
+    return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
+                       counters=ctx.counters)
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Options,
+                   mode: str | None) -> Callable[..., object]:
+    if opts.inner_compiler == "eager":
+        return gm.forward
+    if opts.inner_compiler == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = list_mode_options(mode) if mode else None
+    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[arg-type]
+
+
+class collect_reports:
+    """Context manager gathering the GraphReports of every compile on this thread (for explain)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[GraphReport] = []
+
+    def __enter__(self) -> list[GraphReport]:
+        if not hasattr(_collectors, "stack"):
+            _collectors.stack = []
+        _collectors.stack.append(self.graphs)
+        return self.graphs
+
+    def __exit__(self, *exc: object) -> None:
+        _collectors.stack.remove(self.graphs)
+
+
+__all__ = ["collect_reports", "hiermoe_backend"]

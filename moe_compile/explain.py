@@ -1,0 +1,35 @@
+"""``moe_compile.explain``: compile a model with hiermoe, run it once, and return the report."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from moe_compile.backend import collect_reports, hiermoe_backend
+from moe_compile.options import parse_options
+from moe_compile.report import Report
+
+
+def explain(model: torch.nn.Module, *example_inputs: object, options: Mapping[str, object] | None = None,
+            **example_kwargs: object) -> Report:
+    """Compile ``model`` with the hiermoe backend, run it once on the inputs, return a Report.
+
+    ``report.regions`` lists every MoE layer rewritten, ``report.skipped`` every layer or graph
+    left alone with the reason, ``report.before``/``report.after`` the graph code, and
+    ``report.graph_breaks`` the reasons Dynamo split the model into several graphs.  Dynamo's
+    caches are reset first so the report describes a fresh compile; the model object itself is
+    not modified.
+    """
+    parse_options(options)  # fail before compiling on a bad option
+    torch._dynamo.reset()
+    counters["graph_break"].clear()
+    backend = functools.partial(hiermoe_backend, options=dict(options or {}))
+    with collect_reports() as graphs:
+        compiled = torch.compile(model, backend=backend)
+        compiled(*example_inputs, **example_kwargs)
+    breaks = [f"{reason} (x{n})" if n > 1 else reason for reason, n in counters["graph_break"].items()]
+    return Report(graphs=list(graphs), graph_breaks=breaks)

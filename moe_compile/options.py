@@ -1,0 +1,61 @@
+"""Options of the hiermoe backend: ``torch.compile(model, backend="hiermoe", options={...})``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated backend options.
+
+    inner_compiler: what compiles the rewritten graph: "inductor" (default), "aot_eager", "eager".
+    disable_passes: names of pipeline passes to skip (see ``moe_compile.pipeline.PASS_NAMES``).
+    verify: check every rewrite numerically against the original layer before applying it
+        (default True; a rewrite that is not verified is marked so in the report).
+    dump_dir: write the report and before/after graph code of every compile here (default: the
+        HIERMOE_DUMP_DIR environment variable).
+    """
+
+    inner_compiler: str = "inductor"
+    disable_passes: tuple[str, ...] = ()
+    verify: bool = True
+    dump_dir: str | None = field(default_factory=lambda: os.environ.get("HIERMOE_DUMP_DIR") or None)
+
+
+def parse_options(raw: Mapping[str, object] | None) -> Options:
+    """Validate user options; unknown names or bad values raise ValueError saying what to change."""
+    from moe_compile.pipeline import PASS_NAMES
+
+    if raw is None:
+        return Options()
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"hiermoe options must be a dict, got {type(raw).__name__}")
+    valid = [f.name for f in fields(Options)]
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown hiermoe option(s) {unknown}; valid options are {valid}")
+    kw: dict[str, object] = dict(raw)
+    if "inner_compiler" in kw and kw["inner_compiler"] not in INNER_COMPILERS:
+        raise ValueError(f"option 'inner_compiler' must be one of {list(INNER_COMPILERS)}, "
+                         f"got {kw['inner_compiler']!r}")
+    if "disable_passes" in kw:
+        passes = kw["disable_passes"]
+        if isinstance(passes, str) or not isinstance(passes, list | tuple | set | frozenset):
+            raise ValueError(f"option 'disable_passes' must be a list of pass names from {list(PASS_NAMES)}, "
+                             f"got {passes!r}")
+        bad = sorted(set(passes) - set(PASS_NAMES))
+        if bad:
+            raise ValueError(f"option 'disable_passes' names unknown pass(es) {bad}; passes are {list(PASS_NAMES)}")
+        kw["disable_passes"] = tuple(passes)
+    if "verify" in kw and not isinstance(kw["verify"], bool):
+        raise ValueError(f"option 'verify' must be True or False, got {kw['verify']!r}")
+    if "dump_dir" in kw and kw["dump_dir"] is not None and not isinstance(kw["dump_dir"], str | os.PathLike):
+        raise ValueError(f"option 'dump_dir' must be a directory path or None, got {kw['dump_dir']!r}")
+    if kw.get("dump_dir") is not None:
+        kw["dump_dir"] = os.fspath(kw["dump_dir"])  # type: ignore[arg-type]
+    return Options(**kw)  # type: ignore[arg-type]

@@ -1,0 +1,80 @@
+"""The hiermoe pass pipeline: one ordered list, each pass switchable off by name.
+
+Ordering constraints:
+  find_moe_regions  first: every later pass consumes its MoERegion records, and it must see the
+                    graph exactly as Dynamo produced it (verification re-runs that graph).
+  canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
+  plan              last for now: every rewritten layer runs its expert op on this process
+                    ("local"); distributed plans come with the cost models (cost/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from moe_compile.options import Options
+from moe_compile.passes.canonicalize import CanonicalizeResult, canonicalize_moe_regions_pass
+from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
+from moe_compile.passes.regions import Skip
+
+
+@dataclass
+class PassContext:
+    gm: fx.GraphModule
+    example_inputs: Sequence[object]
+    options: Options
+    found: FindResult | None = None
+    canonical: CanonicalizeResult | None = None
+    plans: dict[str, str] = field(default_factory=dict)
+    skipped: list[Skip] = field(default_factory=list)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _find(ctx: PassContext) -> dict[str, int]:
+    ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
+    ctx.skipped.extend(ctx.found.skipped)
+    return {"topk": ctx.found.num_topk, "regions": len(ctx.found.regions), "skipped": len(ctx.found.skipped)}
+
+
+def _canonicalize(ctx: PassContext) -> dict[str, int]:
+    if ctx.found is None:
+        return {}
+    if not ctx.found.regions:
+        return {"rewritten": 0}
+    before = len(ctx.gm.graph.nodes)
+    ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, ctx.example_inputs, ctx.found, verify=ctx.options.verify)
+    ctx.skipped.extend(ctx.canonical.skipped)
+    return {"rewritten": len(ctx.canonical.rewritten), "left_alone": len(ctx.canonical.skipped),
+            "verifications": ctx.canonical.num_verifications, "nodes_before": before,
+            "nodes_after": len(ctx.gm.graph.nodes)}
+
+
+def _plan(ctx: PassContext) -> dict[str, int]:
+    if ctx.canonical is None:
+        return {}
+    for r in ctx.canonical.rewritten:
+        ctx.plans[r.region.name] = "local"
+    return {"local": len(ctx.canonical.rewritten)}
+
+
+PASSES: list[tuple[str, Callable[[PassContext], dict[str, int]]]] = [
+    ("find_moe_regions", _find),
+    ("canonicalize", _canonicalize),
+    ("plan", _plan),
+]
+PASS_NAMES = tuple(name for name, _ in PASSES)
+
+
+def run_pipeline(ctx: PassContext) -> PassContext:
+    for name, fn in PASSES:
+        if name in ctx.options.disable_passes:
+            ctx.counters[name] = {"disabled": 1}
+            continue
+        ctx.counters[name] = fn(ctx)
+    if ctx.found is not None and ctx.found.regions and ctx.canonical is None:
+        ctx.skipped.extend(Skip(r.name, "the canonicalize pass is disabled (options['disable_passes'])")
+                           for r in ctx.found.regions)
+    return ctx

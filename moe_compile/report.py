@@ -1,0 +1,118 @@
+"""What the backend did to each compiled graph, for ``explain`` and the dump directory."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class RegionReport:
+    """One MoE layer found and rewritten into ``hiermoe::experts``."""
+
+    name: str
+    pattern: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    ffn_size: int
+    activation: str
+    gated: bool
+    bias: bool
+    router: str
+    plan: str
+    layout: str
+    drops: bool
+    num_tokens: int
+    dtype: str
+    verified: bool
+    forward_err: float
+    backward_err: float
+    graph: int
+
+
+@dataclass(frozen=True)
+class SkipReport:
+    """A layer or graph left alone, and why."""
+
+    name: str
+    reason: str
+    graph: int
+
+
+@dataclass
+class GraphReport:
+    index: int
+    before: str
+    after: str
+    regions: list[RegionReport] = field(default_factory=list)
+    skipped: list[SkipReport] = field(default_factory=list)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """Everything hiermoe found and did while compiling a model (one entry per Dynamo graph)."""
+
+    graphs: list[GraphReport] = field(default_factory=list)
+    graph_breaks: list[str] = field(default_factory=list)
+
+    @property
+    def regions(self) -> list[RegionReport]:
+        return [r for g in self.graphs for r in g.regions]
+
+    @property
+    def skipped(self) -> list[SkipReport]:
+        out = [s for g in self.graphs for s in g.skipped]
+        if not self.graphs:
+            out.append(SkipReport("<model>", "nothing was compiled (the model ran no graph through hiermoe)", -1))
+        return out
+
+    @property
+    def before(self) -> str:
+        return "\n".join(f"# ---- graph {g.index} ----\n{g.before}" for g in self.graphs)
+
+    @property
+    def after(self) -> str:
+        return "\n".join(f"# ---- graph {g.index} ----\n{g.after}" for g in self.graphs)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"regions": [asdict(r) for r in self.regions], "skipped": [asdict(s) for s in self.skipped],
+             "graph_breaks": self.graph_breaks,
+             "counters": {g.index: g.counters for g in self.graphs}},
+            indent=2,
+        )
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        console = Console(file=buf, width=160, force_terminal=False, color_system=None)
+        regions = Table(title=f"hiermoe: {len(self.regions)} MoE layer(s) rewritten in {len(self.graphs)} graph(s)")
+        for col in ("graph", "layer", "pattern", "E", "K", "hidden", "ffn", "activation", "router", "layout",
+                    "plan", "verified err (fwd/bwd)"):
+            regions.add_column(col)
+        for r in self.regions:
+            act = f"{r.activation}{' gated' if r.gated else ''}{' +bias' if r.bias else ''}"
+            err = f"{r.forward_err:.1e}/{r.backward_err:.1e}" if r.verified else "NOT verified"
+            layout = r.layout + (" (drops kept)" if r.drops else "")
+            regions.add_row(str(r.graph), r.name, r.pattern, str(r.num_experts), str(r.top_k), str(r.hidden_size),
+                            str(r.ffn_size), act, r.router, layout, r.plan, err)
+        console.print(regions)
+        skipped = self.skipped
+        if skipped:
+            table = Table(title=f"left alone: {len(skipped)}")
+            table.add_column("graph")
+            table.add_column("layer / graph")
+            table.add_column("reason", overflow="fold")
+            for s in skipped:
+                table.add_row(str(s.graph), s.name, s.reason)
+            console.print(table)
+        if self.graph_breaks:
+            console.print(f"graph breaks ({len(self.graph_breaks)}):")
+            for b in self.graph_breaks:
+                console.print(f"  - {b}")
+        return buf.getvalue()

@@ -1,0 +1,99 @@
+"""Emit the canonical ``hiermoe::experts`` call for one interpretation of a region.
+
+The same emitter builds the replacement in the real graph and in the small graphs that
+verification runs, so what is verified is exactly what is inserted.  Layout adaptation is done
+with views (transpose, narrow, strided slices), so stacked parameters are never copied; experts
+stored as E modules are stacked once per call (torch.stack), which autograd differentiates.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.passes.graph_index import static_shape, tensor_meta
+from moe_compile.passes.regions import ExpertLayout, MoERegion, RoutingWeights, WeightRole
+
+NodeMap = Callable[[fx.Node], fx.Node]
+
+
+def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, weights: RoutingWeights,
+                   output: fx.Node, m: NodeMap) -> tuple[fx.Node, fx.Node]:
+    """Insert nodes (at the graph's current insertion point) computing ``output``'s value.
+
+    Returns (the hiermoe::experts node, the node holding ``output``'s value)."""
+    fn = graph.call_function
+    hidden, k = region.hidden_size, region.top_k
+
+    x_TH = m(region.tokens)
+    if len(static_shape(region.tokens) or ()) != 2:
+        x_TH = graph.call_method("reshape", (x_TH, -1, hidden))
+    topk_idx_TK = fn(operator.getitem, (m(region.topk), 1))
+    if len(static_shape(region.topk.args[0]) or ()) != 2:  # type: ignore[arg-type]
+        topk_idx_TK = graph.call_method("reshape", (topk_idx_TK, -1, k))
+
+    w = m(weights.node)
+    if weights.kind == "combine":  # [T, E, C] -> [T, E]: a dropped (token, expert) is all zeros
+        w = fn(torch.sum, (w, -1))
+    if weights.kind in ("dense", "combine"):
+        w = fn(torch.gather, (w, 1, topk_idx_TK))
+    topk_w_TK = w
+
+    def stacked(role: WeightRole | None) -> fx.Node | None:
+        if role is None:
+            return None
+        if role.stacked:
+            return m(role.first)
+        return fn(torch.stack, ([m(n) for n in role.nodes],))
+
+    w_in = stacked(layout.up)
+    assert w_in is not None
+    if layout.up_transposed:
+        w_in = fn(torch.transpose, (w_in, 1, 2))
+    b_in = stacked(layout.b_up)
+    w_gate = stacked(layout.gate)
+    if w_gate is not None and layout.up_transposed:
+        w_gate = fn(torch.transpose, (w_gate, 1, 2))
+    b_gate = stacked(layout.b_gate)
+    w_up, b_up = w_in, b_in
+    if layout.fused_gate is not None:
+        w_gate, w_up = _split(graph, w_in, layout.fused_gate, layout.ffn_size)
+        if b_in is not None:
+            b_gate, b_up = _split(graph, b_in, layout.fused_gate, layout.ffn_size)
+    w_down = stacked(layout.down)
+    assert w_down is not None
+    if layout.down_transposed:
+        w_down = fn(torch.transpose, (w_down, 1, 2))
+    b_down = stacked(layout.b_down)
+
+    op = fn(
+        torch.ops.hiermoe.experts.default,
+        (x_TH, topk_idx_TK, topk_w_TK, w_up, w_gate, w_down, b_up, b_gate, b_down, layout.activation),
+    )
+    y_TH = op
+    out_shape = static_shape(output)
+    if out_shape is not None and out_shape != (region.num_tokens, hidden):
+        if out_shape == static_shape(region.tokens):
+            y_TH = graph.call_method("reshape_as", (y_TH, m(region.tokens)))
+        else:
+            y_TH = graph.call_method("reshape", (y_TH, *out_shape))
+    out_meta, x_meta = tensor_meta(output), tensor_meta(region.tokens)
+    if out_meta is not None and x_meta is not None and out_meta.dtype != x_meta.dtype:
+        y_TH = graph.call_method("to", (y_TH, out_meta.dtype))
+    return op, y_TH
+
+
+def _split(graph: fx.Graph, w: fx.Node, order: str, ffn: int) -> tuple[fx.Node, fx.Node]:
+    """(gate, up) views of a fused [E, 2F, ...] tensor."""
+    fn = graph.call_function
+    if order == "interleaved":
+        even = (slice(None), slice(0, None, 2))
+        odd = (slice(None), slice(1, None, 2))
+        return fn(operator.getitem, (w, even)), fn(operator.getitem, (w, odd))
+    first = fn(torch.narrow, (w, 1, 0, ffn))
+    second = fn(torch.narrow, (w, 1, ffn, ffn))
+    return (first, second) if order == "gate_first" else (second, first)

@@ -1,0 +1,190 @@
+"""Group a region's parameters into expert roles and list the layouts they are consistent with.
+
+Experts are stored either stacked (one parameter with a leading expert dim, as in HF v5
+``gate_up_proj [E, 2F, H]``) or as E modules (``experts.3.w1.weight``).  Roles are told apart by
+data flow, not by names: the down projection is used last, the gate is the input projection whose
+output reaches the activation, and a bias belongs to the projection its values meet first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+import torch.fx as fx
+
+from moe_compile.passes import op_kinds as ops
+from moe_compile.passes.graph_index import GraphIndex, static_shape
+from moe_compile.passes.graph_params import ParamTable
+from moe_compile.passes.regions import ExpertLayout, WeightRole
+
+_NUM = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+
+
+@dataclass
+class ExpertParams:
+    weight_roles: list[WeightRole] = field(default_factory=list)
+    bias_roles: list[WeightRole] = field(default_factory=list)
+    foreign: list[fx.Node] = field(default_factory=list)
+    complete: bool = True
+
+
+def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) -> ExpertParams:
+    """Split parameter nodes into expert families (E modules), stacked tensors, and the rest."""
+    out = ExpertParams()
+    families: dict[str, dict[int, fx.Node]] = {}
+    for n in state:
+        fam = _family_key(params.path[n], num_experts)
+        if fam is not None:
+            key, e = fam
+            families.setdefault(key, {})[e] = n
+    grouped = {n for members in families.values() for n in members.values() if len(members) > 1}
+    for _key, members in sorted(families.items()):
+        if len(members) <= 1 and num_experts > 1:
+            continue
+        if len(members) != num_experts:
+            out.complete = False
+        nodes = tuple(members[e] for e in sorted(members))
+        role = WeightRole(nodes=nodes, stacked=False, names=tuple(params.path[n] for n in nodes))
+        ndim = len(static_shape(nodes[0]) or ())
+        (out.weight_roles if ndim == 2 else out.bias_roles).append(role)
+    for n in state:
+        if n in grouped:
+            continue
+        shape = static_shape(n)
+        if shape and len(shape) in (2, 3) and shape[0] == num_experts:
+            role = WeightRole(nodes=(n,), stacked=True, names=(params.path[n],))
+            (out.weight_roles if len(shape) == 3 else out.bias_roles).append(role)
+        else:
+            out.foreign.append(n)
+    return out
+
+
+def _family_key(path: str, num_experts: int) -> tuple[str, int] | None:
+    """``experts.3.w1.weight`` -> (``experts.#.w1.weight``, 3); picks the last numeric component
+    below ``num_experts`` so a layer index (``layers.0...``) is not taken for the expert index."""
+    for m in reversed(list(_NUM.finditer(path))):
+        e = int(m.group(1))
+        if e < num_experts:
+            key = path[: m.start(1)] + "#" + path[m.end(1):]
+            return key, e
+    return None
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    layout: ExpertLayout
+
+    @property
+    def ffn_size(self) -> int:
+        return self.layout.ffn_size
+
+
+def _matrix_shape(role: WeightRole) -> tuple[int, ...]:
+    shape = static_shape(role.first) or ()
+    return shape[1:] if role.stacked else shape
+
+
+def layout_hypotheses(index: GraphIndex, nodes: set[fx.Node], experts: ExpertParams, hidden: int,
+                      num_experts: int) -> tuple[list[Hypothesis], str]:
+    """Layouts consistent with the tensor shapes, most likely first; or [] and the reason."""
+    uses = {r: _uses(r, nodes) for r in experts.weight_roles + experts.bias_roles}
+    roles = sorted(experts.weight_roles, key=lambda r: min(index.pos[u] for u in uses[r]))
+    if len(roles) not in (2, 3):
+        return [], (f"experts have {len(roles)} weight matrices each; supported are 2 (up, down) "
+                    "or 3 (gate, up, down)")
+    acts = sorted({a for n in nodes if (a := ops.activation_of(n)) is not None})
+    act_nodes = [n for n in nodes if ops.activation_of(n) is not None]
+    if not acts:
+        acts = ["identity"]
+    down = roles[-1]
+    out: list[Hypothesis] = []
+    for down_t in _orientations(_matrix_shape(down), hidden, out_is_hidden=True):
+        ffn = _other_dim(_matrix_shape(down), hidden, down_t, out_is_hidden=True)
+        for up_t in _orientations(_matrix_shape(roles[0]), hidden, out_is_hidden=False):
+            f_in = _other_dim(_matrix_shape(roles[0]), hidden, up_t, out_is_hidden=False)
+            for layout in _gatings(index, roles, act_nodes, f_in, ffn, uses):
+                for act in acts:
+                    out.append(Hypothesis(replace(layout, up_transposed=up_t, down_transposed=down_t,
+                                                  activation=act, ffn_size=ffn)))
+    if not out:
+        shapes = ", ".join(str(_matrix_shape(r)) for r in roles)
+        return [], f"expert matrices {shapes} do not form up/down projections of hidden size {hidden}"
+    with_bias = []
+    for h in out:
+        biased = _assign_biases(index, nodes, h.layout, experts.bias_roles, uses, hidden)
+        if biased is not None:
+            with_bias.append(Hypothesis(biased))
+    if not with_bias:
+        return [], "expert biases do not match the projections they are added to"
+    return with_bias, ""
+
+
+def _uses(role: WeightRole, nodes: set[fx.Node]) -> list[fx.Node]:
+    return [u for n in role.nodes for u in n.users if u in nodes]
+
+
+def _orientations(shape: tuple[int, ...], hidden: int, out_is_hidden: bool) -> list[bool]:
+    """Possible ``transposed`` flags: nn.Linear layout is [out, in]."""
+    if len(shape) != 2:
+        return []
+    linear_ok = shape[0] == hidden if out_is_hidden else shape[1] == hidden
+    trans_ok = shape[1] == hidden if out_is_hidden else shape[0] == hidden
+    return [t for t, ok in ((False, linear_ok), (True, trans_ok)) if ok]
+
+
+def _other_dim(shape: tuple[int, ...], hidden: int, transposed: bool, out_is_hidden: bool) -> int:
+    # linear layout [out, in]: the FFN dim is the "in" of down and the "out" of up
+    if out_is_hidden:
+        return shape[0] if transposed else shape[1]
+    return shape[1] if transposed else shape[0]
+
+
+def _gatings(index: GraphIndex, roles: list[WeightRole], act_nodes: list[fx.Node], f_in: int, ffn: int,
+             uses: dict[WeightRole, list[fx.Node]]) -> list[ExpertLayout]:
+    if len(roles) == 2:
+        if f_in == ffn:
+            return [ExpertLayout(up=roles[0], down=roles[1])]
+        if f_in == 2 * ffn:
+            return [ExpertLayout(up=roles[0], down=roles[1], fused_gate=order)
+                    for order in ("gate_first", "up_first", "interleaved")]
+        return []
+    a, b, down = roles
+    if _matrix_shape(a) != _matrix_shape(b) or f_in != ffn:
+        return []
+    before_act = index.ancestors(act_nodes) if act_nodes else set()
+    a_gate = any(u in before_act for u in uses[a])
+    b_gate = any(u in before_act for u in uses[b])
+    if a_gate and not b_gate:
+        return [ExpertLayout(up=b, gate=a, down=down)]
+    if b_gate and not a_gate:
+        return [ExpertLayout(up=a, gate=b, down=down)]
+    return [ExpertLayout(up=b, gate=a, down=down), ExpertLayout(up=a, gate=b, down=down)]
+
+
+def _assign_biases(index: GraphIndex, nodes: set[fx.Node], layout: ExpertLayout, biases: list[WeightRole],
+                   uses: dict[WeightRole, list[fx.Node]], hidden: int) -> ExpertLayout | None:
+    """Attach each bias to the projection whose output it meets first in program order."""
+    if not biases:
+        return layout
+    projections = [("up", layout.up), ("down", layout.down)] + ([("gate", layout.gate)] if layout.gate else [])
+    reach = {name: index.descendants(uses[r]) & nodes for name, r in projections}
+    first = {name: min(index.pos[u] for u in uses[r]) for name, r in projections}
+    assigned: dict[str, WeightRole] = {}
+    for b in biases:
+        mine = index.descendants(uses[b]) & nodes
+        meets = {name: min((index.pos[n] for n in mine & reach[name]), default=None) for name in reach}
+        cands = [(pos, first[name], name) for name, pos in meets.items() if pos is not None]
+        if not cands:
+            return None
+        # earliest meeting point; on a tie the most recently used projection owns the bias
+        _, _, name = min(cands, key=lambda c: (c[0], -c[1]))
+        if name in assigned:
+            return None
+        size = _matrix_shape(b)[0] if _matrix_shape(b) else 0
+        want = {"down": hidden, "gate": layout.ffn_size,
+                "up": 2 * layout.ffn_size if layout.fused_gate else layout.ffn_size}[name]
+        if size != want:
+            return None
+        assigned[name] = b
+    return replace(layout, b_up=assigned.get("up"), b_gate=assigned.get("gate"), b_down=assigned.get("down"))

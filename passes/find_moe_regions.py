@@ -1,0 +1,322 @@
+"""find_moe_regions: semantic detection of Mixture-of-Experts layers in a Dynamo FX graph.
+
+Contract
+    Needs: a Dynamo torch-level graph (call_function / call_method nodes with ``example_value``
+    metadata) and, for module paths, the example inputs Dynamo passed to the backend.
+    Guarantees: every ``MoERegion`` names the router top-k, the token input, the routed output
+    (the value the rest of the graph reads), the expert tensors and the interpretations of them
+    that canonicalize must verify; the graph is not modified.  Every top-k that looks like a
+    router but cannot be turned into a region is returned as a ``Skip`` with the reason.
+    Refuses: top-k without a router projection, outputs that mix in non-expert parameters
+    (e.g. shared experts accumulated into the same tensor), expert tensors that do not form
+    up/down (and gate) projections of one of the supported layouts.
+
+Detection is anchored on top-k and does not match one exact DAG (DESIGN.md, "Data flow"):
+
+    for each top-k T whose input derives from a linear map with an [E, H] parameter (the router):
+        x   <- that linear's token operand;  W <- nodes after x, minus the router itself
+        Step 1: walk W in program order; the routed output Y is the first node that depends on
+                T, has x's token count and hidden size, and whose parameter ancestors within W
+                are exactly complete expert families (stacked [E, ...] or E modules)
+        Step 2: split the expert tensors into up / gate / down roles and biases; list the
+                layouts consistent with the shapes, most likely first
+        Step 3: list routing-weight candidates: [T, K] weights, dense [T, E] weights, and
+                [T, E, C] capacity combine tensors (drops then stay exact)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from moe_compile.passes import op_kinds as ops
+from moe_compile.passes.expert_layout import ExpertParams, classify_params, layout_hypotheses
+from moe_compile.passes.graph_index import GraphIndex, static_shape, tensor_meta
+from moe_compile.passes.graph_params import ParamTable, common_prefix
+from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
+
+_MAX_OUTPUT_CANDIDATES = 3
+
+
+@dataclass
+class FindResult:
+    regions: list[MoERegion]
+    skipped: list[Skip]
+    num_topk: int
+    index: GraphIndex
+    params: ParamTable
+
+
+@dataclass
+class _Router:
+    topk: fx.Node
+    logits: fx.Node
+    weight: fx.Node
+    tokens: fx.Node
+    nodes: set[fx.Node]
+
+
+def find_moe_regions(gm: fx.GraphModule, example_inputs: list[object] | None = None) -> FindResult:
+    index = GraphIndex(gm)
+    params = ParamTable(gm, example_inputs)
+    anchors = [n for n in index.nodes if ops.is_topk(n)]
+    routers: dict[fx.Node, _Router] = {}
+    for a in anchors:
+        r = _find_router(index, params, a)
+        if r is not None:
+            routers[a] = r
+    # A top-k inside another top-k's router picks expert groups (DeepSeek-V3 group-limited
+    # routing); it is part of that router, not a layer of its own.
+    inner = {a for r in routers.values() for a in anchors if a is not r.topk and a in r.nodes}
+    regions: list[MoERegion] = []
+    skipped: list[Skip] = []
+    routing = [a for a in anchors if a in routers and a not in inner]
+    for a in anchors:
+        if a in inner:
+            continue
+        if a not in routers:
+            skipped.append(Skip(name=a.name, reason=(
+                "top-k is not fed by a router projection (a linear map with an [E, hidden] "
+                "parameter); not an MoE router, left alone")))
+    for i, a in enumerate(routing):
+        bound = index.pos[routing[i + 1]] if i + 1 < len(routing) else len(index.nodes)
+        found = _region_for(index, params, routers[a], bound)
+        (regions if isinstance(found, MoERegion) else skipped).append(found)
+    return FindResult(regions=regions, skipped=skipped, num_topk=len(anchors), index=index, params=params)
+
+
+def _find_router(index: GraphIndex, params: ParamTable, topk: fx.Node) -> _Router | None:
+    """Walk back from top-k's input to the linear map whose parameter is [E, H] or [H, E]."""
+    scores = topk.args[0] if topk.args else topk.kwargs.get("input")
+    if not isinstance(scores, fx.Node):
+        return None
+    shape = static_shape(scores)
+    if not shape:
+        return None
+    num_experts = shape[-1]
+    for n in reversed(index.ordered(index.ancestors([scores]))):
+        if not ops.is_matmul(n):
+            continue
+        for w_arg, x_arg in _operand_pairs(n):
+            w = _state_through_views(params, w_arg)
+            if w is None:
+                continue
+            w_shape = static_shape(w)
+            if w_shape is None or len(w_shape) != 2 or num_experts not in w_shape:
+                continue
+            hidden = w_shape[1] if w_shape[0] == num_experts else w_shape[0]
+            tokens = _strip_casts(x_arg)
+            t_shape = static_shape(tokens)
+            if t_shape is None or t_shape[-1] != hidden:
+                continue
+            nodes = index.ancestors([scores], stop={n})
+            return _Router(topk=topk, logits=n, weight=w, tokens=tokens, nodes=nodes)
+    return None
+
+
+def _operand_pairs(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    args = [a for a in n.args if isinstance(a, fx.Node)]
+    if len(args) < 2:
+        return []
+    return [(args[1], args[0]), (args[0], args[1])]
+
+
+def _state_through_views(params: ParamTable, n: fx.Node) -> fx.Node | None:
+    while n not in params:
+        if not ops.is_transparent(n) or not n.args or not isinstance(n.args[0], fx.Node):
+            return None
+        n = n.args[0]
+    return n
+
+
+def _strip_casts(n: fx.Node) -> fx.Node:
+    while ops.op_name(n) in ("to", "float", "half", "bfloat16", "type", "type_as") and isinstance(
+        n.args[0], fx.Node
+    ):
+        n = n.args[0]
+    return n
+
+
+def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: int) -> MoERegion | Skip:
+    a = router.topk
+    k = ops.topk_k(a)
+    idx_node = ops.topk_output(a, 1)
+    num_experts = static_shape(a.args[0])[-1]  # type: ignore[index]
+    t_shape = static_shape(router.tokens)
+    assert t_shape is not None
+    hidden = t_shape[-1]
+    num_tokens = 1
+    for s in t_shape[:-1]:
+        num_tokens *= s
+    label = _label(params, [router.weight])
+    if k is None or idx_node is None:
+        return Skip(label, "top-k with a data-dependent k or unused indices; cannot tell the experts per token")
+
+    router_side = index.ancestors([a])
+    lo = index.pos[router.tokens]
+    window = {n for n in index.nodes[lo + 1:bound] if n not in router_side}
+    window |= set(params.path) - router_side
+    outside = set(index.nodes) - window
+    after_topk = index.descendants([a])
+
+    # Step 1: the routed output (a few candidates; canonicalize verifies them in order)
+    experts: ExpertParams | None = None
+    outputs: list[OutputCandidate] = []
+    reason = "no value after the top-k combines expert outputs into a [tokens, hidden] tensor"
+    for y in index.nodes[lo + 1:bound]:
+        if y not in after_topk or y not in window or not _is_token_tensor(y, num_tokens, hidden):
+            continue
+        if _is_mutated_later(index, y):
+            continue  # a partial sum: the tensor is still being accumulated into
+        nodes = index.ancestors([y], stop=outside) & window
+        state = [n for n in nodes if n in params]
+        if not state:
+            continue
+        cls = classify_params(params, state, num_experts)
+        if cls.foreign:
+            if not outputs:
+                names = ", ".join(sorted(params.path[n] for n in cls.foreign)[:3])
+                reason = (f"the combined output also depends on non-expert parameters ({names}); "
+                          "shared experts or other layers are mixed into the routed sum, so the "
+                          "routed part cannot be isolated")
+            break
+        if not cls.complete or len(cls.weight_roles) < 2:
+            continue
+        if experts is None:
+            experts = cls
+        elif {r.nodes for r in cls.weight_roles} != {r.nodes for r in experts.weight_roles}:
+            break
+        outputs.append(OutputCandidate(node=y, nodes=frozenset(nodes)))
+        if len(outputs) == _MAX_OUTPUT_CANDIDATES:
+            break
+    if experts is None or not outputs:
+        return Skip(label, reason + _graph_break_hint(index, a))
+    region_nodes = set(outputs[0].nodes)
+
+    # Step 2: expert roles and layouts
+    name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]])
+    layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts)
+    if not layouts:
+        return Skip(name, why)
+
+    # Step 3: routing weight candidates
+    all_nodes = set().union(*(o.nodes for o in outputs))
+    weights = _weight_candidates(index, all_nodes, after_topk, num_tokens, k, num_experts)
+    if not weights:
+        return Skip(name, "no routing-weight tensor ([T, K], [T, E] or [T, E, C]) feeds the combine")
+
+    ffn = layouts[0].ffn_size
+    dtype = tensor_meta(router.tokens).dtype  # type: ignore[union-attr]
+    return MoERegion(
+        name=name,
+        pattern=_pattern(region_nodes, experts),
+        router=_router_kind(index, router, region_nodes),
+        topk=a,
+        tokens=router.tokens,
+        num_experts=num_experts,
+        top_k=k,
+        hidden_size=hidden,
+        ffn_size=ffn,
+        num_tokens=num_tokens,
+        dtype=str(dtype).replace("torch.", ""),
+        drops=False,
+        outputs=tuple(outputs),
+        layouts=tuple(h.layout for h in layouts),
+        weights=tuple(weights),
+    )
+
+
+def _is_token_tensor(n: fx.Node, num_tokens: int, hidden: int) -> bool:
+    t = tensor_meta(n)
+    shape = static_shape(n)
+    if t is None or shape is None or not t.dtype.is_floating_point or not shape or shape[-1] != hidden:
+        return False
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel == num_tokens * hidden
+
+
+def _is_mutated_later(index: GraphIndex, n: fx.Node) -> bool:
+    muts = index.mutators.get(index.root(n), [])
+    return any(index.pos[m] > index.pos[n] for m in muts)
+
+
+def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], after_topk: set[fx.Node], num_tokens: int,
+                       k: int, num_experts: int) -> list[RoutingWeights]:
+    inputs = {d for n in nodes for d in index.deps[n]} - nodes
+    pool = index.ordered((nodes | inputs) & after_topk)
+    by_kind: dict[str, list[RoutingWeights]] = {"topk": [], "dense": [], "combine": []}
+    for n in reversed(pool):
+        t = tensor_meta(n)
+        shape = static_shape(n)
+        if t is None or shape is None or not t.dtype.is_floating_point:
+            continue
+        if shape == (num_tokens, k):
+            by_kind["topk"].append(RoutingWeights(n, "topk"))
+        elif shape == (num_tokens, num_experts):
+            by_kind["dense"].append(RoutingWeights(n, "dense"))
+        elif len(shape) == 3 and shape[:2] == (num_tokens, num_experts):
+            by_kind["combine"].append(RoutingWeights(n, "combine"))
+    # a few of each kind is plenty: later ones are the processed (renormalized, scaled) weights
+    return by_kind["topk"][:3] + by_kind["dense"][:2] + by_kind["combine"][:2]
+
+
+def _pattern(nodes: set[fx.Node], experts: ExpertParams) -> str:
+    names = {ops.op_name(n) for n in nodes}
+    if names & {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}:
+        return "grouped_mm"
+    if "einsum" in names and any(len(static_shape(n) or ()) == 3 for n in nodes if ops.is_einsum(n)):
+        return "einsum_dispatch"
+    if "bmm" in names and experts.weight_roles[0].stacked:
+        return "gathered_bmm"
+    if names & {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_"}:
+        return "expert_loop"
+    return "dense_masked"
+
+
+def _router_kind(index: GraphIndex, router: _Router, region: set[fx.Node]) -> str:
+    parts = []
+    rnodes = router.nodes
+    if any(ops.is_sigmoid(n) for n in rnodes):
+        parts.append("sigmoid")
+    elif any(ops.is_softmax(n) for n in rnodes):
+        parts.append("softmax")
+    else:
+        parts.append("logits")
+    if any(ops.is_add(n) and any(isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr")
+                                 for a in n.args) for n in rnodes):
+        parts.append("bias")
+    if any(ops.is_topk(n) for n in rnodes):
+        parts.append("grouped")
+    post = region | {n for n in index.descendants([router.topk]) if index.pos[n] < min(
+        (index.pos[x] for x in region), default=0)}
+    if parts[0] == "logits" and any(ops.is_softmax(n) for n in post):
+        parts[0] = "topk-softmax"
+    if any(ops.is_div(n) for n in post):
+        parts.append("renorm")
+    return "+".join(parts)
+
+
+def _label(params: ParamTable, state: list[fx.Node]) -> str:
+    paths = [params.path[n] for n in state if n in params]
+    prefix = common_prefix(paths)
+    # drop a trailing expert/router module name so the label is the MoE block itself
+    return re.sub(r"\.(experts|gate|router)$", "", prefix) or (paths[0] if paths else "<graph>")
+
+
+def _graph_break_hint(index: GraphIndex, topk: fx.Node) -> str:
+    """Explain the common reason a router is found but no expert compute: a graph break."""
+    later = index.descendants([topk])
+    if any(ops.op_name(n) in ("nonzero", "where", "one_hot") for n in later) or len(later) < 8:
+        return (". The expert computation is not in this graph: a graph break (usually a "
+                "data-dependent loop such as `for e in expert_hit:` over `.nonzero()`, or "
+                "`.tolist()`/`.item()`) split the layer. Fix: loop over `range(num_experts)` instead, or "
+                "for Hugging Face models use `model.set_experts_implementation(\"grouped_mm\")`, "
+                "\"batched_mm\" or \"hiermoe\"")
+    return ""
+
+
+__all__ = ["FindResult", "find_moe_regions"]

@@ -1,0 +1,113 @@
+"""Typed records passed between the MoE passes (find -> decide -> rewrite).
+
+Legend of shape letters used in names across passes/ and lowering/:
+T tokens, H hidden size, F expert FFN size, E experts, K experts per token, C capacity slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class WeightRole:
+    """One expert tensor role (e.g. the up projection) as it is stored in the model.
+
+    ``nodes`` holds either one stacked parameter node with a leading expert dim, or one node per
+    expert (``nn.ModuleList`` storage) in expert order; ``stacked`` says which.
+    """
+
+    nodes: tuple[fx.Node, ...]
+    stacked: bool
+    names: tuple[str, ...]
+
+    @property
+    def first(self) -> fx.Node:
+        return self.nodes[0]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How the stored expert tensors map onto the expert op's canonical operands.
+
+    Canonical operands: w_up [E, F, H], optional w_gate [E, F, H], w_down [E, H, F], biases
+    [E, F] / [E, H].  ``*_transposed`` means the stored per-expert matrix is [in, out] rather than
+    nn.Linear's [out, in].  ``fused_gate`` describes a single stored [E, 2F, H] gate_up tensor:
+    "gate_first" (chunk(2) with the gate first), "up_first", or "interleaved" (gate at even rows).
+    """
+
+    up: WeightRole
+    down: WeightRole
+    gate: WeightRole | None = None
+    fused_gate: str | None = None
+    up_transposed: bool = False
+    down_transposed: bool = False
+    b_up: WeightRole | None = None
+    b_gate: WeightRole | None = None
+    b_down: WeightRole | None = None
+    activation: str = "silu"
+    ffn_size: int = 0
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None or self.fused_gate is not None
+
+    def describe(self) -> str:
+        gate = f", gate={self.fused_gate}" if self.fused_gate else (", gate=separate" if self.gate else "")
+        bias = ", bias" if self.b_up is not None or self.b_down is not None else ""
+        store = "stacked" if self.up.stacked else "per-expert"
+        return f"{store}{gate}{bias}"
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Where the [T, K] routing weights come from.
+
+    kind "topk": ``node`` already is [T, K]; "dense": ``node`` is [T, E], gathered at the top-k
+    indices; "combine": ``node`` is a [T, E, C] capacity combine tensor, summed over C first (a
+    dropped token has an all-zero row there, so drops are kept exactly).
+    """
+
+    node: fx.Node
+    kind: str
+
+
+@dataclass(frozen=True)
+class OutputCandidate:
+    """A node that may hold the routed output, with the region nodes it depends on."""
+
+    node: fx.Node
+    nodes: frozenset[fx.Node] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class MoERegion:
+    """One Mixture-of-Experts layer found in a graph, before it is rewritten."""
+
+    name: str
+    pattern: str
+    router: str
+    topk: fx.Node
+    tokens: fx.Node
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    ffn_size: int
+    num_tokens: int
+    dtype: str
+    drops: bool
+    # interpretations to verify, most likely first; canonicalize takes the first that verifies
+    outputs: tuple[OutputCandidate, ...]
+    layouts: tuple[ExpertLayout, ...]
+    weights: tuple[RoutingWeights, ...]
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A layer or graph left alone, with a reason a user can act on."""
+
+    name: str
+    reason: str
+    graph: str = ""

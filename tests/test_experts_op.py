@@ -1,0 +1,304 @@
+"""Tests of the expert op ``hiermoe::experts`` (torch reference lowering) against an independent
+per-token loop: forward and every gradient, over activations, biases, weight layouts and
+degenerate routings; opcheck of both ops; torch.compile (aot_eager, inductor) vs eager.
+
+Shape legend: T tokens, K experts per token, E experts, H hidden, F ffn;
+x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF,
+b_down_EH, gate_up_E2FH (fused gate+up weight as some checkpoints store it).
+
+Tolerances. The loop reference runs in float64, so the difference measures only the op's own
+rounding. fp32: max abs diff <= 1e-5 * max(1, max |reference|); the op does at most three chained
+fp32 matmuls over H, F <= 16 plus a K-term sum, whose rounding is ~1e-6 relative, so 1e-5 leaves
+room for summation order without hiding a wrong index or a missing term (those give O(1) errors).
+bf16 / fp16: every matmul output and activation is rounded to 8 / 11 mantissa bits (as in the
+model itself), over three chained matmuls and a K-term sum: 6e-2 / 6e-3 of the output scale.
+Measured on these cases the op is off by <= 4.5e-2 / 2.6e-3, and a per-token loop run in bf16 /
+fp16 (the eager model's own error) by about the same, so the bound is not hiding anything.
+If these fail, fix the op, not the tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from moe_compile.lowering import (  # registers hiermoe::*
+    ACTIVATIONS,
+    experts_flops,
+    experts_ref,
+    experts_reference,
+)
+from torch import Tensor
+from torch._dynamo.utils import counters
+
+E, H, FF = 4, 8, 16  # H, F multiples of 4 fp32 elements: the grouped_mm path on CPU
+TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 6e-3}
+
+_ACT: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": lambda z: z * torch.sigmoid(z),
+    "gelu": lambda z: 0.5 * z * (1 + torch.erf(z / 2**0.5)),
+    "gelu_tanh": lambda z: 0.5 * z * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (z + 0.044715 * z**3))),
+    "relu": lambda z: torch.clamp(z, min=0),
+    "sigmoid": torch.sigmoid,
+    "identity": lambda z: z,
+}
+
+
+def loop_reference(args: list[Any], activation: str) -> Tensor:
+    """for t, for k: w * FFN_e(x_t), written without sorting, grouping or scatter."""
+    x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH = args
+    act = _ACT[activation]
+    rows = []
+    for t in range(x_TH.shape[0]):
+        acc_H = torch.zeros_like(x_TH[t])
+        for k in range(topk_idx_TK.shape[1]):
+            e = int(topk_idx_TK[t, k])
+            up = w_up_EFH[e] @ x_TH[t] + (b_up_EF[e] if b_up_EF is not None else 0)
+            if w_gate_EFH is not None:
+                gate = w_gate_EFH[e] @ x_TH[t] + (b_gate_EF[e] if b_gate_EF is not None else 0)
+                h = act(gate) * up
+            else:
+                h = act(up)
+            y = w_down_EHF[e] @ h + (b_down_EH[e] if b_down_EH is not None else 0)
+            acc_H = acc_H + topk_weights_TK[t, k] * y
+        rows.append(acc_H)
+    return torch.stack(rows)
+
+
+# A case is (leaves, topk_idx, build): leaves are what requires grad, build(leaves) makes the
+# op's tensor arguments from them (views, slices, transposes), so grads land on the real storage.
+Build = Callable[[dict[str, Tensor]], list[Any]]  # the op's 9 tensor args, optional ones may be None
+
+
+def make_case(
+    layout: str, gated: bool, bias: bool, topk_idx_TK: Tensor, dtype: torch.dtype = torch.float32,
+    num_h: int = H, num_f: int = FF, num_e: int = E,
+) -> tuple[dict[str, Tensor], Tensor, Build]:
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    num_t = topk_idx_TK.shape[0]
+    leaves = {
+        "x": rnd(num_t, num_h),
+        "tw": torch.rand(topk_idx_TK.shape, generator=g) + 0.1,  # routing weights stay fp32
+        "b_up": rnd(num_e, num_f, scale=0.1), "b_gate": rnd(num_e, num_f, scale=0.1),
+        "b_down": rnd(num_e, num_h, scale=0.1),
+    }
+    s_h, s_f = num_h**-0.5, num_f**-0.5
+    if layout == "contiguous":
+        leaves |= {"w_up": rnd(num_e, num_f, num_h, scale=s_h), "w_gate": rnd(num_e, num_f, num_h, scale=s_h),
+                   "w_down": rnd(num_e, num_h, num_f, scale=s_f)}
+    elif layout == "transposed":  # stored [E, in, out], viewed in nn.Linear layout by .mT
+        leaves |= {"w_up": rnd(num_e, num_h, num_f, scale=s_h), "w_gate": rnd(num_e, num_h, num_f, scale=s_h),
+                   "w_down": rnd(num_e, num_f, num_h, scale=s_f)}
+    else:  # one fused gate_up [E, 2F, H], split in halves ("fused") or by alternating rows
+        leaves |= {"gate_up": rnd(num_e, 2 * num_f, num_h, scale=s_h),
+                   "w_down": rnd(num_e, num_h, num_f, scale=s_f)}
+    halves = (slice(0, num_f), slice(num_f, None))
+    gate_sl, up_sl = halves if layout == "fused" else (slice(0, None, 2), slice(1, None, 2))
+    if not gated:
+        leaves.pop("w_gate", None)
+        leaves.pop("b_gate")
+    if not bias:
+        for name in ("b_up", "b_gate", "b_down"):
+            leaves.pop(name, None)
+
+    def weights(lv: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor]:
+        if layout == "contiguous":
+            return lv["w_up"], lv.get("w_gate"), lv["w_down"]
+        if layout == "transposed":
+            w_gate = lv.get("w_gate")
+            return lv["w_up"].mT, None if w_gate is None else w_gate.mT, lv["w_down"].mT
+        return lv["gate_up"][:, up_sl], lv["gate_up"][:, gate_sl] if gated else None, lv["w_down"]
+
+    def build(lv: dict[str, Tensor]) -> list[Any]:
+        w_up, w_gate, w_down = weights(lv)
+        return [lv["x"], topk_idx_TK, lv["tw"], w_up, w_gate, w_down,
+                lv.get("b_up"), lv.get("b_gate"), lv.get("b_down")]
+
+    return leaves, topk_idx_TK, build
+
+
+def random_routing(num_t: int, num_k: int, num_e: int = E, seed: int = 1) -> Tensor:
+    scores = torch.rand(num_t, num_e, generator=torch.Generator().manual_seed(seed))
+    return scores.topk(num_k, dim=-1).indices
+
+
+ROUTINGS = {
+    "random": random_routing(6, 2),
+    "all_one_expert": torch.full((5, 1), 2),
+    "repeated_expert": torch.tensor([[1, 1], [0, 3], [3, 3]]),
+    "k_eq_e": random_routing(3, E),
+    "t1": torch.tensor([[3, 0]]),
+    "empty_experts": torch.tensor([[0, 3], [3, 0], [0, 3], [3, 0]]),
+    "int32_idx": random_routing(5, 2).to(torch.int32),
+}
+
+
+def check_against_loop(
+    leaves: dict[str, Tensor], build: Build, activation: str, dtype: torch.dtype = torch.float32
+) -> None:
+    lv_op = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+    lv_ref = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    y_op = torch.ops.hiermoe.experts(*build(lv_op), activation)
+    y_ref = loop_reference(build(lv_ref), activation)
+    assert y_op.dtype == dtype and y_op.shape == y_ref.shape
+    tol = TOL[dtype]
+    scale = max(1.0, y_ref.abs().max().item())
+    assert (y_op.double() - y_ref).abs().max().item() <= tol * scale, "forward"
+
+    grad_TH = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    names = list(leaves)
+    g_op = torch.autograd.grad(y_op, [lv_op[k] for k in names], grad_TH.to(dtype))
+    g_ref = torch.autograd.grad(y_ref, [lv_ref[k] for k in names], grad_TH)
+    for name, a, b in zip(names, g_op, g_ref, strict=True):
+        assert a.dtype == leaves[name].dtype and a.shape == b.shape, name
+        scale = max(1.0, b.abs().max().item())
+        assert (a.double() - b).abs().max().item() <= tol * scale, f"grad of {name}"
+
+
+@pytest.fixture(params=["grouped_mm", "loop"])
+def matmul_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "loop":  # no dtype qualifies for grouped_mm: every matmul takes the loop
+        monkeypatch.setattr(experts_ref, "_GROUPED_MM_DTYPES", {})
+    return request.param
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_activations(activation: str, gated: bool, bias: bool) -> None:
+    leaves, _, build = make_case("contiguous", gated, bias, ROUTINGS["random"])
+    check_against_loop(leaves, build, activation)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "fused", "interleaved"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_noncontiguous_weights(layout: str, gated: bool, matmul_path: str) -> None:
+    leaves, _, build = make_case(layout, gated, True, ROUTINGS["random"])
+    check_against_loop(leaves, build, "silu")
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_routings(routing: str, matmul_path: str) -> None:
+    leaves, _, build = make_case("fused", True, True, ROUTINGS[routing])
+    check_against_loop(leaves, build, "gelu")
+
+
+def test_unaligned_dims_take_the_loop() -> None:
+    # H=6, F=10 fp32 rows are not 16-byte multiples: grouped_mm refuses them, the loop must run.
+    leaves, _, build = make_case("contiguous", True, True, ROUTINGS["random"], num_h=6, num_f=10)
+    x, _, _, w_up, w_gate, w_down, *_ = build(leaves)
+    assert not experts_ref._use_grouped_mm(x, w_up, w_gate, w_down)
+    check_against_loop(leaves, build, "relu")
+
+
+def test_grouped_mm_path_is_taken() -> None:
+    # Guards the test matrix: without this the "grouped_mm" cases could silently test the loop.
+    for layout in ("contiguous", "transposed", "fused", "interleaved"):
+        leaves, _, build = make_case(layout, True, True, ROUTINGS["random"])
+        x, _, _, w_up, w_gate, w_down, *_ = build(leaves)
+        assert experts_ref._use_grouped_mm(x, w_up, w_gate, w_down), layout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision(dtype: torch.dtype, matmul_path: str) -> None:
+    leaves, _, build = make_case("fused", True, True, ROUTINGS["repeated_expert"], dtype=dtype)
+    check_against_loop(leaves, build, "silu", dtype=dtype)
+
+
+def test_reference_matches_op_and_rejects_unknown_activation() -> None:
+    leaves, _, build = make_case("contiguous", True, False, ROUTINGS["random"])
+    args = build(leaves)
+    assert torch.equal(experts_reference(*args, "silu"), torch.ops.hiermoe.experts(*args, "silu"))
+    with pytest.raises(ValueError, match="unknown expert activation"):
+        experts_reference(*args, "swish")
+
+
+def test_flops() -> None:
+    assert experts_flops(T=3, K=2, H=8, F=16, gated=True) == 3 * 2 * (3 * 2 * 8 * 16)
+    assert experts_flops(T=3, K=2, H=8, F=16, gated=False) == 2 * 2 * (3 * 2 * 8 * 16)
+
+
+def test_double_backward_raises() -> None:
+    leaves, _, build = make_case("contiguous", False, False, ROUTINGS["t1"])
+    lv = {k: v.requires_grad_() for k, v in leaves.items()}
+    y = torch.ops.hiermoe.experts(*build(lv), "silu")
+    (g,) = torch.autograd.grad(y.sum(), lv["x"], create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
+def _opcheck_samples(requires_grad: bool) -> list[list[Any]]:
+    samples = []
+    for layout, gated, bias, routing, dims in [
+        ("fused", True, True, "random", (H, FF)),
+        ("interleaved", True, False, "empty_experts", (H, FF)),
+        ("contiguous", False, True, "int32_idx", (6, 10)),  # loop path
+    ]:
+        leaves, _, build = make_case(layout, gated, bias, ROUTINGS[routing], num_h=dims[0], num_f=dims[1])
+        samples.append(build({k: v.requires_grad_(requires_grad) for k, v in leaves.items()}))
+    return samples
+
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_opcheck_experts() -> None:
+    for args in _opcheck_samples(requires_grad=True):
+        torch.library.opcheck(torch.ops.hiermoe.experts.default, (*args, "gelu_tanh"), test_utils=OPCHECK_TESTS)
+
+
+def test_opcheck_experts_backward() -> None:
+    for args in _opcheck_samples(requires_grad=False):
+        grad_TH = torch.randn_like(args[0])
+        torch.library.opcheck(
+            torch.ops.hiermoe.experts_backward.default, (grad_TH, *args, "sigmoid"), test_utils=OPCHECK_TESTS
+        )
+
+
+class TinyMoE(torch.nn.Module):
+    """Router + fused gate_up experts calling the op directly, as the canonicalize pass emits it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.gate_up = torch.nn.Parameter(torch.randn(E, 2 * FF, H, generator=g) * H**-0.5)
+        self.w_down = torch.nn.Parameter(torch.randn(E, H, FF, generator=g) * FF**-0.5)
+        self.b_down = torch.nn.Parameter(torch.randn(E, H, generator=g) * 0.1)
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        probs_TE = self.router(x_TH).softmax(-1)
+        topk_weights_TK, topk_idx_TK = probs_TE.topk(2, dim=-1)
+        y_TH = torch.ops.hiermoe.experts(
+            x_TH, topk_idx_TK, topk_weights_TK, self.gate_up[:, FF:], self.gate_up[:, :FF], self.w_down,
+            None, None, self.b_down, "silu",
+        )
+        return (y_TH.sin() * x_TH).sum()
+
+
+def _train_grads(model: torch.nn.Module, fn: Callable[[Tensor], Tensor], x_TH: Tensor) -> list[Tensor]:
+    x_TH = x_TH.clone().requires_grad_()
+    loss = fn(x_TH)
+    return [loss.detach(), *torch.autograd.grad(loss, [x_TH, *model.parameters()])]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_train_step_matches_eager(backend: str) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyMoE()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=backend == "aot_eager")
+    # Two token counts: with dynamic=True the second reuses the graph with a symbolic T.
+    for num_t in (7, 5) if backend == "aot_eager" else (7,):
+        x_TH = torch.randn(num_t, H, generator=torch.Generator().manual_seed(num_t))
+        for a, b in zip(_train_grads(model, compiled, x_TH), _train_grads(model, model, x_TH), strict=True):
+            # Same op kernels on both sides; only the surrounding pointwise ops may be fused
+            # differently by inductor, hence the fp32 tolerance rather than equality.
+            assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+    assert counters["stats"]["unique_graphs"] == 1  # fake kernels handled the symbolic T
