@@ -26,10 +26,21 @@ def explain(model: torch.nn.Module, *example_inputs: object, options: Mapping[st
     """
     parse_options(options)  # fail before compiling on a bad option
     torch._dynamo.reset()
-    counters["graph_break"].clear()
+    counters["unimplemented"].clear()
     backend = functools.partial(hiermoe_backend, options=dict(options or {}))
     with collect_reports() as graphs:
         compiled = torch.compile(model, backend=backend)
         compiled(*example_inputs, **example_kwargs)
-    breaks = [f"{reason} (x{n})" if n > 1 else reason for reason, n in counters["graph_break"].items()]
+    breaks = [_summarize_break(reason, n) for reason, n in counters["unimplemented"].items()]
     return Report(graphs=list(graphs), graph_breaks=breaks)
+
+
+def _summarize_break(reason: str, count: int) -> str:
+    """First line of Dynamo's graph-break message plus where it happened."""
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    where = next((ln for ln in lines if ln.startswith("Developer debug context:")), "")
+    where = where.removeprefix("Developer debug context:").strip()
+    text = lines[0] if lines else reason
+    if where:
+        text += f" [{where}]"
+    return text + (f" (x{count})" if count > 1 else "")

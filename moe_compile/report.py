@@ -87,6 +87,7 @@ class Report:
 
     def __str__(self) -> str:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         buf = io.StringIO()
@@ -99,8 +100,9 @@ class Report:
             act = f"{r.activation}{' gated' if r.gated else ''}{' +bias' if r.bias else ''}"
             err = f"{r.forward_err:.1e}/{r.backward_err:.1e}" if r.verified else "NOT verified"
             layout = r.layout + (" (drops kept)" if r.drops else "")
-            regions.add_row(str(r.graph), r.name, r.pattern, str(r.num_experts), str(r.top_k), str(r.hidden_size),
-                            str(r.ffn_size), act, r.router, layout, r.plan, err)
+            cells = (str(r.graph), r.name, r.pattern, str(r.num_experts), str(r.top_k), str(r.hidden_size),
+                     str(r.ffn_size), act, r.router, layout, r.plan, err)
+            regions.add_row(*(escape(c) for c in cells))
         console.print(regions)
         skipped = self.skipped
         if skipped:
@@ -109,10 +111,10 @@ class Report:
             table.add_column("layer / graph")
             table.add_column("reason", overflow="fold")
             for s in skipped:
-                table.add_row(str(s.graph), s.name, s.reason)
+                table.add_row(str(s.graph), escape(s.name), escape(s.reason))
             console.print(table)
         if self.graph_breaks:
             console.print(f"graph breaks ({len(self.graph_breaks)}):")
             for b in self.graph_breaks:
-                console.print(f"  - {b}")
+                console.print(f"  - {escape(b)}")
         return buf.getvalue()

@@ -55,7 +55,7 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
     result = CanonicalizeResult(rewritten=[], skipped=[], num_verifications=0)
     values: dict[fx.Node, object] = {}
     if verify and found.regions:
-        wanted = {b for r in found.regions for c in r.outputs for b in boundary_of(index, params, c)}
+        wanted = {b for r in found.regions for c in r.outputs for b in boundary_of(index, params, r, c)}
         try:
             values = capture_boundary_values(gm, example_inputs, index, wanted)
         except ValueError as e:
@@ -81,7 +81,9 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
             reader.replace_input_with(old, y)
         # Step 3: erase dead region nodes
         _erase_dead(index, cand)
-        region = replace(region, drops=weights.kind == "combine", ffn_size=layout.ffn_size)
+        # capacity-limited: a [T, E, C] tensor exists and the weights that verified carry its drops
+        capacity = any(w.kind == "combine" for w in region.weights)
+        region = replace(region, drops=capacity and weights.kind != "topk", ffn_size=layout.ffn_size)
         result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node))
     result.rewritten.reverse()
     gm.graph.lint()

@@ -38,10 +38,8 @@ def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) 
         if fam is not None:
             key, e = fam
             families.setdefault(key, {})[e] = n
-    grouped = {n for members in families.values() for n in members.values() if len(members) > 1}
+    grouped = {n for members in families.values() for n in members.values()}
     for _key, members in sorted(families.items()):
-        if len(members) <= 1 and num_experts > 1:
-            continue
         if len(members) != num_experts:
             out.complete = False
         nodes = tuple(members[e] for e in sorted(members))

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.expert_layout import ExpertParams, classify_params, layout_hypotheses
-from moe_compile.passes.graph_index import GraphIndex, static_shape, tensor_meta
+from moe_compile.passes.graph_index import GraphIndex, is_view, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable, common_prefix
 from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
 
@@ -162,11 +162,12 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     after_topk = index.descendants([a])
 
     # Step 1: the routed output (a few candidates; canonicalize verifies them in order)
+    token_shapes = _token_shapes(router.tokens, num_tokens, hidden)
     experts: ExpertParams | None = None
     outputs: list[OutputCandidate] = []
     reason = "no value after the top-k combines expert outputs into a [tokens, hidden] tensor"
     for y in index.nodes[lo + 1:bound]:
-        if y not in after_topk or y not in window or not _is_token_tensor(y, num_tokens, hidden):
+        if y not in after_topk or y not in window or not _is_token_tensor(y, token_shapes):
             continue
         if _is_mutated_later(index, y):
             continue  # a partial sum: the tensor is still being accumulated into
@@ -194,6 +195,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     if experts is None or not outputs:
         return Skip(label, reason + _graph_break_hint(index, a))
     region_nodes = set(outputs[0].nodes)
+    tokens = _expert_tokens(index, params, region_nodes, router.tokens)
 
     # Step 2: expert roles and layouts
     name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]])
@@ -211,10 +213,10 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     dtype = tensor_meta(router.tokens).dtype  # type: ignore[union-attr]
     return MoERegion(
         name=name,
-        pattern=_pattern(region_nodes, experts),
+        pattern=_pattern(region_nodes, experts, any(w.kind == "combine" for w in weights)),
         router=_router_kind(index, router, region_nodes),
         topk=a,
-        tokens=router.tokens,
+        tokens=tokens,
         num_experts=num_experts,
         top_k=k,
         hidden_size=hidden,
@@ -228,15 +230,51 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     )
 
 
-def _is_token_tensor(n: fx.Node, num_tokens: int, hidden: int) -> bool:
+def _view_root(n: fx.Node) -> fx.Node:
+    while (is_view(n) or ops.op_name(n) in ("to", "float", "type_as")) and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], router_tokens: fx.Node) -> fx.Node:
+    """The token tensor the experts read: the router may reshape or cast its own copy (HF
+    routers call ``hidden_states.reshape(-1, H)`` inside), and the op must read the same node
+    the experts did so gradients reach the same place."""
+    root = _view_root(router_tokens)
+    shape = static_shape(router_tokens)
+    reads = {d for n in nodes if n not in params for d in index.deps[n]} - nodes
+    for d in index.ordered(reads):
+        if _view_root(d) is root and static_shape(d) is not None and d is not router_tokens:
+            if _numel(static_shape(d)) == _numel(shape) and tensor_meta(d).dtype == tensor_meta(router_tokens).dtype:  # type: ignore[union-attr]
+                return d
+    return router_tokens
+
+
+def _numel(shape: tuple[int, ...] | None) -> int:
+    out = 1
+    for s in shape or ():
+        out *= s
+    return out
+
+
+def _token_shapes(tokens: fx.Node, num_tokens: int, hidden: int) -> set[tuple[int, ...]]:
+    """Shapes the routed output may have: [T, H] or a shape the token input had on its way to
+    the router ([B, S, H] before a flattening view).  Equal numel alone is not enough: an
+    [E, C, H] expert buffer can hold exactly T*H elements."""
+    shapes = {(num_tokens, hidden)}
+    n: object = tokens
+    while isinstance(n, fx.Node):
+        shape = static_shape(n)
+        if shape is None or _numel(shape) != num_tokens * hidden:
+            break
+        shapes.add(shape)
+        n = n.args[0] if (is_view(n) or ops.op_name(n) in ("to", "float")) and n.args else None
+    return shapes
+
+
+def _is_token_tensor(n: fx.Node, shapes: set[tuple[int, ...]]) -> bool:
     t = tensor_meta(n)
-    shape = static_shape(n)
-    if t is None or shape is None or not t.dtype.is_floating_point or not shape or shape[-1] != hidden:
-        return False
-    numel = 1
-    for s in shape:
-        numel *= s
-    return numel == num_tokens * hidden
+    return t is not None and t.dtype.is_floating_point and static_shape(n) in shapes
 
 
 def _is_mutated_later(index: GraphIndex, n: fx.Node) -> bool:
@@ -264,12 +302,12 @@ def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], after_topk: set[f
     return by_kind["topk"][:3] + by_kind["dense"][:2] + by_kind["combine"][:2]
 
 
-def _pattern(nodes: set[fx.Node], experts: ExpertParams) -> str:
+def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:
     names = {ops.op_name(n) for n in nodes}
     if names & {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}:
         return "grouped_mm"
     if "einsum" in names and any(len(static_shape(n) or ()) == 3 for n in nodes if ops.is_einsum(n)):
-        return "einsum_dispatch"
+        return "einsum_capacity" if capacity else "einsum_dispatch"
     if "bmm" in names and experts.weight_roles[0].stacked:
         return "gathered_bmm"
     if names & {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_"}:
@@ -294,7 +332,7 @@ def _router_kind(index: GraphIndex, router: _Router, region: set[fx.Node]) -> st
     post = region | {n for n in index.descendants([router.topk]) if index.pos[n] < min(
         (index.pos[x] for x in region), default=0)}
     if parts[0] == "logits" and any(ops.is_softmax(n) for n in post):
-        parts[0] = "topk-softmax"
+        parts[0] = "topk+softmax"
     if any(ops.is_div(n) for n in post):
         parts.append("renorm")
     return "+".join(parts)
@@ -302,7 +340,8 @@ def _router_kind(index: GraphIndex, router: _Router, region: set[fx.Node]) -> st
 
 def _label(params: ParamTable, state: list[fx.Node]) -> str:
     paths = [params.path[n] for n in state if n in params]
-    prefix = common_prefix(paths)
+    # module paths: drop the parameter name (``gate.weight`` -> ``gate``)
+    prefix = common_prefix([p.rsplit(".", 1)[0] if "." in p else "" for p in paths])
     # drop a trailing expert/router module name so the label is the MoE block itself
     return re.sub(r"\.(experts|gate|router)$", "", prefix) or (paths[0] if paths else "<graph>")
 

@@ -33,6 +33,8 @@ class DeepseekV3MLP(nn.Module):
 
 
 class DeepseekV3TopkRouter(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, hidden_size: int, n_routed_experts: int) -> None:
         super().__init__()
         self.n_routed_experts = n_routed_experts

@@ -52,7 +52,10 @@ class MixtralSparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.gate = nn.Linear(self.hidden_dim, self.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            [MixtralBlockSparseTop2MLP(hidden_size, ffn_size, activation, gated, bias) for _ in range(num_experts)]
+            [
+                MixtralBlockSparseTop2MLP(hidden_size, ffn_size, activation, gated, bias)
+                for _ in range(num_experts)
+            ]
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,9 @@ class MixtralSparseMoeBlock(nn.Module):
 
         # One hot encode the selected experts to create an expert mask
         # this will be used to easily index which expert is going to be sollicitated
-        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(
+            2, 1, 0
+        )
 
         # Loop over all available experts in the model and perform the computation on each expert
         for expert_idx in range(self.num_experts):

@@ -50,17 +50,23 @@ class GatheredBmmMoE(nn.Module):
         self.num_experts, self.num_experts_per_tok = num_experts, top_k
         self.has_gate, self.has_bias, self.router_kind = gated, bias, router
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        up_rows = 2 * ffn_size if gated else ffn_size
-        # Same names as transformers: with a gate the weight is "gate_up_proj", else "up_proj".
-        up_name = "gate_up_proj" if gated else "up_proj"
-        setattr(self, up_name, nn.Parameter(torch.empty(num_experts, up_rows, hidden_size)))
+        # transformers' names: "gate_up_proj" (gate rows first) with a gate, else "up_proj".
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size))
+            init_stacked_(self.gate_up_proj, hidden_size)
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
+            init_stacked_(self.up_proj, hidden_size)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
-        init_stacked_(getattr(self, up_name), hidden_size)
         init_stacked_(self.down_proj, ffn_size)
         if bias:
-            setattr(self, up_name + "_bias", nn.Parameter(torch.empty(num_experts, up_rows)))
+            if gated:
+                self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * ffn_size))
+                init_stacked_(self.gate_up_proj_bias, hidden_size)
+            else:
+                self.up_proj_bias = nn.Parameter(torch.empty(num_experts, ffn_size))
+                init_stacked_(self.up_proj_bias, hidden_size)
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-            init_stacked_(getattr(self, up_name + "_bias"), hidden_size)
             init_stacked_(self.down_proj_bias, ffn_size)
         self.act_fn = get_activation(activation)
 

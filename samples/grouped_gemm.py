@@ -88,12 +88,14 @@ def _backward(ctx, grad_output: torch.Tensor):
 grouped_mm_fallback.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _rows_16b_aligned(*tensors: torch.Tensor) -> bool:
-    # The CPU kernel of torch._grouped_mm refuses row strides that are not multiples of 16 bytes.
-    return all(t.size(-1) * t.element_size() % 16 == 0 for t in tensors)
+def _strides_16b_aligned(*tensors: torch.Tensor) -> bool:
+    # The CPU kernel of torch._grouped_mm refuses non-unit strides that are not multiples of 16 bytes.
+    return all(s * t.element_size() % 16 == 0 for t in tensors for s in t.stride() if s != 1)
 
 
-def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+def grouped_mm(
+    x_SI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
     """Per-group ``x @ w[g]``: torch._grouped_mm where it works, else the custom-op fallback."""
     if impl == "torch":
         return torch._grouped_mm(x_SI, w_EIO, offs=offs_E)
@@ -101,7 +103,11 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor, im
         if w_EIO.dtype == torch.bfloat16:
             return torch._grouped_mm(x_SI.to(w_EIO.dtype), w_EIO, offs=offs_E)
         # Not under compile: the fp32 meta check would fail while tracing (see module docstring).
-        if not torch.compiler.is_compiling() and x_SI.device.type == "cpu" and _rows_16b_aligned(x_SI, w_EIO):
+        if (
+            not torch.compiler.is_compiling()
+            and x_SI.device.type == "cpu"
+            and _strides_16b_aligned(x_SI, w_EIO)
+        ):
             return torch._grouped_mm(x_SI, w_EIO, offs=offs_E)
     return torch.ops.moe_samples.grouped_mm_fallback(x_SI.to(w_EIO.dtype), w_EIO, offs_E)
 
@@ -197,7 +203,9 @@ class GroupedGemmMoE(nn.Module):
         counts_E = torch.histc(sorted_ids_S.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
         return torch.cumsum(counts_E, dim=0, dtype=torch.int32)
 
-    def _forward_hf(self, x_TH: torch.Tensor, topk_w_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    def _forward_hf(
+        self, x_TH: torch.Tensor, topk_w_TK: torch.Tensor, topk_idx_TK: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens, hidden = x_TH.shape
         weights_S = topk_w_TK.reshape(-1)
         expert_ids_S = topk_idx_TK.reshape(-1)

@@ -46,7 +46,10 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # gating
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = nn.ModuleList(
-            [Qwen3MoeMLP(hidden_size, intermediate_size=ffn_size, activation=activation) for _ in range(num_experts)]
+            [
+                Qwen3MoeMLP(hidden_size, intermediate_size=ffn_size, activation=activation)
+                for _ in range(num_experts)
+            ]
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -68,7 +71,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
         # One hot encode the selected experts to create an expert mask
         # this will be used to easily index which expert is going to be sollicitated
-        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(
+            2, 1, 0
+        )
 
         for expert_idx in range(self.num_experts):
             expert_layer = self.experts[expert_idx]

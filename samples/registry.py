@@ -12,6 +12,7 @@ Router labels (``SampleSpec.router``):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +51,12 @@ class SampleSpec:
     fixed: Mapping[str, Any] = field(default_factory=dict)  # metadata the constructor does not take
 
     def _merged(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = set(overrides) - set(self.kwargs)
+        known = inspect.signature(self.factory).parameters
+        unknown = set(overrides) - set(known)
         if unknown:
-            raise ValueError(f"{self.name}: cannot override {sorted(unknown)}; known: {sorted(self.kwargs)}")
+            raise ValueError(
+                f"{self.name}: cannot override {sorted(unknown)}; the constructor takes {list(known)}"
+            )
         return {**self.kwargs, **overrides}
 
     def make(self, **overrides: Any) -> nn.Module:
@@ -89,6 +93,11 @@ def _bmm_router(args: Mapping[str, Any]) -> str:
     return str(args["router"])
 
 
+def _capacity_router(args: Mapping[str, Any]) -> str:
+    # Switch (top-1) keeps the raw probability; GShard renormalizes the kept choices.
+    return "softmax" if args["top_k"] == 1 else "softmax+renorm"
+
+
 def _grouped_router(args: Mapping[str, Any]) -> str:
     return args["score_func"] + ("+renorm" if args["norm_topk_prob"] else "")
 
@@ -114,56 +123,129 @@ SAMPLES: dict[str, SampleSpec] = {
     s.name: s
     for s in (
         _spec(
-            "grouped_gemm", GroupedGemmMoE, _grouped_router, "grouped_mm",
+            "grouped_gemm",
+            GroupedGemmMoE,
+            _grouped_router,
+            "grouped_mm",
             "gate_up_proj [E,2F,H] (gate first), down_proj [E,H,F]; torch.sort + inverse perm + view.sum",
-            activation="silu", gated=True, bias=False, score_func="softmax", norm_topk_prob=True, style="hf",
+            activation="silu",
+            gated=True,
+            bias=False,
+            score_func="softmax",
+            norm_topk_prob=True,
+            style="hf",
         ),
         _spec(
-            "grouped_gemm_sigmoid", GroupedGemmMoE, _grouped_router, "grouped_mm",
+            "grouped_gemm_sigmoid",
+            GroupedGemmMoE,
+            _grouped_router,
+            "grouped_mm",
             "gate_up_proj [E,2F,H], down_proj [E,H,F] + biases; argsort + gather + scatter_add (torchtitan)",
-            top_k=4, activation="gelu_tanh", gated=True, bias=True, score_func="sigmoid",
-            norm_topk_prob=False, route_scale=2.0, style="titan",
+            top_k=4,
+            activation="gelu_tanh",
+            gated=True,
+            bias=True,
+            score_func="sigmoid",
+            norm_topk_prob=False,
+            route_scale=2.0,
+            style="titan",
         ),
         _spec(
-            "gathered_bmm", GatheredBmmMoE, _bmm_router, "gathered_bmm",
+            "gathered_bmm",
+            GatheredBmmMoE,
+            _bmm_router,
+            "gathered_bmm",
             "gate_up_proj [E,2F,H] + bias [E,2F], down_proj [E,H,F] + bias [E,H]; w[expert_ids] + bmm",
-            activation="gelu", gated=True, bias=True, router="topk+softmax",
+            activation="gelu",
+            gated=True,
+            bias=True,
+            router="topk+softmax",
         ),
         _spec(
-            "gathered_bmm_plain", GatheredBmmMoE, _bmm_router, "gathered_bmm",
+            "gathered_bmm_plain",
+            GatheredBmmMoE,
+            _bmm_router,
+            "gathered_bmm",
             "up_proj [E,F,H], down_proj [E,H,F]; w[expert_ids] + bmm",
-            activation="gelu_tanh", gated=False, bias=False, router="softmax",
+            activation="gelu_tanh",
+            gated=False,
+            bias=False,
+            router="softmax",
         ),
         _spec(
-            "expert_loop", MixtralSparseMoeBlock, "softmax+renorm", "expert_loop",
+            "expert_loop",
+            MixtralSparseMoeBlock,
+            "softmax+renorm",
+            "expert_loop",
             "ModuleList of w1/w3/w2 nn.Linear (Mixtral); torch.where per expert + index_add_",
-            activation="silu", gated=True, bias=False,
+            activation="silu",
+            gated=True,
+            bias=False,
         ),
         _spec(
-            "dense_masked", DenseMaskedMoE, _softmax_router, "dense",
+            "dense_masked",
+            DenseMaskedMoE,
+            _softmax_router,
+            "dense",
             "ModuleList of fc1/fc2 nn.Linear with bias; all experts on all tokens, dense [T,E] gate matrix",
-            activation="gelu", gated=False, bias=True, norm_topk_prob=False,
+            activation="gelu",
+            gated=False,
+            bias=True,
+            norm_topk_prob=False,
         ),
         _spec(
-            "switch_einsum", SwitchEinsumMoE, "softmax", "einsum_capacity",
+            "switch_einsum",
+            SwitchEinsumMoE,
+            _capacity_router,
+            "einsum_capacity",
             "wi [E,H,F] + bi [E,F], wo [E,F,H] + bo [E,H]; einsum dispatch/combine, capacity drops",
-            top_k=1, activation="relu", gated=False, bias=True, capacity_factor=1.0, drops=True,
+            top_k=1,
+            activation="relu",
+            gated=False,
+            bias=True,
+            capacity_factor=1.0,
+            drops=True,
         ),
         _spec(
-            "gshard_einsum", SwitchEinsumMoE, "softmax+renorm", "einsum_capacity",
+            "gshard_einsum",
+            SwitchEinsumMoE,
+            _capacity_router,
+            "einsum_capacity",
             "wi [E,H,F] + bi [E,F], wo [E,F,H] + bo [E,H]; einsum dispatch/combine, capacity drops",
-            top_k=2, activation="relu", gated=False, bias=True, capacity_factor=1.0, drops=True,
+            top_k=2,
+            activation="relu",
+            gated=False,
+            bias=True,
+            capacity_factor=1.0,
+            drops=True,
         ),
         _spec(
-            "deepseek_v3", DeepseekV3MoE, "sigmoid+bias+grouped", "expert_loop",
+            "deepseek_v3",
+            DeepseekV3MoE,
+            "sigmoid+bias+grouped",
+            "expert_loop",
             "experts.gate_up_proj [E,2F,H], experts.down_proj [E,H,F] in a range(E) loop; shared SwiGLU MLP",
-            ffn_size=16, num_experts=16, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True,
-            routed_scaling_factor=2.5, n_shared_experts=1, activation="silu", fixed={"gated": True, "bias": False},
+            ffn_size=16,
+            num_experts=16,
+            top_k=4,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            activation="silu",
+            fixed={"gated": True, "bias": False},
         ),
         _spec(
-            "qwen3", Qwen3MoeSparseMoeBlock, _softmax_router, "expert_loop",
-            "ModuleList of gate_proj/up_proj/down_proj nn.Linear (Qwen3); torch.where per expert + index_add_",
-            top_k=4, activation="silu", norm_topk_prob=False, fixed={"gated": True, "bias": False},
+            "qwen3",
+            Qwen3MoeSparseMoeBlock,
+            _softmax_router,
+            "expert_loop",
+            "ModuleList of gate_proj/up_proj/down_proj nn.Linear (Qwen3); torch.where per expert, index_add_",
+            top_k=4,
+            activation="silu",
+            norm_topk_prob=False,
+            fixed={"gated": True, "bias": False},
         ),
     )
 }

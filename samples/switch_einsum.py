@@ -31,9 +31,7 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     return max(math.ceil(capacity_factor * num_tokens * top_k / num_experts), min_capacity)
 
 
-def topk_gating(
-    logits_TE: torch.Tensor, top_k: int, capacity_C: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_gating(logits_TE: torch.Tensor, top_k: int, capacity_C: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (combine_weights_TEC, dispatch_mask_TEC)."""
     num_experts = logits_TE.size(1)
     gates_TE = F.softmax(logits_TE, dim=1)
@@ -53,7 +51,7 @@ def topk_gating(
 
     gates_s_T = [torch.einsum("te,te->t", gates_TE, m.to(gates_TE.dtype)) for m in masks_TE]
     if top_k > 1:
-        denom_T = torch.clamp(sum(gates_s_T), min=torch.finfo(gates_TE.dtype).eps)
+        denom_T = torch.clamp(torch.stack(gates_s_T).sum(0), min=torch.finfo(gates_TE.dtype).eps)
         gates_s_T = [g / denom_T for g in gates_s_T]
 
     combine_TEC = torch.zeros(
@@ -108,7 +106,9 @@ class SwitchEinsumMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape
         x_TH = x.reshape(-1, hidden)
-        capacity_C = capacity(x_TH.size(0), self.num_experts, self.top_k, self.capacity_factor, self.min_capacity)
+        capacity_C = capacity(
+            x_TH.size(0), self.num_experts, self.top_k, self.capacity_factor, self.min_capacity
+        )
         combine_TEC, dispatch_TEC = topk_gating(self.wg(x_TH), self.top_k, capacity_C)
 
         expert_in_ECH = torch.einsum("tec,th->ech", dispatch_TEC.to(x_TH.dtype), x_TH)
