@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch._dynamo
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe.*)
+from moe_compile import hf
 from moe_compile.backend import hiermoe_backend
 from moe_compile.explain import explain
 from moe_compile.options import Options, parse_options
@@ -39,3 +40,4 @@ def _register_backend() -> None:
 
 
 _register_backend()
+hf.install()

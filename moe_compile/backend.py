@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from moe_compile.dump import dump_graph_report
 from moe_compile.options import Options, parse_options
+from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.pipeline import PassContext, run_pipeline
 from moe_compile.report import GraphReport, RegionReport, SkipReport
 
@@ -46,7 +47,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             hidden_size=reg.hidden_size, ffn_size=lay.ffn_size, activation=lay.activation, gated=lay.gated,
             bias=lay.b_up is not None or lay.b_down is not None, router=reg.router,
             plan=ctx.plans.get(reg.name, "local"), layout=lay.describe(), drops=reg.drops,
-            num_tokens=reg.num_tokens, dtype=reg.dtype, verified=r.verdict is not None,
+            num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
             backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index))
     skipped = [SkipReport(s.name, s.reason, index) for s in ctx.skipped]
@@ -54,6 +55,12 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
         skipped.append(SkipReport(f"graph {index}", "no MoE layer found (no top-k router in this graph)", index))
     return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
                        counters=ctx.counters)
+
+
+def _verification(r: Rewritten) -> str:
+    if r.region.existing_op is not None:
+        return "model already calls the op"
+    return "verified" if r.verdict is not None else "not verified (verify=False)"
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Options,

@@ -26,7 +26,7 @@ class RegionReport:
     drops: bool
     num_tokens: int
     dtype: str
-    verified: bool
+    verification: str  # "verified", "not verified (verify=False)" or "model already calls the op"
     forward_err: float
     backward_err: float
     graph: int
@@ -94,11 +94,11 @@ class Report:
         console = Console(file=buf, width=160, force_terminal=False, color_system=None)
         regions = Table(title=f"hiermoe: {len(self.regions)} MoE layer(s) rewritten in {len(self.graphs)} graph(s)")
         for col in ("graph", "layer", "pattern", "E", "K", "hidden", "ffn", "activation", "router", "layout",
-                    "plan", "verified err (fwd/bwd)"):
+                    "plan", "verified rel. err fwd/bwd"):
             regions.add_column(col)
         for r in self.regions:
             act = f"{r.activation}{' gated' if r.gated else ''}{' +bias' if r.bias else ''}"
-            err = f"{r.forward_err:.1e}/{r.backward_err:.1e}" if r.verified else "NOT verified"
+            err = f"{r.forward_err:.1e}/{r.backward_err:.1e}" if r.verification == "verified" else r.verification
             layout = r.layout + (" (drops kept)" if r.drops else "")
             cells = (str(r.graph), r.name, r.pattern, str(r.num_experts), str(r.top_k), str(r.hidden_size),
                      str(r.ffn_size), act, r.router, layout, r.plan, err)

@@ -62,6 +62,11 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
             result.skipped.extend(Skip(r.name, str(e)) for r in found.regions)
             return result
     for region in reversed(found.regions):
+        if region.existing_op is not None:  # already the expert op: nothing to verify or rewrite
+            op = region.existing_op
+            layout = replace(region.layouts[0], activation=str(op.args[9]))
+            result.rewritten.append(Rewritten(region, region.outputs[0], layout, region.weights[0], None, op))
+            continue
         # Step 1: pick the first interpretation that verifies
         choice, why = _choose(index, params, region, values, verify, result)
         if choice is None:

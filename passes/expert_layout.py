@@ -30,14 +30,22 @@ class ExpertParams:
 
 
 def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) -> ExpertParams:
-    """Split parameter nodes into expert families (E modules), stacked tensors, and the rest."""
+    """Split parameter nodes into expert families (E modules), stacked tensors, and the rest.
+
+    A family is a name pattern with one numeric component (``experts.#.w1.weight``) whose indices,
+    over all parameters of the graph, are exactly 0..E-1; a layer index (``layers.#``) therefore
+    never forms a family unless the model happens to have E layers, and 3-d tensors with a
+    leading E are always stacked expert weights."""
     out = ExpertParams()
+    valid = _valid_family_keys(params, num_experts)
     families: dict[str, dict[int, fx.Node]] = {}
     for n in state:
+        shape = static_shape(n) or ()
+        if len(shape) == 3 and shape[0] == num_experts:
+            continue
         fam = _family_key(params.path[n], num_experts)
-        if fam is not None:
-            key, e = fam
-            families.setdefault(key, {})[e] = n
+        if fam is not None and fam[0] in valid:
+            families.setdefault(fam[0], {})[fam[1]] = n
     grouped = {n for members in families.values() for n in members.values()}
     for _key, members in sorted(families.items()):
         if len(members) != num_experts:
@@ -56,6 +64,15 @@ def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) 
         else:
             out.foreign.append(n)
     return out
+
+
+def _valid_family_keys(params: ParamTable, num_experts: int) -> set[str]:
+    indices: dict[str, set[int]] = {}
+    for path in params.path.values():
+        fam = _family_key(path, num_experts)
+        if fam is not None:
+            indices.setdefault(fam[0], set()).add(fam[1])
+    return {k for k, idx in indices.items() if idx == set(range(num_experts))}
 
 
 def _family_key(path: str, num_experts: int) -> tuple[str, int] | None:

@@ -210,6 +210,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         return Skip(name, "no routing-weight tensor ([T, K], [T, E] or [T, E, C]) feeds the combine")
 
     ffn = layouts[0].ffn_size
+    existing = next((n for n in index.ordered(region_nodes) if ops.qualified_op(n) == "hiermoe::experts"), None)
     dtype = tensor_meta(router.tokens).dtype  # type: ignore[union-attr]
     return MoERegion(
         name=name,
@@ -227,6 +228,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         outputs=tuple(outputs),
         layouts=tuple(h.layout for h in layouts),
         weights=tuple(weights),
+        existing_op=existing,
     )
 
 
@@ -304,6 +306,8 @@ def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], after_topk: set[f
 
 def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:
     names = {ops.op_name(n) for n in nodes}
+    if any(ops.qualified_op(n) == "hiermoe::experts" for n in nodes):
+        return "experts_interface"
     if names & {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}:
         return "grouped_mm"
     if "einsum" in names and any(len(static_shape(n) or ()) == 3 for n in nodes if ops.is_einsum(n)):

@@ -102,6 +102,8 @@ class MoERegion:
     outputs: tuple[OutputCandidate, ...]
     layouts: tuple[ExpertLayout, ...]
     weights: tuple[RoutingWeights, ...]
+    # set when the model already calls hiermoe::experts (transformers experts_implementation="hiermoe")
+    existing_op: fx.Node | None = None
 
 
 @dataclass(frozen=True)
