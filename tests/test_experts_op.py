@@ -24,14 +24,15 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
+from torch._dynamo.utils import counters
+
 from moe_compile.lowering import (  # registers hiermoe::*
     ACTIVATIONS,
     experts_flops,
     experts_ref,
     experts_reference,
 )
-from torch import Tensor
-from torch._dynamo.utils import counters
 
 E, H, FF = 4, 8, 16  # H, F multiples of 4 fp32 elements: the grouped_mm path on CPU
 TOL = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 6e-3}

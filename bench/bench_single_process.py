@@ -1,0 +1,361 @@
+"""Single-process forward+backward time and peak memory: hiermoe-compiled models vs eager, side by side.
+
+    python bench/bench_single_process.py              # full run, writes bench/results/single_process.{md,json}
+    python bench/bench_single_process.py --quick      # small shapes, seconds, prints only
+
+Cases (all fp32, one training step = forward + loss + backward, no optimizer):
+  expert_loop   the registry's per-expert loop layer (Mixtral v4 style, "(c)"), input [B, S, H]
+  dense_masked  the registry's dense masked layer (every expert on every token, "(d)")
+  hf_mixtral    transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
+
+Variants: eager; hiermoe with inner compiler inductor; hiermoe with inner compiler aot_eager; and
+plain torch.compile (inductor, no MoE rewrite) as a reference for what the rewrite itself adds.
+
+Method: every variant gets its own deep copy of one model (identical weights) and sees the same
+inputs. After warm-up (which includes compilation), each repetition times one step of every variant,
+in a rotating order, so that drift of the machine hits all variants alike. Reported: median, min and
+max over repetitions, and the ratio median(variant) / median(eager). Peak memory is measured in one
+extra, untimed step per variant: on CUDA, torch.cuda.max_memory_allocated above the bytes allocated
+before the step; on CPU, the peak of the running sum of the CPU allocator's allocation and free
+events recorded by torch.profiler(profile_memory=True), i.e. the largest number of tensor bytes
+allocated during the step that were live at one time (parameters and inputs excluded, gradients and
+saved activations included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch._dynamo
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+import moe_compile
+from moe_compile.backend import collect_reports
+from moe_compile.samples import SAMPLES
+
+VARIANTS = ("eager", "hiermoe+inductor", "hiermoe+aot_eager", "inductor")
+CASES = ("expert_loop", "dense_masked", "hf_mixtral")
+console = Console()
+
+
+@dataclass
+class Shape:
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    seq: int
+
+    @property
+    def batch(self) -> int:
+        return max(1, self.tokens // self.seq)
+
+
+@dataclass
+class Result:
+    case: str
+    variant: str
+    times_s: list[float] = field(default_factory=list)
+    compile_s: float = float("nan")
+    peak_bytes: int | None = None
+    rewritten: int | None = None  # MoE layers hiermoe rewrote (None: not a hiermoe variant)
+    left_alone: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s) if self.times_s else float("nan")
+
+
+# ---- models and one training step per case ---------------------------------------------------
+
+
+def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate."""
+    torch.manual_seed(0)
+    if case in ("expert_loop", "dense_masked"):
+        model = SAMPLES[case].make(hidden_size=shape.hidden, ffn_size=shape.ffn, num_experts=shape.experts,
+                                   top_k=shape.top_k).to(device)
+        x = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, requires_grad=True)
+        # A fixed random upstream gradient, as if the layer sat inside a model.
+        grad_out = torch.randn(shape.batch, shape.seq, shape.hidden, device=device)
+
+        def layer_step(m: nn.Module) -> torch.Tensor:
+            x.grad = None
+            return (m(x) * grad_out).sum()
+
+        return model, layer_step
+    if case == "hf_mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=1024, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, num_local_experts=shape.experts,
+            num_experts_per_tok=shape.top_k, max_position_embeddings=max(shape.seq, 128),
+        )
+        hf = MixtralForCausalLM(config).to(device)
+        hf.set_experts_implementation("grouped_mm")
+        ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
+
+        def lm_step(m: nn.Module) -> torch.Tensor:
+            return m(input_ids=ids, labels=ids).loss
+
+        return hf, lm_step
+    raise ValueError(f"unknown case {case!r}; use one of {CASES}")
+
+
+def make_variant(model: nn.Module, variant: str) -> nn.Module:
+    model = copy.deepcopy(model)
+    if variant == "eager":
+        return model
+    if variant == "inductor":
+        return cast(nn.Module, torch.compile(model))
+    inner = variant.split("+", 1)[1]
+    return cast(nn.Module, torch.compile(model, backend="hiermoe", options={"inner_compiler": inner}))
+
+
+# ---- measurement -------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -> None:
+    for p in model.parameters():
+        p.grad = None
+    step(model).backward()
+
+
+def timed_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    run_step(model, step)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def peak_step_bytes(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: torch.device) -> int:
+    """Peak bytes allocated during one step above what was allocated before it (see module docstring)."""
+    for p in model.parameters():
+        p.grad = None
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step(model, step)
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(model).backward()
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def bench_case(case: str, shape: Shape, variants: list[str], reps: int, warmup: int,
+               device: torch.device) -> list[Result]:
+    torch._dynamo.reset()
+    base, step = build_case(case, shape, device)
+    results = {v: Result(case, v) for v in variants}
+    models: dict[str, nn.Module] = {}
+    for v in variants:
+        res = results[v]
+        try:
+            with collect_reports() as graphs:
+                models[v] = make_variant(base, v)
+                start = time.perf_counter()
+                for _ in range(warmup):
+                    run_step(models[v], step)
+                sync(device)
+                res.compile_s = time.perf_counter() - start  # warm-up incl. compilation
+            if v.startswith("hiermoe"):
+                res.rewritten = sum(len(g.regions) for g in graphs)
+                res.left_alone = [f"{s.name}: {s.reason}" for g in graphs for s in g.skipped
+                                  if not s.reason.startswith("no MoE layer found")]
+        except Exception as exc:  # a variant that cannot compile is reported, not fatal to the others
+            res.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            models.pop(v, None)
+            console.print(f"[red]{case} / {v} failed: {res.error}")
+        console.print(f"  {case:12s} {v:18s} warm-up {res.compile_s:6.1f} s"
+                      + (f", {res.rewritten} MoE layer(s) rewritten" if res.rewritten is not None else ""))
+    live = [v for v in variants if v in models]
+    for rep in range(reps):
+        order = live[rep % len(live):] + live[: rep % len(live)] if live else []
+        for v in order:
+            results[v].times_s.append(timed_step(models[v], step, device))
+    for v in live:
+        results[v].peak_bytes = peak_step_bytes(models[v], step, device)
+    return [results[v] for v in variants]
+
+
+# ---- output ------------------------------------------------------------------------------------
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu, "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "device": str(device),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def rows(results: list[Result]) -> list[list[str]]:
+    out = []
+    eager = {r.case: r for r in results if r.variant == "eager"}
+    for r in results:
+        e = eager.get(r.case)
+        if r.error:
+            out.append([r.case, r.variant, "failed", "", "", "", "", "", "", r.error])
+            continue
+        ratio = f"{r.median_s / e.median_s:.2f}" if e and e.times_s else "-"
+        mem_ratio = (f"{r.peak_bytes / e.peak_bytes:.2f}" if e and e.peak_bytes and r.peak_bytes is not None
+                     else "-")
+        note = "" if r.rewritten is None else f"{r.rewritten} rewritten"
+        if r.left_alone:
+            note += f"; left alone: {'; '.join(r.left_alone)}"
+        out.append([r.case, r.variant, _ms(r.median_s), f"{_ms(min(r.times_s))} / {_ms(max(r.times_s))}",
+                    ratio, _mib(r.peak_bytes), mem_ratio, f"{r.compile_s:.1f}", str(len(r.times_s)), note])
+    return out
+
+
+HEADERS = ["case", "variant", "median ms", "min / max ms", "time vs eager", "peak MiB", "mem vs eager",
+           "warm-up s", "reps", "MoE layers"]
+
+
+def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], shape: Shape,
+                  command: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"command": command, "machine": info, "shape": asdict(shape),
+               "results": [{**asdict(r), "median_s": r.median_s} for r in results]}
+    (out_dir / "single_process.json").write_text(json.dumps(payload, indent=2) + "\n")
+    lines = [
+        "# Single-process benchmark: hiermoe vs eager (forward + backward)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable, "
+        f"{info['torch_threads']} torch threads); device {info['device']}"
+        + (f" ({info['gpu']})" if "gpu" in info else "")
+        + f"; torch {info['torch']}; transformers {info.get('transformers', '-')}; Python {info['python']}",
+        "",
+        f"Shape: {shape.tokens} tokens (batch {shape.batch} x seq {shape.seq}), hidden {shape.hidden}, "
+        f"ffn {shape.ffn}, {shape.experts} experts, top-{shape.top_k}, fp32. hf_mixtral is a 2-layer "
+        "MixtralForCausalLM (vocab 1024, 4 heads) with experts implementation grouped_mm.",
+        "",
+        "Time: one training step (forward, loss, backward); median and min/max over the repetitions, "
+        "variants interleaved. Peak: tensor bytes live at once during one step above those before it "
+        "(see bench/README.md for how). Ratios are variant / eager (below 1 is better). "
+        "Warm-up includes compilation.",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "|".join("---" for _ in HEADERS) + "|",
+    ]
+    for row in rows(results):
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    (out_dir / "single_process.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7; 3 quick)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (incl. compile)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default 2048; 256 quick)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; 64 quick)")
+    parser.add_argument("--ffn", type=int, default=None, help="expert ffn size (default 512; 128 quick)")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 512; 64 quick)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--quick", action="store_true", help="small shapes and few reps: a smoke test")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results directory (default bench/results; with --quick nothing is written "
+                             "unless --out is given)")
+    args = parser.parse_args(argv)
+
+    quick = args.quick
+    shape = Shape(tokens=args.tokens or (256 if quick else 2048), hidden=args.hidden or (64 if quick else 256),
+                  ffn=args.ffn or (128 if quick else 512), experts=args.experts, top_k=args.top_k,
+                  seq=args.seq or (64 if quick else 512))
+    if shape.tokens % shape.seq:
+        raise ValueError(f"--tokens {shape.tokens} must be a multiple of --seq {shape.seq}")
+    reps = args.reps or (3 if quick else 7)
+    variants = ["eager"] + [v for v in args.variants if v != "eager"]  # ratios need eager
+    device = torch.device(args.device)
+    out_dir = args.out if args.out is not None else (None if quick else Path(__file__).parent / "results")
+    # Several compiled copies of one module class, each a separate Dynamo cache entry.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    assert moe_compile.hiermoe_backend is not None  # importing moe_compile registered the backend
+
+    info = machine_info(device)
+    command = "python bench/bench_single_process.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    console.print(f"{info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}, device {device}; "
+                  f"{shape}; reps {reps}")
+    results: list[Result] = []
+    for case in args.cases:
+        results.extend(bench_case(case, shape, variants, reps, args.warmup, device))
+
+    table = Table(title=f"forward+backward, {shape.tokens} tokens, H={shape.hidden} F={shape.ffn} "
+                        f"E={shape.experts} K={shape.top_k}, {device}")
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h in ("case", "variant", "MoE layers") else "right",
+                         overflow="fold")
+    for row in rows(results):
+        table.add_row(*row)
+    console.print(table)
+    if out_dir is not None:
+        write_results(out_dir, results, info, shape, command.strip())
+        console.print(f"wrote {out_dir / 'single_process.md'} and {out_dir / 'single_process.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Helpers shared by the compile tests: run a model eager and compiled with hiermoe, compare.
+
+Tolerance (fp32): the rewrite replaces the layer's matmuls and sums by the expert op's, which
+sums the same products in another order, so results differ by rounding only (~1e-7 relative);
+1e-5 of each tensor's scale (its largest magnitude, at least 1) leaves headroom for that and
+still fails on any real semantic difference.  If a comparison fails, fix the finder or the op,
+not the tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+import moe_compile
+from moe_compile.backend import collect_reports
+from moe_compile.report import Report
+
+RTOL = 1e-5
+
+
+@dataclass
+class Comparison:
+    report: Report
+    out_err: float
+    grad_errs: dict[str, float]
+
+    def assert_close(self, rtol: float = RTOL) -> None:
+        assert self.out_err <= rtol, f"output differs from eager: {self.out_err:.2e} (relative to scale)"
+        bad = {k: v for k, v in self.grad_errs.items() if v > rtol}
+        assert not bad, f"gradients differ from eager (relative to scale): {bad}"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max(1, max |b|)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1.0)).item()
+
+
+def _first_tensor(out: object) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"cannot find the output tensor in {type(out).__name__}")
+
+
+def compare_compiled(model: torch.nn.Module, inputs: Sequence[torch.Tensor], options: dict | None = None,
+                     input_grads: bool = True) -> Comparison:
+    """Compile ``model`` with hiermoe, run it and eager on the same inputs with the same random
+    cotangent, and compare the outputs and the gradients of every parameter (and float input)."""
+    options = {"inner_compiler": "aot_eager", **(options or {})}
+    torch._dynamo.reset()
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def run(fn: object) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        xs = [x.detach().clone().requires_grad_(input_grads and x.is_floating_point()) for x in inputs]
+        out = _first_tensor(fn(*xs))  # type: ignore[operator]
+        leaves = [p for _, p in params] + [x for x in xs if x.requires_grad]
+        gen = torch.Generator().manual_seed(123)
+        cot = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+        grads = torch.autograd.grad(out, leaves, cot, allow_unused=True, materialize_grads=True)
+        return out.detach(), list(grads)
+
+    with collect_reports() as graphs:
+        compiled = torch.compile(model, backend="hiermoe", options=options)
+        out_c, grads_c = run(compiled)
+    out_e, grads_e = run(model)
+    names = [n for n, _ in params] + [f"input{i}" for i, x in enumerate(inputs) if input_grads and x.is_floating_point()]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, grads_c, grads_e)}
+    return Comparison(report=Report(graphs=list(graphs)), out_err=rel_err(out_c, out_e), grad_errs=errs)
+
+
+def op_count(report: Report) -> int:
+    return report.after.count("torch.ops.hiermoe.experts.default(")
+
+
+__all__ = ["Comparison", "compare_compiled", "moe_compile", "op_count", "rel_err"]
