@@ -49,7 +49,8 @@ from moe_compile.samples import SAMPLES
 
 VARIANTS = ("eager", "hiermoe+inductor", "hiermoe+aot_eager", "inductor")
 CASES = ("expert_loop", "dense_masked", "hf_mixtral")
-console = Console()
+# Wide enough for the results table when stdout is a file or pipe (rich assumes 80 columns there).
+console = Console(width=None if Console().is_terminal else 170)
 
 
 @dataclass
@@ -227,6 +228,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "cpu": cpu, "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "platform": platform.platform(), "device": str(device),
+        # Other processes on the machine disturb CPU timings; the load before the run says how busy it was.
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
     }
     try:
         import transformers
@@ -282,7 +285,8 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         f"Command: `{command}`",
         "",
         f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable, "
-        f"{info['torch_threads']} torch threads); device {info['device']}"
+        f"{info['torch_threads']} torch threads; 1-min load average {info['loadavg_1m_at_start']} at start); "
+        f"device {info['device']}"
         + (f" ({info['gpu']})" if "gpu" in info else "")
         + f"; torch {info['torch']}; transformers {info.get('transformers', '-')}; Python {info['python']}",
         "",

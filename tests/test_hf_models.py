@@ -1,0 +1,96 @@
+"""Hugging Face transformers MoE models from small random configs, compiled with hiermoe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compile_utils import compare_compiled, op_count
+from hf_models import build, input_ids
+
+import moe_compile
+
+pytest.importorskip("transformers")
+
+# Families whose experts run through transformers' ExpertsInterface; each must be found and
+# rewritten in every layer (2 layers each) under both stock implementations.
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe",
+            "glm4_moe", "dots1", "minimax", "hunyuan_v1_moe"]
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_mixtral_grouped_and_batched_mm(impl: str) -> None:
+    model = build("mixtral", impl)
+    cmp = compare_compiled(model, [input_ids()], input_grads=False)
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 2 and op_count(cmp.report) == 2
+    assert {r.pattern for r in cmp.report.regions} == {"grouped_mm" if impl == "grouped_mm" else "gathered_bmm"}
+    r = cmp.report.regions[0]
+    assert (r.num_experts, r.top_k, r.hidden_size, r.ffn_size, r.activation, r.gated) == (8, 2, 32, 48, "silu", True)
+    assert r.router == "softmax+renorm"
+    assert [r.name for r in cmp.report.regions] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_family(family: str) -> None:
+    model = build(family)
+    cmp = compare_compiled(model, [input_ids()], input_grads=False)
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 2, cmp.report
+    assert op_count(cmp.report) == 2
+
+
+def test_eager_experts_implementation_reports_the_graph_break() -> None:
+    """HF's eager experts loop over `expert_hit` (a data-dependent tensor) splits the graph: nothing
+    can be rewritten, the model still runs, and the report says why and what to change."""
+    model = build("mixtral", "eager")
+    ids = input_ids()
+    report = moe_compile.explain(model, ids, options={"inner_compiler": "aot_eager"})
+    assert report.regions == []
+    reasons = " ".join(s.reason for s in report.skipped)
+    assert "graph break" in reasons and "set_experts_implementation" in reasons
+    assert report.graph_breaks
+
+
+def test_gpt_oss_custom_gate_is_left_alone_with_reason() -> None:
+    """GPT-OSS clamps and scales its SwiGLU; the op does not implement that, so verification
+    must reject every interpretation and keep the original layer (outputs still equal eager)."""
+    model = build("gpt_oss")
+    cmp = compare_compiled(model, [input_ids()], input_grads=False)
+    cmp.assert_close()
+    assert cmp.report.regions == []
+    reasons = [s.reason for s in cmp.report.skipped if "layers" in s.name]
+    assert len(reasons) == 2 and all("verification failed" in r for r in reasons)
+
+
+def test_hiermoe_experts_implementation() -> None:
+    """set_experts_implementation("hiermoe") routes HF experts straight to the op, in eager and
+    compiled, with the same results as grouped_mm; the report lists the layers."""
+    model = build("mixtral", "grouped_mm")
+    ids = input_ids()
+    ref = model(ids).logits
+    model.set_experts_implementation("hiermoe")
+    got = model(ids).logits
+    assert (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
+    cmp = compare_compiled(model, [ids], input_grads=False)
+    cmp.assert_close()
+    assert [r.pattern for r in cmp.report.regions] == ["experts_interface"] * 2
+    assert op_count(cmp.report) == 2
+
+
+def test_hiermoe_experts_implementation_rejects_custom_gate() -> None:
+    model = build("gpt_oss", "grouped_mm")
+    model.set_experts_implementation("hiermoe")
+    with pytest.raises(ValueError, match="gating function"):
+        model(input_ids())
+
+
+def test_hiermoe_experts_implementation_gradients_match() -> None:
+    ids = input_ids()
+    grads = {}
+    for impl in ("grouped_mm", "hiermoe"):
+        model = build("qwen3_moe", impl)
+        model(ids).logits.square().mean().backward()
+        grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["grouped_mm"].keys() == grads["hiermoe"].keys()
+    for n, g in grads["grouped_mm"].items():
+        assert torch.allclose(grads["hiermoe"][n], g, rtol=1e-4, atol=1e-6), n
