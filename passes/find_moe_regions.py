@@ -150,7 +150,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     num_tokens = 1
     for s in t_shape[:-1]:
         num_tokens *= s
-    label = _label(params, [router.weight])
+    label = _label(params, [router.weight], router.logits)
     if k is None or idx_node is None:
         return Skip(label, "top-k with a data-dependent k or unused indices; cannot tell the experts per token")
 
@@ -198,7 +198,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     tokens = _expert_tokens(index, params, region_nodes, router.tokens)
 
     # Step 2: expert roles and layouts
-    name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]])
+    name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]], router.logits)
     layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts)
     if not layouts:
         return Skip(name, why)
@@ -342,12 +342,22 @@ def _router_kind(index: GraphIndex, router: _Router, region: set[fx.Node]) -> st
     return "+".join(parts)
 
 
-def _label(params: ParamTable, state: list[fx.Node]) -> str:
+def _label(params: ParamTable, state: list[fx.Node], anchor: fx.Node) -> str:
+    """The MoE block's module path (``model.layers.3.mlp``); the block's class name when the
+    compiled module is the block itself."""
     paths = [params.path[n] for n in state if n in params]
     # module paths: drop the parameter name (``gate.weight`` -> ``gate``)
     prefix = common_prefix([p.rsplit(".", 1)[0] if "." in p else "" for p in paths])
-    # drop a trailing expert/router module name so the label is the MoE block itself
-    return re.sub(r"\.(experts|gate|router)$", "", prefix) or (paths[0] if paths else "<graph>")
+    if len(paths) == 1:
+        prefix = re.sub(r"\.(gate|router|wg)$", "", prefix)
+    prefix = re.sub(r"^(experts|gate|router|wg)$", "", prefix)
+    if prefix:
+        return re.sub(r"\.(experts|gate|router)$", "", prefix)
+    stack = anchor.meta.get("nn_module_stack") or {}
+    first = next(iter(stack.values()), None)
+    cls = first[1] if first else None
+    name = getattr(cls, "__name__", None) or (str(cls).rsplit(".", 1)[-1].strip("'>") if cls else "")
+    return f"{name} (compiled module)" if name else "<compiled module>"
 
 
 def _graph_break_hint(index: GraphIndex, topk: fx.Node) -> str:

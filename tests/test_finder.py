@@ -1,0 +1,131 @@
+"""find_moe_regions on small Dynamo graphs: how many regions, and the fields of each.
+
+If one of these fails, fix the finder, not the assertion."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
+from moe_compile.samples import SAMPLES, example_input
+
+
+def find(fn: object, *inputs: torch.Tensor) -> FindResult:
+    """Run the finder inside a backend, where Dynamo's graph metadata (parameter sources) is live."""
+    found = []
+
+    def backend(gm: torch.fx.GraphModule, ex: list) -> object:
+        found.append(find_moe_regions(gm, ex))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    assert len(found) == 1
+    return found[0]
+
+
+class StackedMoE(nn.Module):
+    """Minimal gathered-weights MoE; `method_form` writes top-k as a tensor method."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4, k: int = 2, method_form: bool = False) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+        self.k, self.method_form = k, method_form
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        probs_TE = self.router(x_TH).softmax(-1)
+        if self.method_form:
+            w_TK, idx_TK = probs_TE.topk(self.k, dim=-1)
+        else:
+            w_TK, idx_TK = torch.topk(probs_TE, self.k, dim=-1)
+        h = torch.einsum("tkfh,th->tkf", self.w_up[idx_TK], x_TH)
+        y = torch.einsum("tkhf,tkf->tkh", self.w_down[idx_TK], F.relu(h))
+        return (y * w_TK.unsqueeze(-1)).sum(1)
+
+
+def test_call_function_and_call_method_topk_are_both_found() -> None:
+    x = torch.randn(10, 16)
+    for method_form in (False, True):
+        found = find(StackedMoE(method_form=method_form), x)
+        assert len(found.regions) == 1 and found.num_topk == 1
+        r = found.regions[0]
+        assert (r.num_experts, r.top_k, r.hidden_size, r.num_tokens) == (4, 2, 16, 10)
+        assert r.layouts[0].ffn_size == 24 and r.layouts[0].activation == "relu" and not r.layouts[0].gated
+        assert r.router == "softmax"
+
+
+def test_two_layers_in_one_graph_are_two_regions() -> None:
+    a, b = StackedMoE(), StackedMoE(k=1)
+    found = find(lambda x: b(a(x) + x), torch.randn(6, 16))
+    assert [r.top_k for r in found.regions] == [2, 1]
+    # each layer's routed output lies inside its own layer
+    assert found.regions[0].outputs[0].node is not found.regions[1].outputs[0].node
+
+
+def test_group_limited_topk_is_part_of_the_router() -> None:
+    spec = SAMPLES["deepseek_v3"]
+    found = find(spec.make(), example_input(spec))
+    assert found.num_topk == 3  # top-2 score per group, group selection, expert selection
+    assert len(found.regions) == 1 and not found.skipped
+    r = found.regions[0]
+    assert "grouped" in r.router and r.router.startswith("sigmoid+bias")
+    assert (r.num_experts, r.top_k) == (spec.num_experts, spec.top_k)
+
+
+def test_topk_that_is_not_a_router_is_skipped_with_reason() -> None:
+    def not_moe(x: torch.Tensor) -> torch.Tensor:
+        vals, _ = torch.topk(x.abs(), 3, dim=-1)  # top-k of activations, no router projection
+        return vals.sum(-1)
+
+    found = find(not_moe, torch.randn(5, 16))
+    assert found.regions == [] and found.num_topk == 1
+    assert "not fed by a router projection" in found.skipped[0].reason
+
+
+def test_no_topk_no_regions() -> None:
+    found = find(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(3, 8))
+    assert found.regions == [] and found.skipped == [] and found.num_topk == 0
+
+
+def test_transformers_grouped_mm_fallback_op_is_recognized() -> None:
+    """HF's `transformers::grouped_mm_fallback` (what grouped_mm uses for fp32 under compile)."""
+    import transformers.integrations.moe  # noqa: F401  (registers the op)
+
+    class HFStyle(nn.Module):
+        def __init__(self, h: int = 16, f: int = 12, e: int = 4, k: int = 2) -> None:
+            super().__init__()
+            self.gate = nn.Linear(h, e, bias=False)
+            self.up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+            self.down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+            self.e, self.k = e, k
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w, idx = torch.topk(self.gate(x).softmax(-1), self.k)
+            ids, perm = torch.sort(idx.reshape(-1))
+            xs = x[perm // self.k]
+            offs = torch.cumsum(torch.histc(ids.float(), bins=self.e, min=0, max=self.e - 1), 0, dtype=torch.int32)
+            h = torch.ops.transformers.grouped_mm_fallback(xs, self.up.transpose(-2, -1), offs)
+            y = torch.ops.transformers.grouped_mm_fallback(F.gelu(h), self.down.transpose(-2, -1), offs)
+            y = y * w.reshape(-1)[perm].unsqueeze(-1)
+            out = torch.zeros_like(x)
+            return out.index_add(0, perm // self.k, y)
+
+    found = find(HFStyle(), torch.randn(9, 16))
+    assert len(found.regions) == 1
+    r = found.regions[0]
+    assert r.pattern == "grouped_mm" and r.layouts[0].activation == "gelu" and r.layouts[0].ffn_size == 12
+
+
+def test_every_sample_is_found_with_its_fields() -> None:
+    for name, spec in SAMPLES.items():
+        torch.manual_seed(0)
+        found = find(spec.make(), example_input(spec))
+        assert len(found.regions) == 1, (name, found.skipped)
+        r = found.regions[0]
+        assert (r.num_experts, r.top_k, r.hidden_size) == (spec.num_experts, spec.top_k, spec.hidden_size), name
+        assert any(lay.ffn_size == spec.ffn_size and lay.activation == spec.activation for lay in r.layouts), name
+        assert r.name.endswith("(compiled module)"), r.name
