@@ -1,0 +1,102 @@
+"""Bad input: models without MoE, layers that fail verification, bad options, and the guarantee
+that compiling never modifies the user's model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from compile_utils import compare_compiled, op_count
+from torch import nn
+
+import moe_compile
+from moe_compile.samples import SAMPLES, example_input
+
+
+def test_model_without_moe_compiles_unchanged() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    cmp = compare_compiled(model, [torch.randn(4, 16)])
+    cmp.assert_close()
+    assert cmp.report.regions == []
+    assert any("no MoE layer found" in s.reason for s in cmp.report.skipped)
+    g = cmp.report.graphs[0]
+    assert g.before == g.after
+
+
+class ClampedGLU(nn.Module):
+    """An MoE whose experts use a clamped gate (like GPT-OSS): not an activation the op has, so
+    every interpretation fails verification and the layer must stay as written."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_gate = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.topk(self.router(x).softmax(-1), 2)
+        g = torch.einsum("tkfh,th->tkf", self.w_gate[idx], x).clamp(max=0.5)
+        u = torch.einsum("tkfh,th->tkf", self.w_up[idx], x)
+        y = torch.einsum("tkhf,tkf->tkh", self.w_down[idx], F.silu(g) * u)
+        return (y * w.unsqueeze(-1)).sum(1)
+
+
+def test_layer_failing_verification_is_left_alone_with_reason() -> None:
+    cmp = compare_compiled(ClampedGLU(), [torch.randn(12, 16)])
+    cmp.assert_close()
+    assert cmp.report.regions == [] and op_count(cmp.report) == 0
+    (skip,) = [s for s in cmp.report.skipped if "verification" in s.reason]
+    assert "left unchanged" in skip.reason and "outputs differ" in skip.reason
+
+
+def test_unknown_option_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown hiermoe option\(s\) \['inner'\]; valid options are .*inner_compiler"):
+        moe_compile.parse_options({"inner": "eager"})
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"inner_compiler": "tvm"}, r"'inner_compiler' must be one of \['inductor', 'aot_eager', 'eager'\]"),
+        ({"disable_passes": ["fuse"]}, r"'disable_passes' names unknown pass\(es\) \['fuse'\]"),
+        ({"disable_passes": "canonicalize"}, r"'disable_passes' must be a list"),
+        ({"verify": "yes"}, r"'verify' must be True or False"),
+    ],
+)
+def test_bad_option_values(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        moe_compile.parse_options(options)
+
+
+def test_bad_option_fails_at_compile_time_through_torch_compile() -> None:
+    spec = SAMPLES["expert_loop"]
+    torch._dynamo.reset()
+    compiled = torch.compile(spec.make(), backend="hiermoe", options={"inner_compiler": "nope"})
+    with pytest.raises(Exception, match="inner_compiler"):
+        compiled(example_input(spec))
+
+
+def test_disabling_canonicalize_keeps_layer_and_says_so() -> None:
+    spec = SAMPLES["gathered_bmm"]
+    cmp = compare_compiled(spec.make(), [example_input(spec)], {"disable_passes": ["canonicalize"]})
+    cmp.assert_close()
+    assert cmp.report.regions == [] and op_count(cmp.report) == 0
+    assert any("canonicalize pass is disabled" in s.reason for s in cmp.report.skipped)
+    assert cmp.report.graphs[0].counters["canonicalize"] == {"disabled": 1}
+
+
+def test_compiling_does_not_modify_the_model() -> None:
+    spec = SAMPLES["expert_loop"]
+    torch.manual_seed(0)
+    model = spec.make()
+    params_before = {n: p for n, p in model.named_parameters()}
+    values_before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    modules_before = [type(m) for m in model.modules()]
+    cmp = compare_compiled(model, [example_input(spec)])
+    assert cmp.report.regions
+    assert {n: p for n, p in model.named_parameters()} == params_before  # same objects
+    for n, v in model.state_dict().items():
+        assert torch.equal(v, values_before[n]), n
+    assert [type(m) for m in model.modules()] == modules_before
+    assert "OptimizedModule" not in type(model).__name__
