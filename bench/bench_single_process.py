@@ -109,8 +109,9 @@ def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module
             num_attention_heads=4, num_key_value_heads=4, num_local_experts=shape.experts,
             num_experts_per_tok=shape.top_k, max_position_embeddings=max(shape.seq, 128),
         )
-        hf = MixtralForCausalLM(config).to(device)
+        hf = MixtralForCausalLM(config)
         hf.set_experts_implementation("grouped_mm")
+        cast(nn.Module, hf).to(device)  # transformers' typed wrapper of .to confuses mypy
         ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
 
         def lm_step(m: nn.Module) -> torch.Tensor:
@@ -309,7 +310,7 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7; 3 quick)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 11; 3 quick)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (incl. compile)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default 2048; 256 quick)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; 64 quick)")
@@ -320,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's default, one per usable core)")
     parser.add_argument("--quick", action="store_true", help="small shapes and few reps: a smoke test")
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default bench/results; with --quick nothing is written "
@@ -327,12 +330,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     quick = args.quick
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     shape = Shape(tokens=args.tokens or (256 if quick else 2048), hidden=args.hidden or (64 if quick else 256),
                   ffn=args.ffn or (128 if quick else 512), experts=args.experts, top_k=args.top_k,
                   seq=args.seq or (64 if quick else 512))
     if shape.tokens % shape.seq:
         raise ValueError(f"--tokens {shape.tokens} must be a multiple of --seq {shape.seq}")
-    reps = args.reps or (3 if quick else 7)
+    reps = args.reps or (3 if quick else 11)
     variants = ["eager"] + [v for v in args.variants if v != "eager"]  # ratios need eager
     device = torch.device(args.device)
     out_dir = args.out if args.out is not None else (None if quick else Path(__file__).parent / "results")

@@ -77,14 +77,26 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
     y_TH = op
     out_shape = static_shape(output)
     if out_shape is not None and out_shape != (region.num_tokens, hidden):
-        if out_shape == static_shape(region.tokens):
-            y_TH = graph.call_method("reshape_as", (y_TH, m(region.tokens)))
-        else:
-            y_TH = graph.call_method("reshape", (y_TH, *out_shape))
+        template = shape_source(region, output)
+        assert template is not None, "the finder only accepts outputs shaped like the tokens"
+        # reshape_as a node of that shape keeps symbolic sizes symbolic under dynamic shapes
+        y_TH = graph.call_method("reshape_as", (y_TH, m(template)))
     out_meta, x_meta = tensor_meta(output), tensor_meta(region.tokens)
     if out_meta is not None and x_meta is not None and out_meta.dtype != x_meta.dtype:
         y_TH = graph.call_method("to", (y_TH, out_meta.dtype))
     return op, y_TH
+
+
+def shape_source(region: MoERegion, output: fx.Node) -> fx.Node | None:
+    """A node on the tokens' way to the router with ``output``'s shape ([B, S, H] before the
+    flattening view), to reshape the op's [T, H] result like."""
+    want = static_shape(output)
+    n: object = region.tokens
+    while isinstance(n, fx.Node):
+        if static_shape(n) == want:
+            return n
+        n = n.args[0] if n.args and n.op in ("call_method", "call_function") else None
+    return None
 
 
 def _split(graph: fx.Graph, w: fx.Node, order: str, ffn: int) -> tuple[fx.Node, fx.Node]:

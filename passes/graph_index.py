@@ -79,10 +79,14 @@ def static_shape(node: fx.Node) -> tuple[int, ...] | None:
         return None
     out = []
     for s in t.shape:
-        try:
+        if isinstance(s, torch.SymInt):
+            # the hint, not int(s): int() would install a guard and specialize the graph
+            hint = s.node.hint
+            if hint is None:  # unbacked (data-dependent) size
+                return None
+            out.append(int(hint))
+        else:
             out.append(int(s))
-        except Exception:  # unbacked SymInt (data-dependent size)
-            return None
     return tuple(out)
 
 

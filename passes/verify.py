@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.emit import emit_expert_op
+from moe_compile.passes.emit import emit_expert_op, shape_source
 from moe_compile.passes.graph_index import GraphIndex
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights
@@ -79,6 +79,10 @@ def _materialize(ex: object, node: fx.Node, clone: bool) -> object:
             "numerically; compile with real inputs or pass options={'verify': False}")
     if clone and isinstance(ex, torch.Tensor):
         return ex.detach().clone()
+    if isinstance(ex, torch.SymInt | torch.SymFloat | torch.SymBool):
+        # dynamic shapes: run on the size hint without int(), which would add a guard and
+        # specialize the graph
+        return ex.node.hint
     return ex
 
 
@@ -95,6 +99,9 @@ def boundary_of(index: GraphIndex, params: ParamTable, region: MoERegion, cand: 
     inner = {n for n in cand.nodes if n not in params}
     bnd = {d for n in inner for d in index.deps[n]} - inner
     bnd |= {region.tokens, region.topk}
+    template = shape_source(region, cand.node)
+    if template is not None:
+        bnd.add(template)
     bnd |= {w.node for w in region.weights if w.node not in inner}
     return index.ordered(bnd)
 

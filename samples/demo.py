@@ -30,7 +30,7 @@ import moe_compile
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 from moe_compile.samples.train_tiny_lm import counting_batch, train
 
-OPTIONS: dict[str, object] = {"inner_compiler": "aot_eager"}
+OPTIONS: dict[str, Any] = {"inner_compiler": "aot_eager"}
 
 console = Console()
 
