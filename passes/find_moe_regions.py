@@ -215,7 +215,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     return MoERegion(
         name=name,
         pattern=_pattern(region_nodes, experts, any(w.kind == "combine" for w in weights)),
-        router=_router_kind(index, router, region_nodes),
+        router=_router_kind(index, router, weights),
         topk=a,
         tokens=tokens,
         num_experts=num_experts,
@@ -319,25 +319,25 @@ def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:
     return "dense_masked"
 
 
-def _router_kind(index: GraphIndex, router: _Router, region: set[fx.Node]) -> str:
-    parts = []
+def _router_kind(index: GraphIndex, router: _Router, weights: list[RoutingWeights]) -> str:
+    """A label for the routing rule: score function, selection bias, group-limited top-k, and
+    what happens to the top-k scores on their way to the most likely routing weights."""
     rnodes = router.nodes
     if any(ops.is_sigmoid(n) for n in rnodes):
-        parts.append("sigmoid")
+        parts = ["sigmoid"]
     elif any(ops.is_softmax(n) for n in rnodes):
-        parts.append("softmax")
+        parts = ["softmax"]
     else:
-        parts.append("logits")
-    if any(ops.is_add(n) and any(isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr")
-                                 for a in n.args) for n in rnodes):
-        parts.append("bias")
+        parts = ["logits"]
+    if any(ops.is_add(n) and any(isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") for a in n.args)
+           for n in rnodes):
+        parts.append("bias")  # a selection bias (DeepSeek-V3's e_score_correction_bias)
     if any(ops.is_topk(n) for n in rnodes):
         parts.append("grouped")
-    post = region | {n for n in index.descendants([router.topk]) if index.pos[n] < min(
-        (index.pos[x] for x in region), default=0)}
-    if parts[0] == "logits" and any(ops.is_softmax(n) for n in post):
+    path = index.ancestors([weights[0].node]) & index.descendants([router.topk]) if weights else set()
+    if parts[0] == "logits" and any(ops.is_softmax(n) for n in path):
         parts[0] = "topk+softmax"
-    if any(ops.is_div(n) for n in post):
+    if any(ops.is_div(n) for n in path):
         parts.append("renorm")
     return "+".join(parts)
 

@@ -11,6 +11,7 @@ respect to every floating boundary value (tokens, routing weights, expert weight
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from moe_compile.passes.emit import emit_expert_op, shape_source
 from moe_compile.passes.graph_index import GraphIndex
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights
+
+log = logging.getLogger(__name__)
 
 # Relative tolerance (to the larger magnitude of the two tensors) per dtype.  Interpretations that
 # are wrong (swapped gate/up, wrong orientation, dropless instead of capacity-limited) are off by
@@ -236,10 +239,8 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
         e = _rel_err(a, b)
         if not _passes(e, a, b):
             ok = False
-            if _DEBUG:
-                print("grad mismatch", tuple(leaf.shape), e, a.abs().max().item(), b.abs().max().item())
+            log.debug("gradient mismatch for a boundary value of shape %s: relative error %.2e",
+                      tuple(leaf.shape), e)
         err = max(err, e)
     return err, ok
 
-
-_DEBUG = bool(__import__("os").environ.get("HIERMOE_DEBUG_VERIFY"))
