@@ -21,7 +21,8 @@ STAMP := $(VENV)/.stamp
 TYPECHECK_TREE := build/typecheck
 
 PYTEST_ARGS ?=
-BENCH_ARGS ?=
+# One torch thread: the committed results were taken so (see bench/README.md, "Threads").
+BENCH_ARGS ?= --threads 1
 
 .PHONY: help setup demo test lint typecheck pytest bench bench-quick clean
 
@@ -33,7 +34,7 @@ help:
 	@echo "make typecheck    mypy over the installed package layout"
 	@echo "make pytest       pytest only (PYTEST_ARGS='-k name' to select)"
 	@echo "make bench        single-process benchmark, writes bench/results/ (a few minutes)"
-	@echo "make bench-quick  the same benchmark at small sizes (seconds; not written to bench/results/)"
+	@echo "make bench-quick  the same benchmark at small sizes (about a minute, mostly compiling; writes nothing)"
 	@echo "make clean        remove .venv, build/ and caches"
 
 setup: $(STAMP)

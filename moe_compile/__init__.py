@@ -36,7 +36,7 @@ def _register_backend() -> None:
     # too would make that lookup fail with "duplicate name".
     installed = "hiermoe" in entry_points(group="torch_dynamo_backends").names
     if not installed and "hiermoe" not in _COMPILER_FNS:
-        register_backend(hiermoe_backend, name="hiermoe")
+        register_backend(hiermoe_backend, name="hiermoe")  # type: ignore[arg-type]
 
 
 _register_backend()

@@ -70,12 +70,12 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Optio
     if opts.inner_compiler == "aot_eager":
         from torch._dynamo.backends.registry import lookup_backend
 
-        return lookup_backend("aot_eager")(gm, example_inputs)
+        return lookup_backend("aot_eager")(gm, example_inputs)  # type: ignore[arg-type]
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     patches = list_mode_options(mode) if mode else None
-    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[arg-type]
+    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[arg-type,return-value]
 
 
 class collect_reports:

@@ -50,7 +50,7 @@ def _activation(module: torch.nn.Module) -> str:
     return _ACTIVATIONS[name]
 
 
-def hiermoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def hiermoe_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers ``ExpertsInterface`` entry: (hidden [T, H], top-k ids, top-k weights) -> [T, H]."""
     from transformers.integrations.moe import _default_apply_gate

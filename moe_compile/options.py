@@ -56,6 +56,7 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'verify' must be True or False, got {kw['verify']!r}")
     if "dump_dir" in kw and kw["dump_dir"] is not None and not isinstance(kw["dump_dir"], str | os.PathLike):
         raise ValueError(f"option 'dump_dir' must be a directory path or None, got {kw['dump_dir']!r}")
-    if kw.get("dump_dir") is not None:
-        kw["dump_dir"] = os.fspath(kw["dump_dir"])  # type: ignore[arg-type]
+    dump_dir = kw.get("dump_dir")
+    if isinstance(dump_dir, os.PathLike):
+        kw["dump_dir"] = os.fspath(dump_dir)
     return Options(**kw)  # type: ignore[arg-type]

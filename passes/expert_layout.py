@@ -57,10 +57,10 @@ def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) 
     for n in state:
         if n in grouped:
             continue
-        shape = static_shape(n)
-        if shape and len(shape) in (2, 3) and shape[0] == num_experts:
+        stacked_shape = static_shape(n)
+        if stacked_shape and len(stacked_shape) in (2, 3) and stacked_shape[0] == num_experts:
             role = WeightRole(nodes=(n,), stacked=True, names=(params.path[n],))
-            (out.weight_roles if len(shape) == 3 else out.bias_roles).append(role)
+            (out.weight_roles if len(stacked_shape) == 3 else out.bias_roles).append(role)
         else:
             out.foreign.append(n)
     return out

@@ -83,7 +83,10 @@ def find_moe_regions(gm: fx.GraphModule, example_inputs: list[object] | None = N
     for i, a in enumerate(routing):
         bound = index.pos[routing[i + 1]] if i + 1 < len(routing) else len(index.nodes)
         found = _region_for(index, params, routers[a], bound)
-        (regions if isinstance(found, MoERegion) else skipped).append(found)
+        if isinstance(found, MoERegion):
+            regions.append(found)
+        else:
+            skipped.append(found)
     return FindResult(regions=regions, skipped=skipped, num_topk=len(anchors), index=index, params=params)
 
 
@@ -143,7 +146,11 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     a = router.topk
     k = ops.topk_k(a)
     idx_node = ops.topk_output(a, 1)
-    num_experts = static_shape(a.args[0])[-1]  # type: ignore[index]
+    scores = a.args[0]
+    assert isinstance(scores, fx.Node)
+    scores_shape = static_shape(scores)
+    assert scores_shape is not None  # _find_router checked it
+    num_experts = scores_shape[-1]
     t_shape = static_shape(router.tokens)
     assert t_shape is not None
     hidden = t_shape[-1]
@@ -263,7 +270,7 @@ def _token_shapes(tokens: fx.Node, num_tokens: int, hidden: int) -> set[tuple[in
     """Shapes the routed output may have: [T, H] or a shape the token input had on its way to
     the router ([B, S, H] before a flattening view).  Equal numel alone is not enough: an
     [E, C, H] expert buffer can hold exactly T*H elements."""
-    shapes = {(num_tokens, hidden)}
+    shapes: set[tuple[int, ...]] = {(num_tokens, hidden)}
     n: object = tokens
     while isinstance(n, fx.Node):
         shape = static_shape(n)

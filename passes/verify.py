@@ -154,7 +154,10 @@ def _synthetic_cases(boundary: list[fx.Node], base: list[object], region: MoEReg
     if region.topk not in boundary:
         return []
     i = boundary.index(region.topk)
-    vals, idx = base[i]  # type: ignore[misc]
+    topk_value = base[i]  # topk's (values, indices)
+    assert isinstance(topk_value, tuple)
+    vals: torch.Tensor = topk_value[0]
+    idx: torch.Tensor = topk_value[1]
     e, k = region.num_experts, region.top_k
     gen = torch.Generator().manual_seed(0)
     w = torch.rand(idx.shape, generator=gen).to(device=vals.device, dtype=vals.dtype)

@@ -32,7 +32,8 @@ from moe_compile.samples.train_tiny_lm import counting_batch, train
 
 OPTIONS: dict[str, Any] = {"inner_compiler": "aot_eager"}
 
-console = Console()
+# Wide enough for the tables when stdout is a file or pipe (rich assumes 80 columns there).
+console = Console(width=None if Console().is_terminal else 120)
 
 
 def build_mixtral(seed: int) -> tuple[nn.Module, int]:
@@ -129,10 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title="compiled (hiermoe) vs eager, one forward + backward in fp32:\n"
                         "MoE layers rewritten, layers left alone, graph breaks, max abs difference")
     for col in ("model", "rewritten", "left alone", "breaks", "logits", "loss", "grads"):
-        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         table.add_row(r["model"], str(r["rewritten"]), str(r["left_alone"]), str(r["graph_breaks"]),
-                      f"{r['logits_err']:.2e}", f"{r['loss_err']:.2e}", f"{r['grad_err']:.2e}")
+                      f"{r['logits_err']:.1e}", f"{r['loss_err']:.1e}", f"{r['grad_err']:.1e}")
     console.rule("[bold]summary")
     console.print(table)
 
