@@ -100,3 +100,12 @@ def test_compiling_does_not_modify_the_model() -> None:
         assert torch.equal(v, values_before[n]), n
     assert [type(m) for m in model.modules()] == modules_before
     assert "OptimizedModule" not in type(model).__name__
+
+
+def test_verify_false_rewrites_without_checking_and_says_so() -> None:
+    spec = SAMPLES["qwen3"]
+    cmp = compare_compiled(spec.make(), [example_input(spec)], {"verify": False})
+    cmp.assert_close()
+    (r,) = cmp.report.regions
+    assert r.verification == "not verified (verify=False)"
+    assert cmp.report.graphs[0].counters["canonicalize"]["verifications"] == 0
