@@ -1,0 +1,39 @@
+"""The shapes of one MoE layer on one rank, as the cost models see them (no fx, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One MoE layer's work on one rank per step.
+
+    num_tokens: T, tokens on this rank; hidden_size: H; ffn_size: F (per expert, per projection);
+    num_experts: E; top_k: K; dtype_bytes: bytes per activation/weight element; gated: SwiGLU-style
+    experts (3 matrices) or not (2)."""
+
+    num_tokens: int
+    hidden_size: int
+    ffn_size: int
+    num_experts: int
+    top_k: int
+    dtype_bytes: int = 2
+    gated: bool = True
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's hidden vector (the unit every dispatch moves)."""
+        return self.hidden_size * self.dtype_bytes
+
+    @property
+    def expert_params(self) -> int:
+        return (3 if self.gated else 2) * self.hidden_size * self.ffn_size
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.dtype_bytes
+
+    def expert_flops_per_token(self) -> int:
+        """Forward FLOPs of one (token, expert) pair: 2 per multiply-add over each matrix."""
+        return 2 * self.expert_params
