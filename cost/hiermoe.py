@@ -1,0 +1,247 @@
+"""HierMoE's time model of the hierarchical deduplicating all-to-all (HD-d), its baselines, the
+optimal dimension d* and the expert-swap matrix Q_d, as sympy expressions of named symbols.
+
+Lin et al., "HierMoE: Accelerating MoE Training with Hierarchical Token Deduplication and Expert
+Swap" (papers/hiermoe.txt): t_1 Eq. 1-2, t_d Eq. 3-5, d* Eq. 6 / Alg. 1, Q_d Eq. 8-9, the best
+swap Eq. 10, smooth-max Eq. 11. Statistics and their indexing: cost/routing.py.
+
+Assumptions:
+- alpha-beta links (Eq. 1, fitted in Section V-B): one all-to-all costs alpha + n*beta, n the bytes
+  one rank sends: (ranks in the all-to-all) * (tokens to its busiest destination) * M * v
+  (Eq. 2, 4, 5), i.e. every destination padded to the busiest, the busiest relay setting the pace.
+- Inter-level-i runs over level i's links (``Topology.levels[i-1]``). Intra-level-i, an
+  all-to-all inside one level-i group, runs at the slowest link it crosses, level i+1
+  (``Topology.levels[i]``); Intra-level-0 is the flat all-to-all (alpha_a2a, beta_a2a, Eq. 8's
+  convention). The paper fits each separately; its Fig. 9 (b)-(c) finds Intra-(i) close to
+  Inter-(i+1), which is what one alpha/beta per level gives.
+- Dispatch only: combine moves the same volumes back, so one layer step costs twice this.
+- The routing metadata sent with a token (K ids and weights) is small against M*v and ignored.
+- Levels 1..D are the mesh dims slowest first; U[i] = s_1*...*s_i groups at level i, U[0] = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import sympy as sp
+
+from moe_compile.cost.routing import HDStatistics, Kind, hd_statistics, swap_statistics
+from moe_compile.cost.topology import Topology
+from moe_compile.cost.workload import Workload
+
+M_hidden = sp.Symbol("M_hidden", positive=True)  # M: elements per token (hidden size)
+v_bytes_per_element = sp.Symbol("v_bytes_per_element", positive=True)  # v
+G_ranks = sp.Symbol("G_ranks", positive=True, integer=True)  # G: ranks in the cluster
+token_bytes = M_hidden * v_bytes_per_element
+
+
+def U_groups(i: int) -> sp.Expr:
+    """U[i], expert groups at level i (HierMoE Table I); U[0] = 1."""
+    return sp.Integer(1) if i == 0 else sp.Symbol(f"U_{i}_groups", positive=True, integer=True)
+
+
+def alpha_inter_s(i: int) -> sp.Symbol:
+    return sp.Symbol(f"alpha_inter{i}_s", positive=True)
+
+
+def beta_inter_s_per_byte(i: int) -> sp.Symbol:
+    return sp.Symbol(f"beta_inter{i}_s_per_byte", positive=True)
+
+
+def alpha_intra_s(i: int) -> sp.Symbol:
+    """Intra-level-i startup; i = 0 is the flat all-to-all's alpha_a2a (Eq. 8)."""
+    return sp.Symbol(f"alpha_intra{i}_s", positive=True)
+
+
+def beta_intra_s_per_byte(i: int) -> sp.Symbol:
+    return sp.Symbol(f"beta_intra{i}_s_per_byte", positive=True)
+
+
+def p_inter_max_tokens(i: int) -> sp.Symbol:
+    """max(p^(i,U[i])): distinct tokens into the busiest level-i group in Inter-level-i (Eq. 4)."""
+    return sp.Symbol(f"p_inter{i}_max_tokens", nonnegative=True)
+
+
+def p_intra_max_tokens(i: int) -> sp.Symbol:
+    """max(p^(i+1,G)): distinct tokens into the busiest rank in Intra-level-i (Eq. 5; i = 0: Eq. 2)."""
+    return sp.Symbol(f"p_intra{i}_max_tokens", nonnegative=True)
+
+
+def c_inter_max_copies(i: int) -> sp.Symbol:
+    """Like p_inter_max_tokens without dedup: (token, expert) copies."""
+    return sp.Symbol(f"c_inter{i}_max_copies", nonnegative=True)
+
+
+def c_intra_max_copies(i: int) -> sp.Symbol:
+    return sp.Symbol(f"c_intra{i}_max_copies", nonnegative=True)
+
+
+def stat_symbols(num_levels: int) -> list[sp.Symbol]:
+    """The order of ``HDStatistics.values()``: p_inter 1..D-1, then p_intra 0..D-1."""
+    return ([p_inter_max_tokens(i) for i in range(1, num_levels)]
+            + [p_intra_max_tokens(i) for i in range(num_levels)])
+
+
+def copy_symbols(num_levels: int) -> list[sp.Symbol]:
+    return ([c_inter_max_copies(i) for i in range(1, num_levels)]
+            + [c_intra_max_copies(i) for i in range(num_levels)])
+
+
+# the equations ------------------------------------------------------------------------------------
+
+def n_inter_bytes(i: int, tokens: sp.Expr | None = None) -> sp.Expr:
+    """HierMoE Eq. 4: n^Inter(i) = U[i]/U[i-1] * max(p^Inter(i)) * M * v."""
+    return U_groups(i) / U_groups(i - 1) * (p_inter_max_tokens(i) if tokens is None else tokens) * token_bytes
+
+
+def n_intra_bytes(i: int, tokens: sp.Expr | None = None) -> sp.Expr:
+    """HierMoE Eq. 5: n^Intra(i) = G/U[i] * max(p^Intra(i)) * M * v; i = 0 is Eq. 2."""
+    return G_ranks / U_groups(i) * (p_intra_max_tokens(i) if tokens is None else tokens) * token_bytes
+
+
+def t_flat_expr() -> sp.Expr:
+    """HierMoE Eq. 1-2: t_1 = alpha_a2a + G * max(p) * M * v * beta_a2a (HD1, dedup per rank)."""
+    return alpha_intra_s(0) + n_intra_bytes(0) * beta_intra_s_per_byte(0)
+
+
+def t_d_expr(d: int) -> sp.Expr:
+    """HierMoE Eq. 3: t_d = sum_{i<d} (n^Inter(i) beta^Inter(i) + alpha^Inter(i))
+    + n^Intra(d-1) beta^Intra(d-1) + alpha^Intra(d-1); d = 1 gives t_1 (Eq. 8's convention)."""
+    return _t_expr(d, p_inter_max_tokens, p_intra_max_tokens)
+
+
+def t_hier_nodedup_expr(d: int) -> sp.Expr:
+    """Baseline: the same d phases sending one copy per (token, expert) (HierMoE's H-d, Fig. 13;
+    d = 2 is Tutel's 2DH all-to-all, d = 1 the flat all-to-all of Megatron and HF)."""
+    return _t_expr(d, c_inter_max_copies, c_intra_max_copies)
+
+
+def t_flat_nodedup_expr() -> sp.Expr:
+    """Baseline: flat all-to-all, one copy per (token, expert) (Eq. 1-2 with copies for p)."""
+    return t_hier_nodedup_expr(1)
+
+
+def _t_expr(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol]) -> sp.Expr:
+    assert d >= 1
+    inter_s = sum((alpha_inter_s(i) + n_inter_bytes(i, inter(i)) * beta_inter_s_per_byte(i)
+                   for i in range(1, d)), sp.Integer(0))
+    return inter_s + alpha_intra_s(d - 1) + n_intra_bytes(d - 1, intra(d - 1)) * beta_intra_s_per_byte(d - 1)
+
+
+# substitution -------------------------------------------------------------------------------------
+
+def symbol_values(topology: Topology, workload: Workload) -> dict[sp.Symbol, float]:
+    """Every non-statistic symbol's value (see Assumptions for the link mapping)."""
+    levels, sizes = topology.levels, topology.sizes
+    out: dict[sp.Symbol, float] = {M_hidden: workload.hidden_size, v_bytes_per_element: workload.dtype_bytes,
+                                   G_ranks: topology.world_size}
+    for i in range(1, len(levels)):
+        out[U_groups(i)] = math.prod(sizes[:i])
+        out[alpha_inter_s(i)] = levels[i - 1].alpha_s
+        out[beta_inter_s_per_byte(i)] = levels[i - 1].beta_s_per_byte
+    for i in range(len(levels)):
+        out[alpha_intra_s(i)] = levels[i].alpha_s
+        out[beta_intra_s_per_byte(i)] = levels[i].beta_s_per_byte
+    return out
+
+
+def _evaluate(expr: sp.Expr, topology: Topology, workload: Workload, stats: HDStatistics, kind: Kind,
+              gamma: float) -> float:
+    num_levels = len(topology.levels)
+    subs: dict[sp.Symbol, float] = symbol_values(topology, workload)
+    subs.update(zip(stat_symbols(num_levels), stats.values(kind, gamma)))
+    if stats.c_inter is not None:
+        subs.update(zip(copy_symbols(num_levels), stats.copy_values(kind, gamma)))
+    return float(expr.subs(subs))
+
+
+def t_d_s(d: int, topology: Topology, workload: Workload, stats: HDStatistics, kind: Kind = "max",
+          gamma: float = 10.0) -> float:
+    """Seconds of one HD-d dispatch (Eq. 3; d = 1: Eq. 1)."""
+    return _evaluate(t_d_expr(d), topology, workload, stats, kind, gamma)
+
+
+def t_flat_s(topology: Topology, workload: Workload, stats: HDStatistics) -> float:
+    return t_d_s(1, topology, workload, stats)
+
+
+def t_hier_nodedup_s(d: int, topology: Topology, workload: Workload, stats: HDStatistics) -> float:
+    """Seconds of the no-dedup H-d baseline; ``stats`` from ``hd_statistics(..., copies=True)``."""
+    return _evaluate(t_hier_nodedup_expr(d), topology, workload, stats, "max", 10.0)
+
+
+def t_flat_nodedup_s(topology: Topology, workload: Workload, stats: HDStatistics) -> float:
+    return t_hier_nodedup_s(1, topology, workload, stats)
+
+
+def dimension_rule(times_s: Sequence[float]) -> int:
+    """HierMoE Eq. 6 on t_1..t_D: d* = 1 if t_1 < min_{d>1} t_d, else argmin_{d>1} t_d."""
+    if len(times_s) == 1 or times_s[0] < min(times_s[1:]):
+        return 1
+    return 2 + int(np.argmin(times_s[1:]))
+
+
+def optimal_dimension(topology: Topology, workload: Workload, stats: HDStatistics) -> int:
+    """d* (Eq. 6) by substituting into the sympy expressions; ``HDCostModel`` is the fast path."""
+    return dimension_rule([t_d_s(d, topology, workload, stats) for d in range(1, len(topology.levels) + 1)])
+
+
+# the runtime path ---------------------------------------------------------------------------------
+
+class HDCostModel:
+    """t_1..t_D and the baselines lambdified once per (topology, workload), so that choosing d*
+    from each step's routing costs the statistics plus a few microseconds."""
+
+    def __init__(self, topology: Topology, workload: Workload) -> None:
+        self.topology, self.workload = topology, workload
+        self.num_levels = len(topology.levels)
+        subs = symbol_values(topology, workload)
+        dims = range(1, self.num_levels + 1)
+        self._hd = sp.lambdify(stat_symbols(self.num_levels), [t_d_expr(d).subs(subs) for d in dims], "numpy")
+        self._nodedup = sp.lambdify(copy_symbols(self.num_levels),
+                                    [t_hier_nodedup_expr(d).subs(subs) for d in dims], "numpy")
+
+    def times_s(self, stats: HDStatistics, kind: Kind = "max", gamma: float = 10.0) -> np.ndarray:
+        """[d-1] = t_d, seconds of HD-d for d = 1..D."""
+        return np.asarray(self._hd(*stats.values(kind, gamma)), dtype=np.float64)
+
+    def nodedup_times_s(self, stats: HDStatistics) -> np.ndarray:
+        """[d-1] = seconds of the no-dedup H-d baseline: [0] flat all-to-all, [1] Tutel 2DH."""
+        return np.asarray(self._nodedup(*stats.copy_values()), dtype=np.float64)
+
+    def optimal_dimension(self, stats: HDStatistics) -> int:
+        return dimension_rule(self._hd(*stats.values()))
+
+    def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:
+        """d* (Eq. 6, Alg. 1) from fresh routing: statistics, then the lambdified times."""
+        stats = hd_statistics(topk_idx, self.workload.num_experts, self.topology.sizes, placement=placement,
+                              token_rank=token_rank)
+        return self.optimal_dimension(stats)
+
+    def swap_matrix(self, topk_idx: Any, *, d: int | None = None, kind: Kind = "max", gamma: float = 10.0,
+                    placement: Any = None, token_rank: Any = None,
+                    method: Literal["incremental", "brute_force"] = "incremental") -> tuple[np.ndarray, int]:
+        """(Q_d, d): HierMoE Eq. 8-9, Q_d[r, c] the predicted HD-d seconds after experts r and c swap
+        places (the max over destinations replaced by Eq. 11's smooth-max or log-sum-exp when asked).
+        d defaults to d* of the unswapped placement, giving Q* (Section IV-A)."""
+        num_experts, sizes = self.workload.num_experts, self.topology.sizes
+        if d is None:
+            d = self.optimal_dimension(hd_statistics(topk_idx, num_experts, sizes, placement=placement,
+                                                     token_rank=token_rank))
+        if not 1 <= d <= self.num_levels:
+            raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
+        swap = swap_statistics(topk_idx, num_experts, sizes, kind=kind, gamma=gamma, placement=placement,
+                               token_rank=token_rank, method=method)
+        q = self._hd(*swap.values())[d - 1]
+        return np.broadcast_to(q, (num_experts, num_experts)).copy(), d
+
+
+def best_swap(q: np.ndarray) -> tuple[int, int, float]:
+    """HierMoE Eq. 10: (r*, c*) = argmin Q*[r, c] over pairs r < c, with its value. Compare the value
+    with Q*[0, 0] (no swap) before swapping."""
+    r, c = np.triu_indices(q.shape[0], k=1)
+    best = int(np.argmin(q[r, c]))
+    return int(r[best]), int(c[best]), float(q[r[best], c[best]])

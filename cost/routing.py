@@ -1,0 +1,360 @@
+"""Routing statistics for HierMoE's cost model: duplicate-free token counts per expert group.
+
+HierMoE (papers/hiermoe.txt): the p^(l,g) statistics of Section III-C (Eq. 7, Alg. 1), the
+duplication rate of Section II-C (Table II), and the counts after swapping two experts of
+Section IV-A (Eq. 9, Fig. 8). Vectorized numpy, O(D*T*K) per statistic.
+
+Index conventions (shared by every function here and by cost/hiermoe.py):
+
+- ``group_sizes`` are the mesh sizes s_1..s_D, slowest level first (``Topology.sizes``);
+  G = s_1*...*s_D ranks, flattened row-major, so rank q has coordinates (q_1..q_D), q_1 slowest.
+- U[l] = s_1*...*s_l groups at level l (U[0] = 1, U[D] = G). Level-l group j holds the G/U[l]
+  consecutive ranks j*G/U[l] .. (j+1)*G/U[l]-1, the ranks that share coordinates 1..l.
+- ``placement[e]`` is the rank holding logical expert e; by default contiguous, e // (E/G)
+  (the paper's layout, Fig. 6). Expert e is in level-l group placement[e] // (G/U[l]).
+- Levels are 1-based in docstrings (as in the paper), lists 0-based: ``dedup_counts(...)[l-1]``
+  is level l, ``HDStatistics.p_inter[l-1]`` is Inter-level-l, ``HDStatistics.p_intra[i]`` is
+  Intra-level-i (i = 0: the flat all-to-all, HD1).
+- ``topk_idx`` is [T, K] expert ids, a torch tensor or a numpy array. ``token_rank`` ([T],
+  optional) is the rank each token starts on; without it the T tokens are one rank's tokens and
+  stand for every rank's (every source routes alike).
+
+Inputs are read as numpy (a CPU torch tensor without a copy). ``dedup_counts`` answers in the
+input's kind (torch in, torch out); everything else answers numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Kind = Literal["max", "smooth", "lse"]
+
+
+def dedup_counts(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *,
+                 placement: Any = None) -> list[Any]:
+    """Duplicate-free token counts per destination group, per level.
+
+    Returns D arrays; ``out[l-1][j]`` (j < U[l]) is the number of distinct (token, level-l group j)
+    pairs: tokens with at least one of their K experts in group j, each counted once however many
+    of its experts the group holds. ``out[D-1]`` is per rank. The lower bound on the traffic into
+    group j across level l (DESIGN.md) and, for one rank's tokens, HierMoE's p^(1,U[l]) (Eq. 7)."""
+    routing = _Routing(topk_idx, num_experts, group_sizes, placement, None)
+    out = [routing.counts(level, 1)[0] for level in range(1, routing.num_levels + 1)]
+    if _is_torch(topk_idx):
+        import torch
+
+        return [torch.from_numpy(c) for c in out]
+    return out
+
+
+def duplication_rate(topk_idx: Any, num_experts: int, num_groups: int) -> float:
+    """HierMoE's token duplication rate (Section II-C, Table II): the fraction of (token, expert)
+    copies a plain all-to-all sends that are redundant when the E experts are split contiguously
+    into ``num_groups`` groups: 1 - #distinct (token, group) pairs / (T*K)."""
+    routing = _Routing(topk_idx, num_experts, (num_groups,), None, None)
+    if routing.topk.size == 0:
+        return 0.0
+    return 1.0 - float(routing.counts(1, 1).sum()) / routing.topk.size
+
+
+@dataclass(frozen=True)
+class HDStatistics:
+    """Duplicate-free token counts per destination of every HD-d phase (HierMoE Eq. 7, Alg. 1).
+
+    HD-d dispatch: in Inter-level-l (l < d) a relay rank holds the tokens of the sources that share
+    its coordinates l..D and sends each token once to every level-l group (inside its own
+    level-(l-1) group) that holds one of the token's experts; in Intra-level-(d-1) it sends each
+    token once to every rank of its level-(d-1) group that needs it. Per destination, the count
+    from its busiest relay:
+
+    - ``p_inter[l-1][j]``, j < U[l]: tokens into level-l group j in Inter-level-l (l = 1..D-1);
+      the paper's p^(l,U[l]).
+    - ``p_intra[i][r]``, r < G: tokens into rank r in Intra-level-i, the last phase of HD-(i+1)
+      (i = 0..D-1); the paper's p^(i+1,G); ``p_intra[0]`` is the flat HD1 p of Eq. 2.
+    - ``c_inter``, ``c_intra``: the same phases without dedup, in (token, expert) copies (the
+      baselines: H-d / Tutel 2DH, and for ``c_intra[0]`` the flat Megatron/HF all-to-all);
+      None unless asked for.
+    """
+
+    group_sizes: tuple[int, ...]
+    p_inter: tuple[np.ndarray, ...]
+    p_intra: tuple[np.ndarray, ...]
+    c_inter: tuple[np.ndarray, ...] | None = None
+    c_intra: tuple[np.ndarray, ...] | None = None
+
+    def values(self, kind: Kind = "max", gamma: float = 10.0) -> list[float]:
+        """The aggregated statistics in the order of ``hiermoe.stat_symbols``: p_inter then p_intra."""
+        return [float(aggregate(p, kind, gamma)) for p in (*self.p_inter, *self.p_intra)]
+
+    def copy_values(self, kind: Kind = "max", gamma: float = 10.0) -> list[float]:
+        """The no-dedup counterparts in the order of ``hiermoe.copy_symbols``."""
+        if self.c_inter is None or self.c_intra is None:
+            raise ValueError("these statistics have no copy counts; call hd_statistics(..., copies=True)")
+        return [float(aggregate(c, kind, gamma)) for c in (*self.c_inter, *self.c_intra)]
+
+
+def hd_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, placement: Any = None,
+                  token_rank: Any = None, copies: bool = False) -> HDStatistics:
+    """The statistics every HD-d time needs, for one placement (see ``HDStatistics``)."""
+    r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank)
+    num_levels = r.num_levels
+
+    def phases(dedup: bool) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+        inter = tuple(r.counts(level, level, dedup).max(0) for level in range(1, num_levels))
+        intra = tuple(r.counts(num_levels, i + 1, dedup).max(0) for i in range(num_levels))
+        return inter, intra
+
+    p_inter, p_intra = phases(True)
+    c_inter, c_intra = phases(False) if copies else (None, None)
+    return HDStatistics(r.sizes, p_inter, p_intra, c_inter, c_intra)
+
+
+def aggregate(values: Any, kind: Kind = "max", gamma: float = 10.0) -> Any:
+    """Reduce the last axis: ``max``; ``smooth`` = HierMoE Eq. 11,
+    max(x) * (sum_i (x_i / max(x))^gamma)^(1/gamma), 0 for all-zero x; ``lse`` = ln sum_i exp(x_i)
+    (HierMoE Section V-E). For non-negative counts."""
+    x = np.asarray(values, dtype=np.float64)
+    top = x.max(-1, keepdims=True)
+    if kind == "max":
+        return top[..., 0]
+    if kind == "smooth":
+        safe = np.where(top > 0, top, 1.0)
+        return (top * ((x / safe) ** gamma).sum(-1, keepdims=True) ** (1.0 / gamma))[..., 0]
+    if kind == "lse":
+        return (top + np.log(np.exp(x - top).sum(-1, keepdims=True)))[..., 0]
+    raise ValueError(f"kind must be 'max', 'smooth' or 'lse', got {kind!r}")
+
+
+@dataclass(frozen=True)
+class SwapStatistics:
+    """Aggregated statistics after swapping experts a and b, for every pair: the [E, E] matrices
+    max(Z[a, b, :]) (or its smooth / lse variant) of HierMoE Eq. 9, laid out as ``HDStatistics``
+    (``p_inter[l-1]``, ``p_intra[i]``). Symmetric; the diagonal holds the unswapped value."""
+
+    p_inter: tuple[np.ndarray, ...]
+    p_intra: tuple[np.ndarray, ...]
+
+    def values(self) -> list[np.ndarray]:
+        return [*self.p_inter, *self.p_intra]
+
+
+def swap_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, kind: Kind = "max",
+                    gamma: float = 10.0, placement: Any = None, token_rank: Any = None,
+                    method: Literal["incremental", "brute_force"] = "incremental") -> SwapStatistics:
+    """Every phase's aggregated statistic after each possible swap of two experts' places.
+
+    ``brute_force`` recomputes ``hd_statistics`` for each of the E(E-1)/2 placements
+    (O(E^2*D*T*K)); ``incremental`` adjusts the unswapped counts with Fig. 8's four cases
+    (O(D*(T*K^2 + X*E^2)), X = relays per destination)."""
+    r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank)
+    num_levels = r.num_levels
+    # (group level, relay split) of Inter-level-1..D-1, then of Intra-level-0..D-1
+    phase_keys = [(lv, lv) for lv in range(1, num_levels)] + [(num_levels, i + 1) for i in range(num_levels)]
+    if method == "incremental":
+        mats = [_swap_phase(r, level, split, kind, gamma) for level, split in phase_keys]
+    elif method == "brute_force":
+        mats = [np.empty((num_experts, num_experts)) for _ in phase_keys]
+        for m, v in zip(mats, hd_statistics(topk_idx, num_experts, r.sizes, placement=r.placement,
+                                            token_rank=token_rank).values(kind, gamma)):
+            np.fill_diagonal(m, v)
+        for a in range(num_experts):
+            for b in range(a + 1, num_experts):
+                swapped = r.placement.copy()
+                swapped[[a, b]] = swapped[[b, a]]
+                stats = hd_statistics(topk_idx, num_experts, r.sizes, placement=swapped,
+                                      token_rank=token_rank)
+                for m, v in zip(mats, stats.values(kind, gamma)):
+                    m[a, b] = m[b, a] = v
+    else:
+        raise ValueError(f"method must be 'incremental' or 'brute_force', got {method!r}")
+    return SwapStatistics(tuple(mats[:num_levels - 1]), tuple(mats[num_levels - 1:]))
+
+
+# internals ----------------------------------------------------------------------------------------
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+class _Routing:
+    """One routing prepared once, O(T*K log K): every phase's relay counts are cheap slices of one
+    [source, rank, first level] table."""
+
+    def __init__(self, topk_idx: Any, num_experts: int, group_sizes: Sequence[int], placement: Any,
+                 token_rank: Any) -> None:
+        sizes = tuple(int(s) for s in group_sizes)
+        if not sizes or any(s < 1 for s in sizes):
+            raise ValueError(f"group_sizes must be positive mesh sizes, slowest level first; "
+                             f"got {group_sizes}")
+        self.sizes, self.num_levels = sizes, len(sizes)
+        self.num_ranks = math.prod(sizes)
+        self.groups = [math.prod(sizes[:i]) for i in range(len(sizes) + 1)]  # U[0..D]
+        self.num_experts = num_experts
+        topk = _numpy(topk_idx)
+        if topk.ndim != 2:
+            raise ValueError(f"topk_idx must be [tokens, top_k] expert ids, got shape {topk.shape}")
+        if topk.dtype.kind not in "iu":
+            raise ValueError(f"topk_idx must hold integer expert ids, got dtype {topk.dtype}")
+        # one pass: negative ids read as unsigned are huge
+        if topk.size and topk.view(f"u{topk.dtype.itemsize}").max() >= num_experts:
+            raise ValueError(f"topk_idx holds expert ids outside [0, {num_experts})")
+        if placement is None:
+            if num_experts % self.num_ranks:
+                raise ValueError(f"{num_experts} experts do not split evenly over {self.num_ranks} ranks; "
+                                 "pass a placement (expert -> rank) or change the expert count")
+            per_rank = num_experts // self.num_ranks
+            self.placement = np.arange(num_experts) // per_rank
+            ranks = topk // per_rank
+        else:
+            self.placement = _numpy(placement).astype(np.int64)
+            if self.placement.shape != (num_experts,) or self.placement.min() < 0 \
+                    or self.placement.max() >= self.num_ranks:
+                raise ValueError(f"placement must map each of the {num_experts} experts to a rank in "
+                                 f"[0, {self.num_ranks})")
+            ranks = np.take(self.placement, topk)
+        self.token_rank = None if token_rank is None else _numpy(token_rank).astype(np.int64)
+        if self.token_rank is not None and self.token_rank.shape != topk.shape[:1]:
+            raise ValueError(f"token_rank must hold one rank per token ({topk.shape[0]}), "
+                             f"got shape {self.token_rank.shape}")
+        if self.token_rank is not None and self.token_rank.size and \
+                (self.token_rank.min() < 0 or self.token_rank.max() >= self.num_ranks):
+            raise ValueError(f"token_rank must hold ranks in [0, {self.num_ranks})")
+        self.topk = topk
+        # Step 1: sort each token's ranks; a sorted row is sorted at every coarser level too.
+        ranks.sort(axis=1)
+        # Step 2: each (token, k) entry's first_level (0-based): the first level at which its rank's
+        # coordinates differ from the previous entry's, num_levels for a repeat of the same rank.
+        # Entry k is the token's first in its level-l group iff first_level < l.
+        first_level = np.zeros(ranks.shape, dtype=np.int64)
+        first_level[:, 1:] = np.take(_first_difference(sizes), ranks[:, 1:] * self.num_ranks + ranks[:, :-1])
+        # Step 3: one bincount: table[source, rank, f] = entries with that first_level; its cumsum
+        # over f gives the distinct-token count at every level at once (f = num_levels: copies).
+        num_f = self.num_levels + 1
+        key = ranks * num_f + first_level
+        num_src = 1 if self.token_rank is None else self.num_ranks
+        if self.token_rank is not None:
+            key += (self.token_rank * (self.num_ranks * num_f))[:, None]
+        table = np.bincount(key.ravel(), minlength=num_src * self.num_ranks * num_f)
+        self.cum = table.reshape(num_src, self.num_ranks, num_f).cumsum(-1)
+
+    def relays(self, split: int) -> tuple[np.ndarray | None, int, int]:
+        """Each token's relay position (its source's coordinates split..D), the number of
+        positions, and the multiplier that stands the T tokens in for every source."""
+        if self.token_rank is None:
+            return None, 1, self.groups[split - 1]
+        num_pos = self.num_ranks // self.groups[split - 1]
+        return self.token_rank % num_pos, num_pos, 1
+
+    def counts(self, level: int, split: int, dedup: bool = True) -> np.ndarray:
+        """[relay position x, level-``level`` group j]: tokens (distinct, or copies) that the relay
+        at position x sends to group j; the relays of a destination are the ranks of its
+        ancestor group at level split-1, x their coordinates split..D."""
+        _, num_pos, mult = self.relays(split)
+        per_src = self.cum[:, :, level - 1 if dedup else self.num_levels]  # [source, rank]
+        per_src = per_src.reshape(per_src.shape[0], self.groups[level], -1).sum(-1)  # [source, group]
+        return per_src.reshape(-1, num_pos, self.groups[level]).sum(0) * mult
+
+
+@functools.lru_cache(maxsize=16)
+def _first_difference(sizes: tuple[int, ...]) -> np.ndarray:
+    """[a*G + b]: the first level (0-based) at which ranks a and b have different coordinates,
+    len(sizes) when a == b."""
+    num_ranks = math.prod(sizes)
+    rank = np.arange(num_ranks)
+    out = np.full((num_ranks, num_ranks), len(sizes), dtype=np.int64)
+    for level in range(len(sizes), 0, -1):
+        group = rank // (num_ranks // math.prod(sizes[:level]))
+        out[group[:, None] != group[None, :]] = level - 1
+    return out.ravel()
+
+
+def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -> np.ndarray:
+    """Incremental Z for one phase (HierMoE Section IV-A, Fig. 8): for a token that selects expert a
+    but not b (a in group ga, b in group gb != ga), swapping a and b
+      - lowers ga's count by one iff a is the token's only selected expert in ga (cases 2, 4),
+      - raises gb's count by one iff the token selects nothing in gb (cases 1, 2);
+    a token selecting both or neither changes nothing. Summed over tokens:
+      new[ga](a, b) = old[ga] - alone[a] + AX[a, b] + B[b, ga],   new[gb](a, b) = new[ga](b, a),
+    alone[a]: tokens with a alone in its group; AX[a, b]: those of them that also select b;
+    B[b, g]: tokens that select b and nothing in g. Per relay position, then max over relays."""
+    num_experts, num_groups = r.num_experts, r.groups[level]
+    grp = r.placement // (r.num_ranks // num_groups)  # [E] expert -> group at this level
+    base = r.counts(level, split).astype(np.float64)  # [X, U]
+    pos, num_pos, mult = r.relays(split)
+    pos = np.zeros(r.topk.shape[0], dtype=np.int64) if pos is None else pos
+
+    e = np.sort(r.topk, axis=1)
+    num_k = e.shape[1]
+    valid = np.ones(e.shape, dtype=bool)  # each expert once per token
+    valid[:, 1:] = e[:, 1:] != e[:, :-1]
+    g = grp[e]
+    same = (g[:, :, None] == g[:, None, :]) & valid[:, None, :]  # [T, K, K']
+    alone = valid & (same.sum(-1) == 1)
+    group_first = valid & ~(same & np.tri(num_k, k=-1, dtype=bool)).any(-1)
+    off_diag = ~np.eye(num_k, dtype=bool)
+
+    pe = pos[:, None] * num_experts + e  # [T, K]
+    alone_cnt = np.bincount(pe[alone], minlength=num_pos * num_experts).reshape(num_pos, num_experts)
+    sel_cnt = np.bincount(pe[valid], minlength=num_pos * num_experts).reshape(num_pos, num_experts)
+    ax_w = alone[:, :, None] & valid[:, None, :] & off_diag
+    ax_key = pe[:, :, None] * num_experts + e[:, None, :]
+    ax = np.bincount(ax_key[ax_w], minlength=num_pos * num_experts ** 2)
+    ax = ax.reshape(num_pos, num_experts, num_experts)
+    ne_w = valid[:, :, None] & group_first[:, None, :]
+    ne_key = pe[:, :, None] * num_groups + g[:, None, :]
+    nonempty = np.bincount(ne_key[ne_w], minlength=num_pos * num_experts * num_groups)
+    b_cnt = sel_cnt[:, :, None] - nonempty.reshape(num_pos, num_experts, num_groups)  # [X, E, U]
+
+    new_ga = np.full((num_experts, num_experts), -np.inf)
+    for x in range(num_pos):
+        delta = -alone_cnt[x][:, None] + ax[x] + b_cnt[x][:, grp].T
+        np.maximum(new_ga, base[x, grp][:, None] + mult * delta, out=new_ga)
+    z = base.max(0)
+
+    to_dom, op, from_dom = _domain(kind, gamma)
+    excl = _exclusion_table(to_dom(z), op)[grp[:, None], grp[None, :]]
+    out = from_dom(op(op(excl, to_dom(new_ga)), to_dom(new_ga.T)))
+    out[grp[:, None] == grp[None, :]] = aggregate(z, kind, gamma)  # same group: nothing moves
+    return out
+
+
+def _domain(kind: Kind, gamma: float) -> tuple[Any, Any, Any]:
+    """(map, associative op, inverse map) under which ``aggregate`` is a plain reduction:
+    max; lse = logaddexp; smooth = (sum x^gamma)^(1/gamma) = exp(logaddexp(gamma*ln x) / gamma)."""
+    if kind == "max":
+        return (lambda v: v), np.maximum, (lambda v: v)
+    if kind == "lse":
+        return (lambda v: v), np.logaddexp, (lambda v: v)
+    if kind == "smooth":
+        def to_log(v: np.ndarray) -> np.ndarray:
+            with np.errstate(divide="ignore"):
+                return gamma * np.log(v)
+        return to_log, np.logaddexp, (lambda v: np.exp(v / gamma))
+    raise ValueError(f"kind must be 'max', 'smooth' or 'lse', got {kind!r}")
+
+
+def _exclusion_table(y: np.ndarray, op: Any) -> np.ndarray:
+    """[i, j] = op-reduction of y without entries i and j (i != j), exactly (no subtraction, so no
+    cancellation): prefix before i, the run between i and j, suffix after j. O(U^2)."""
+    n = y.shape[0]
+    empty = np.array([-np.inf])
+    prefix = np.concatenate([empty, op.accumulate(y)])  # prefix[i] = reduce y[:i]
+    suffix = np.concatenate([op.accumulate(y[::-1])[::-1], empty])  # suffix[i] = reduce y[i:]
+    out = np.full((n, n), -np.inf)
+    for i in range(n - 1):
+        between = np.concatenate([empty, op.accumulate(y[i + 1:])])  # [k] = reduce y[i+1 : i+1+k]
+        j = np.arange(i + 1, n)
+        out[i, j] = out[j, i] = op(op(prefix[i], between[j - i - 1]), suffix[j + 1])
+    return out
