@@ -138,13 +138,19 @@ def symbol_values(topology: Topology, workload: Workload) -> dict[sp.Symbol, flo
     levels, sizes = topology.levels, topology.sizes
     out: dict[sp.Symbol, float] = {M_hidden: workload.hidden_size, v_bytes_per_element: workload.dtype_bytes,
                                    G_ranks: topology.world_size}
+    # Topology's beta is seconds per byte leaving a rank over a level's link; HierMoE's beta (Fig. 9)
+    # is per byte of the whole A2A send buffer n.  In an A2A whose slowest link is level l, the part
+    # of n addressed outside the sender's level-l group, (s_l - 1)/s_l, crosses that link:
+    # beta_paper = beta_link * (s_l - 1) / s_l (e.g. a flat A2A over 4 nodes sends 3/4 inter-node).
     for i in range(1, len(levels)):
+        s_l = sizes[i - 1]
         out[U_groups(i)] = math.prod(sizes[:i])
         out[alpha_inter_s(i)] = levels[i - 1].alpha_s
-        out[beta_inter_s_per_byte(i)] = levels[i - 1].beta_s_per_byte
+        out[beta_inter_s_per_byte(i)] = levels[i - 1].beta_s_per_byte * (s_l - 1) / s_l
     for i in range(len(levels)):
+        s_l = sizes[i]
         out[alpha_intra_s(i)] = levels[i].alpha_s
-        out[beta_intra_s_per_byte(i)] = levels[i].beta_s_per_byte
+        out[beta_intra_s_per_byte(i)] = levels[i].beta_s_per_byte * (s_l - 1) / s_l
     return out
 
 

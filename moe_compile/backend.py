@@ -46,7 +46,9 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             name=reg.name, pattern=reg.pattern, num_experts=reg.num_experts, top_k=reg.top_k,
             hidden_size=reg.hidden_size, ffn_size=lay.ffn_size, activation=lay.activation, gated=lay.gated,
             bias=lay.b_up is not None or lay.b_down is not None, router=reg.router,
-            plan=ctx.plans.get(reg.name, "local"), layout=lay.describe(), drops=reg.drops,
+            plan=ctx.plans[reg.name].strategy if reg.name in ctx.plans else "not planned",
+            predicted_s=dict(ctx.plans[reg.name].predicted) if reg.name in ctx.plans else {},
+            layout=lay.describe(), drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
             backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index))

@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from moe_compile.cost.topology import Topology
+
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
 
@@ -19,12 +21,15 @@ class Options:
         (default True; a rewrite that is not verified is marked so in the report).
     dump_dir: write the report and before/after graph code of every compile here (default: the
         HIERMOE_DUMP_DIR environment variable).
+    topology: a ``moe_compile.cost.Topology`` or the path of a topology TOML file; the planner
+        then predicts every strategy's time for each layer on that cluster (shown by explain).
     """
 
     inner_compiler: str = "inductor"
     disable_passes: tuple[str, ...] = ()
     verify: bool = True
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("HIERMOE_DUMP_DIR") or None)
+    topology: Topology | None = None
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -56,6 +61,13 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'verify' must be True or False, got {kw['verify']!r}")
     if "dump_dir" in kw and kw["dump_dir"] is not None and not isinstance(kw["dump_dir"], str | os.PathLike):
         raise ValueError(f"option 'dump_dir' must be a directory path or None, got {kw['dump_dir']!r}")
+    topo = kw.get("topology")
+    if isinstance(topo, str | os.PathLike):
+        if not os.path.exists(topo):
+            raise ValueError(f"option 'topology': no such file {os.fspath(topo)!r}")
+        kw["topology"] = Topology.load(os.fspath(topo))
+    elif topo is not None and not isinstance(topo, Topology):
+        raise ValueError(f"option 'topology' must be a moe_compile.cost.Topology or a TOML file path, got {topo!r}")
     dump_dir = kw.get("dump_dir")
     if isinstance(dump_dir, os.PathLike):
         kw["dump_dir"] = os.fspath(dump_dir)

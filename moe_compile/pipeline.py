@@ -4,8 +4,9 @@ Ordering constraints:
   find_moe_regions  first: every later pass consumes its MoERegion records, and it must see the
                     graph exactly as Dynamo produced it (verification re-runs that graph).
   canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
-  plan              last for now: every rewritten layer runs its expert op on this process
-                    ("local"); distributed plans come with the cost models (cost/).
+  plan              last: decides each rewritten layer's strategy with cost/planner.py (the argmin
+                    over what the lowering implements; today "local"), recording every
+                    candidate's predicted time when a topology is given.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
+from moe_compile.cost.planner import Plan, plan
+from moe_compile.cost.workload import Workload
 from moe_compile.options import Options
 from moe_compile.passes.canonicalize import CanonicalizeResult, canonicalize_moe_regions_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
@@ -28,7 +32,7 @@ class PassContext:
     options: Options
     found: FindResult | None = None
     canonical: CanonicalizeResult | None = None
-    plans: dict[str, str] = field(default_factory=dict)
+    plans: dict[str, Plan] = field(default_factory=dict)
     skipped: list[Skip] = field(default_factory=list)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -53,11 +57,20 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
 
 
 def _plan(ctx: PassContext) -> dict[str, int]:
+    """Decide each rewritten layer's strategy from its shapes and routing (cost/ never sees fx)."""
     if ctx.canonical is None:
         return {}
+    counts: dict[str, int] = {}
     for r in ctx.canonical.rewritten:
-        ctx.plans[r.region.name] = "local"
-    return {"local": len(ctx.canonical.rewritten)}
+        reg = r.region
+        work = Workload(num_tokens=reg.num_tokens, hidden_size=reg.hidden_size, ffn_size=r.layout.ffn_size,
+                        num_experts=reg.num_experts, top_k=reg.top_k,
+                        dtype_bytes=getattr(torch, reg.dtype).itemsize, gated=r.layout.gated)
+        routing = r.routing.numpy() if r.routing is not None else None
+        decided = plan(ctx.options.topology, work, routing)
+        ctx.plans[reg.name] = decided
+        counts[decided.strategy] = counts.get(decided.strategy, 0) + 1
+    return counts
 
 
 PASSES: list[tuple[str, Callable[[PassContext], dict[str, int]]]] = [

@@ -22,6 +22,7 @@ class RegionReport:
     bias: bool
     router: str
     plan: str
+    predicted_s: dict[str, float]  # planner's predicted seconds per candidate strategy
     layout: str
     drops: bool
     num_tokens: int
@@ -104,6 +105,16 @@ class Report:
                      str(r.ffn_size), act, r.router, layout, r.plan, err)
             regions.add_row(*(escape(c) for c in cells))
         console.print(regions)
+        planned = [r for r in self.regions if len(r.predicted_s) > 1]
+        if planned:
+            table = Table(title="planner: predicted time per layer forward (fastest candidates first)")
+            table.add_column("layer")
+            table.add_column("chosen")
+            table.add_column("predicted (ms)", overflow="fold")
+            for r in planned:
+                ranked = sorted(r.predicted_s.items(), key=lambda kv: kv[1])
+                table.add_row(escape(r.name), r.plan, escape(", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)))
+            console.print(table)
         skipped = self.skipped
         if skipped:
             table = Table(title=f"left alone: {len(skipped)}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import torch
 import torch.fx as fx
 
 from moe_compile.passes.emit import emit_expert_op
@@ -40,6 +41,8 @@ class Rewritten:
     weights: RoutingWeights
     verdict: Verdict | None
     op_node: fx.Node
+    # [T, K] expert ids the example inputs produced (routing statistics for the planner)
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,7 +92,9 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
         # capacity-limited: a [T, E, C] tensor exists and the weights that verified carry its drops
         capacity = any(w.kind == "combine" for w in region.weights)
         region = replace(region, drops=capacity and weights.kind != "topk", ffn_size=layout.ffn_size)
-        result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node))
+        topk_value = values.get(region.topk)
+        routing = topk_value[1] if isinstance(topk_value, tuple) else None
+        result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node, routing))
     result.rewritten.reverse()
     gm.graph.lint()
     gm.recompile()

@@ -233,9 +233,11 @@ def test_numbers_by_hand():
     # copies: node 0 gets 2 (token 0 -> experts 0, 1), node 1 gets 1 + 3 = 4
     assert stats.copy_values() == [4, 1, 2]
     mv = 1024 * 2
-    t1 = 10e-6 + 8 * 1 * mv * 1e-9
-    t2 = 10e-6 + 2 * 2 * mv * 1e-9 + 1e-6 + (8 / 2) * 2 * mv * 1e-10
-    h2 = 10e-6 + 2 * 4 * mv * 1e-9 + 1e-6 + (8 / 2) * 2 * mv * 1e-10
+    # Topology betas are per byte leaving a rank; HierMoE's are per byte of the A2A buffer:
+    # beta_link * (s - 1) / s with s the size of the phase's slowest level (2 nodes, 4 GPUs)
+    t1 = 10e-6 + 8 * 1 * mv * 1e-9 / 2
+    t2 = 10e-6 + 2 * 2 * mv * 1e-9 / 2 + 1e-6 + (8 / 2) * 2 * mv * 1e-10 * 3 / 4
+    h2 = 10e-6 + 2 * 4 * mv * 1e-9 / 2 + 1e-6 + (8 / 2) * 2 * mv * 1e-10 * 3 / 4
     assert hm.t_flat_s(topo, work, stats) == pytest.approx(t1, rel=1e-12)
     assert hm.t_d_s(2, topo, work, stats) == pytest.approx(t2, rel=1e-12)
     assert hm.t_flat_nodedup_s(topo, work, stats) == pytest.approx(t1, rel=1e-12)

@@ -1,0 +1,138 @@
+"""The planner: predicted time of every strategy for one MoE layer on a topology, and the argmin
+over the strategies the lowering implements (STYLE.md: find, then decide, then rewrite; this is
+"decide", from the region's shapes and routing statistics, never from fx nodes).
+
+Candidates and where their times come from (seconds of one layer's forward on one rank):
+
+    local              the experts computed on this rank only: compute time, no communication
+    flat_a2a           flat all-to-all, one copy per (token, expert) - what Megatron and HF do
+    hier_a2a           hierarchical all-to-all without dedup (Tutel 2DH), topologies with >= 2 levels
+    hd{d}              HierMoE HD-d dedup all-to-all, d = 1..D (hiermoe.py, Eq. 1-5)
+    monta_{O1,O2,O3}   MoNTA's drop + inter-node A2A + intra-node AllGather options (monta.py, Alg. 3)
+    hybridep           HybridEP's expert-domain AllGather + cross-domain A2A (hybridep.py, Alg. 1)
+    hexa_{data,model}_centric   HEXA-MoE's execution modes (hexa.py, Section 4.3)
+
+Assumptions: the dispatch models give one direction; the combine is its mirror, so dispatch
+strategies count twice their time, plus the expert compute at the device's FLOP rate (an
+expert-parallel layer computes T*K (token, expert) pairs per rank on average).  HybridEP's and
+HEXA-MoE's own models already cover the whole layer.  Without routing indices the statistics are
+those of uniform random routing of T tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moe_compile.cost import hexa, hybridep, monta
+from moe_compile.cost.hiermoe import HDCostModel
+from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.topology import Topology
+from moe_compile.cost.workload import Workload
+
+# What the lowering can run today.  Each distributed lowering adds its strategy names here.
+IMPLEMENTED: tuple[str, ...] = ("local",)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The strategy chosen for one layer, its parameters, and every candidate's predicted time."""
+
+    strategy: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    predicted: Mapping[str, float] = field(default_factory=dict)
+    implemented: tuple[str, ...] = IMPLEMENTED
+    notes: tuple[str, ...] = ()  # candidates that could not be evaluated, and why
+
+    def describe(self, top: int = 4) -> str:
+        best = sorted(self.predicted.items(), key=lambda kv: kv[1])[:top]
+        return ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in best)
+
+
+def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
+         implemented: Iterable[str] = IMPLEMENTED) -> Plan:
+    """Evaluate every candidate strategy and pick the fastest implemented one.
+
+    ``topk_idx`` ([T, K] expert ids of this rank's tokens) gives the routing statistics the
+    HierMoE models need; without it, uniform random routing is assumed."""
+    allowed = tuple(implemented)
+    compute_s = _compute_s(topology, workload)
+    predicted: dict[str, float] = {"local": compute_s if topology is None or topology.world_size == 1
+                                   else compute_s * topology.world_size}
+    params: dict[str, dict[str, Any]] = {"local": {}}
+    notes: list[str] = []
+    if topology is not None and topology.world_size > 1:
+        if workload.num_experts % topology.world_size:
+            notes.append(f"{workload.num_experts} experts do not split evenly over {topology.world_size} ranks: "
+                         "expert-parallel candidates not evaluated")
+        else:
+            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute_s)
+            predicted.update(dist_predicted)
+            params.update(dist_params)
+    choices = [s for s in predicted if s in allowed]
+    if not choices:
+        raise ValueError(f"none of the implemented strategies {list(allowed)} applies; candidates were "
+                         f"{sorted(predicted)}")
+    best = min(choices, key=predicted.__getitem__)
+    return Plan(strategy=best, params=params.get(best, {}), predicted=predicted, implemented=allowed,
+                notes=tuple(notes))
+
+
+def _compute_s(topology: Topology | None, workload: Workload) -> float:
+    flops = workload.num_tokens * workload.top_k * workload.expert_flops_per_token()
+    rate = topology.device_flops(0) if topology is not None else 1e12
+    return flops / rate
+
+
+def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
+                 compute_s: float) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    predicted: dict[str, float] = {}
+    params: dict[str, dict[str, Any]] = {}
+    # HierMoE: HD-d for every d, and the no-dedup baselines (two directions + compute)
+    model = _hd_model(topology, workload)
+    idx = topk_idx if topk_idx is not None else uniform_routing(workload)
+    stats = hd_statistics(idx, workload.num_experts, topology.sizes, copies=True)
+    hd = model.times_s(stats)
+    for d, t in enumerate(hd, start=1):
+        predicted[f"hd{d}"] = 2 * float(t) + compute_s
+        params[f"hd{d}"] = {"dimension": d}
+    nodedup = model.nodedup_times_s(stats)
+    predicted["flat_a2a"] = 2 * float(nodedup[0]) + compute_s
+    if len(nodedup) > 1 and len(topology.levels) >= 2:
+        predicted["hier_a2a"] = 2 * float(nodedup[1]) + compute_s
+    # MoNTA: inter-node A2A + intra-node AllGather, chunked
+    choice = monta.plan(topology, workload)
+    for option, t in choice.times_s.items():
+        predicted[f"monta_{option}"] = 2 * float(t) + compute_s
+        params[f"monta_{option}"] = {"chunks": choice.chunks.get(option, 1)}
+    # HybridEP: expert domains (its model covers the layer's communication)
+    sizes = hybridep.StreamSizes.from_workload(workload, topology.world_size)
+    hep = hybridep.choose_partition(topology, sizes)
+    predicted["hybridep"] = float(hep.time.total_s) + compute_s
+    params["hybridep"] = {"domain_sizes": tuple(hep.partition.domain_sizes)}
+    # HEXA-MoE: data- vs model-centric (its model includes the compute)
+    hx = hexa.choose_execution(topology, workload)
+    predicted["hexa_data_centric"] = float(hx.data_centric_s)
+    predicted["hexa_model_centric"] = float(hx.model_centric_s)
+    return predicted, params
+
+
+_HD_MODELS: dict[tuple[str, Workload], HDCostModel] = {}
+
+
+def _hd_model(topology: Topology, workload: Workload) -> HDCostModel:
+    """Lambdify once per (topology, workload): every layer of a model shares its shapes."""
+    key = (repr(topology), workload)
+    if key not in _HD_MODELS:
+        _HD_MODELS[key] = HDCostModel(topology, workload)
+    return _HD_MODELS[key]
+
+
+def uniform_routing(workload: Workload, seed: int = 0) -> np.ndarray:
+    """[T, K] distinct expert ids per token, uniformly at random (the planner's default statistics)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.random((workload.num_tokens, workload.num_experts))
+    return np.argpartition(keys, workload.top_k - 1, axis=1)[:, : workload.top_k]

@@ -1,0 +1,344 @@
+"""Measure a cluster's collectives under torchrun and write its topology file.
+
+    torchrun --nproc-per-node 4 -m moe_compile.calibrate --mesh node=2,gpu=2 --out cluster.toml
+
+Builds ``init_device_mesh(device, shape, mesh_dim_names=names)`` from ``--mesh`` (slowest level
+first; gloo on CPU, NCCL on CUDA), then for every level times ``all_to_all_single`` and
+``all_gather_into_tensor`` (``all_gather_single`` where torch has it) inside the level's subgroups
+(``mesh.get_group(level)``; all subgroups of a level run at once, as HierMoE's Inter-level-i
+all-to-alls do), and the flat all-to-all over the whole world, each at ``--steps`` sizes from
+``--min-bytes`` to ``--max-bytes``.
+
+Timing: ``--warmup`` untimed runs per size, then ``--reps`` timed runs, each after a world barrier;
+each run's time is the slowest rank's (all_reduce MAX) and a size's time is the median over runs.
+
+Model (HierMoE Eq. 1, Section V-B; details in ``moe_compile.cost.calibrate``): one collective
+among g ranks takes ``alpha_s + n * (g-1)/g * beta_s_per_byte``, n the buffer bytes on one rank
+(the all-to-all send buffer with its own share; the all-gather output), n * (g-1)/g the bytes that
+leave the rank.  So beta is the time per byte over the level's link and 1/beta the bandwidth one
+rank gets while all the level's groups run at once (``Topology``'s ``bandwidth_gbps``); HierMoE's
+Fig. 9 betas are per byte of n, i.e. beta * (g-1)/g.  A level's ``alpha_s``/``beta_s_per_byte`` in
+the topology are the fit of its subgroup all-to-all.  The file also gets MoNTA's efficiency curves
+r(n) = n * (g-1)/g * beta_level / t(n) over the buffer size n, named ``<collective>_<level>`` (and
+``all_to_all_world``, against the slowest level's link), plus ``all_to_all`` (slowest level,
+MoNTA's inter-node r1) and ``all_gather`` (fastest level, MoNTA's intra-node r2).  Rank 0 prints a
+table of every fit and writes the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moe_compile.cost.calibrate import efficiency_curve, fit_collective, link_fraction, message_sizes
+from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
+
+_ELEMENT = torch.float32  # the payload's dtype; only its byte count matters
+_ELEMENT_BYTES = 4
+WORLD = "world"
+# torch 2.13 renamed all_gather_into_tensor (deprecated, warns on every call) to all_gather_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def parse_mesh(spec: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``"node=2,gpu=4"`` -> ``(("node", "gpu"), (2, 4))``, slowest level first."""
+    names: list[str] = []
+    sizes: list[int] = []
+    for part in spec.split(","):
+        name, sep, size = part.strip().partition("=")
+        name, size = name.strip(), size.strip()
+        if not sep or not name.isidentifier() or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh {spec!r}: each entry must be NAME=SIZE with a positive integer size, "
+                             f"slowest level first, e.g. --mesh node=2,gpu=4 (bad entry {part!r})")
+        if name == WORLD or name in names:
+            raise ValueError(f"--mesh {spec!r}: level names must be unique and not {WORLD!r} (got {name!r} twice "
+                             "or reserved)")
+        names.append(name)
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
+
+
+def check_world_size(names: Sequence[str], sizes: Sequence[int], world_size: int) -> None:
+    if math.prod(sizes) != world_size:
+        shape = " x ".join(f"{n}={s}" for n, s in zip(names, sizes))
+        raise ValueError(f"--mesh {shape} has {math.prod(sizes)} ranks but the world size is {world_size}; "
+                         f"start {math.prod(sizes)} processes (torchrun --nproc-per-node/--nnodes) or change --mesh")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moe_compile.calibrate",
+                                description="Measure each mesh level's collectives, fit alpha-beta per level, "
+                                            "write a topology TOML.")
+    p.add_argument("--mesh", required=True, help="levels slowest first, NAME=SIZE,... (product = world size)")
+    p.add_argument("--out", default="cluster.toml", help="topology file to write (rank 0)")
+    p.add_argument("--min-bytes", type=int, default=1 << 12, help="smallest buffer per rank (default 4 KiB)")
+    p.add_argument("--max-bytes", type=int, default=1 << 26, help="largest buffer per rank (default 64 MiB)")
+    p.add_argument("--steps", type=int, default=8, help="sizes, spaced geometrically (default 8)")
+    p.add_argument("--reps", type=int, default=5, help="timed runs per size; the median is kept (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per size (default 2)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda (NCCL) when available under auto, else cpu (gloo)")
+    p.add_argument("--name", default="", help="topology name written to the file")
+    p.add_argument("--flops-per-s", type=float, default=None,
+                   help="device compute rate to write instead of a quick matmul measurement")
+    p.add_argument("--mem-bw-bytes-per-s", type=float, default=None,
+                   help="device memory bandwidth to write instead of a quick copy measurement")
+    return p
+
+
+@dataclass(frozen=True)
+class Measurement:
+    collective: str  # "all_to_all" or "all_gather"
+    group: str  # a level name or WORLD
+    group_size: int
+    sizes_bytes: tuple[int, ...]  # buffer bytes per rank (n)
+    times_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Fit:
+    measurement: Measurement
+    alpha_s: float
+    beta_s_per_byte: float
+    r2: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _agreed_median(times_s: list[float], device: torch.device) -> float:
+    """Each run's time is the slowest rank's; the size's time is the median over runs."""
+    t = torch.tensor(times_s, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def _time_runs(run: Callable[[], object], device: torch.device, reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        run()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _collective_runner(collective: str, num_bytes: int, group: Any, group_size: int,
+                       device: torch.device) -> Callable[[], object]:
+    numel = num_bytes // _ELEMENT_BYTES
+    if collective == "all_to_all":
+        send = torch.ones(numel, dtype=_ELEMENT, device=device)
+        recv = torch.empty_like(send)
+        return lambda: dist.all_to_all_single(recv, send, group=group)
+    out = torch.empty(numel, dtype=_ELEMENT, device=device)
+    shard = torch.ones(numel // group_size, dtype=_ELEMENT, device=device)
+    return lambda: _all_gather(out, shard, group=group)
+
+
+def plan_measurements(names: Sequence[str], sizes: Sequence[int], world_size: int, args: argparse.Namespace
+                      ) -> list[tuple[str, str, int, list[int]]]:
+    """(collective, group, group size, message sizes) in the order every rank runs them."""
+    plan = []
+    for name, size in zip(names, sizes):
+        msgs = message_sizes(args.min_bytes, args.max_bytes, args.steps, multiple_of=size * _ELEMENT_BYTES)
+        plan += [("all_to_all", name, size, msgs), ("all_gather", name, size, msgs)]
+    msgs = message_sizes(args.min_bytes, args.max_bytes, args.steps, multiple_of=world_size * _ELEMENT_BYTES)
+    plan.append(("all_to_all", WORLD, world_size, msgs))
+    return plan
+
+
+def measure(mesh: Any, plan: Sequence[tuple[str, str, int, list[int]]], device: torch.device, reps: int,
+            warmup: int, advance: Callable[[str], None]) -> list[Measurement]:
+    out = []
+    for collective, group_name, group_size, msgs in plan:
+        group = None if group_name == WORLD else mesh.get_group(group_name)
+        times = []
+        for num_bytes in msgs:
+            run = _collective_runner(collective, num_bytes, group, group_size, device)
+            times.append(_agreed_median(_time_runs(run, device, reps, warmup), device))
+            advance(f"{collective} {group_name}")
+        out.append(Measurement(collective, group_name, group_size, tuple(msgs), tuple(times)))
+    return out
+
+
+def measure_compute(device: torch.device) -> tuple[float, float]:
+    """Quick per-rank matmul FLOP rate and copy bandwidth (read + write bytes), best of a few runs."""
+    n, dtype, copy_bytes = (4096, torch.bfloat16, 1 << 28) if device.type == "cuda" else (256, torch.float32, 1 << 23)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        _sync(device)
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    flops = 2 * n**3 / best(lambda: a @ a)
+    mem_bw = 2 * copy_bytes / best(lambda: dst.copy_(src))
+    return flops, mem_bw
+
+
+def _compute_values(local: float, device: torch.device, world_size: int) -> list[float]:
+    """One value per rank when the devices differ by more than 20 % (heterogeneous), else the median."""
+    t = torch.tensor([local], dtype=torch.float64, device=device)
+    gathered = torch.empty(world_size, dtype=torch.float64, device=device)
+    _all_gather(gathered, t)
+    values = gathered.tolist()
+    mid = statistics.median(values)
+    return values if max(values) > 1.2 * min(values) else [mid]
+
+
+def fit_measurements(measurements: Sequence[Measurement]) -> list[Fit]:
+    fits = []
+    for m in measurements:
+        alpha, beta, r2 = fit_collective(m.sizes_bytes, m.times_s, m.group_size)
+        fits.append(Fit(m, alpha, beta, r2))
+    return fits
+
+
+def build_topology(fits: Sequence[Fit], names: Sequence[str], sizes: Sequence[int], *, flops_per_s: Sequence[float],
+                   mem_bw_bytes_per_s: Sequence[float], name: str) -> Topology:
+    by_key = {(f.measurement.collective, f.measurement.group): f for f in fits}
+    levels = []
+    for level_name, size in zip(names, sizes):
+        f = by_key[("all_to_all", level_name)]
+        if f.beta_s_per_byte <= 0:
+            raise ValueError(f"level {level_name!r}: the all-to-all time does not grow with the message size over "
+                             f"{f.measurement.sizes_bytes[0]}..{f.measurement.sizes_bytes[-1]} bytes (fitted beta "
+                             f"{f.beta_s_per_byte:.3g} s/B); raise --max-bytes or --reps")
+        # A small negative intercept is fitting noise around a start-up time near zero.
+        levels.append(Level(level_name, size, max(f.alpha_s, 0.0), f.beta_s_per_byte))
+    efficiency: dict[str, EfficiencyCurve] = {}
+    for f in fits:
+        m = f.measurement
+        # the world all-to-all is held against the slowest link; (g0-1)/g0 of its buffer crosses it
+        ref, frac = ((levels[0], link_fraction(levels[0].size)) if m.group == WORLD
+                     else (levels[list(names).index(m.group)], link_fraction(m.group_size)))
+        efficiency[f"{m.collective}_{m.group}"] = efficiency_curve(m.sizes_bytes, m.times_s, ref.beta_s_per_byte,
+                                                                   frac)
+    efficiency["all_to_all"] = efficiency[f"all_to_all_{names[0]}"]
+    efficiency["all_gather"] = efficiency[f"all_gather_{names[-1]}"]
+    return Topology(levels=tuple(levels), flops_per_s=tuple(flops_per_s), mem_bw_bytes_per_s=tuple(mem_bw_bytes_per_s),
+                    efficiency=efficiency, name=name)
+
+
+def fit_table(fits: Sequence[Fit]) -> Table:
+    table = Table(title="alpha-beta fits: t = alpha + n (g-1)/g * beta, n = buffer bytes per rank, g = ranks")
+    for col in ("collective", "group", "ranks", "alpha (us)", "beta (s/B)", "link (Gb/s)", "r^2", "n (bytes)"):
+        table.add_column(col, justify="left" if col in ("collective", "group") else "right")
+    for f in fits:
+        m = f.measurement
+        bw = f"{8.0 / f.beta_s_per_byte / 1e9:.3g}" if f.beta_s_per_byte > 0 else "-"
+        table.add_row(m.collective, m.group, str(m.group_size), f"{f.alpha_s * 1e6:.3g}", f"{f.beta_s_per_byte:.3e}",
+                      bw, f"{f.r2:.6f}", f"{m.sizes_bytes[0]}..{m.sizes_bytes[-1]}")
+    return table
+
+
+def _stdout_console() -> Console:
+    # Off a terminal (logs, pipes) rich assumes 80 columns and would elide the numbers.
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 120))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    err = Console(stderr=True)
+    try:
+        names, sizes = parse_mesh(args.mesh)
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError("no WORLD_SIZE in the environment: run under torchrun, e.g. "
+                             f"torchrun --nproc-per-node {math.prod(sizes)} -m moe_compile.calibrate --mesh {args.mesh}")
+        world_size = int(os.environ["WORLD_SIZE"])
+        check_world_size(names, sizes, world_size)
+        if args.reps < 1 or args.warmup < 0:
+            raise ValueError(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
+        plan = plan_measurements(names, sizes, world_size, args)
+    except ValueError as e:
+        if rank == 0:
+            err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+        total = sum(len(msgs) for *_, msgs in plan)
+        with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, disable=rank != 0, transient=False) as progress:
+            task = progress.add_task("calibrating", total=total)
+            measurements = measure(mesh, plan, device, args.reps, args.warmup,
+                                   lambda what: progress.update(task, advance=1, description=what))
+        flops_values, mem_values = [args.flops_per_s], [args.mem_bw_bytes_per_s]
+        if args.flops_per_s is None or args.mem_bw_bytes_per_s is None:
+            flops, mem_bw = measure_compute(device)
+            if args.flops_per_s is None:
+                flops_values = _compute_values(flops, device, world_size)
+            if args.mem_bw_bytes_per_s is None:
+                mem_values = _compute_values(mem_bw, device, world_size)
+        fits = fit_measurements(measurements)
+        name = args.name or f"calibrated {args.mesh} ({device.type})"
+        try:
+            topo = build_topology(fits, names, sizes, flops_per_s=flops_values, mem_bw_bytes_per_s=mem_values,
+                                  name=name)
+        except ValueError as e:
+            if rank == 0:
+                _stdout_console().print(fit_table(fits))
+                err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+            return 1
+        if rank == 0:
+            console = _stdout_console()
+            console.print(fit_table(fits))
+            for f in fits:
+                if f.measurement.group in names and f.measurement.collective == "all_to_all" and f.alpha_s < 0:
+                    console.print(f"note: level {f.measurement.group}: fitted alpha {f.alpha_s * 1e6:.3g} us < 0 is "
+                                  "noise around a start-up time near zero; wrote alpha_s = 0", markup=False,
+                                  highlight=False)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            topo.save(args.out)
+            console.print(f"wrote {args.out}: levels {', '.join(f'{lv.name}={lv.size}' for lv in topo.levels)}",
+                          markup=False, highlight=False)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
