@@ -2,7 +2,8 @@
 
 Nothing here imports torch.fx or Triton (DESIGN.md, layout table)."""
 
+from moe_compile.cost.planner import Plan, plan
 from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
 from moe_compile.cost.workload import Workload
 
-__all__ = ["EfficiencyCurve", "Level", "Topology", "Workload"]
+__all__ = ["EfficiencyCurve", "Level", "Plan", "Topology", "Workload", "plan"]

@@ -135,4 +135,4 @@ def uniform_routing(workload: Workload, seed: int = 0) -> np.ndarray:
     """[T, K] distinct expert ids per token, uniformly at random (the planner's default statistics)."""
     rng = np.random.default_rng(seed)
     keys = rng.random((workload.num_tokens, workload.num_experts))
-    return np.argpartition(keys, workload.top_k - 1, axis=1)[:, : workload.top_k]
+    return np.ascontiguousarray(np.argpartition(keys, workload.top_k - 1, axis=1)[:, : workload.top_k])

@@ -216,14 +216,21 @@ class _Routing:
                                  "pass a placement (expert -> rank) or change the expert count")
             per_rank = num_experts // self.num_ranks
             self.placement = np.arange(num_experts) // per_rank
-            ranks = topk // per_rank
+            # a shift is ~10x faster than int64 floor division, and per_rank is usually a power of 2
+            # int32 from here on: half the memory traffic of int64 in every pass below
+            shift = per_rank.bit_length() - 1
+            ranks = np.empty(topk.shape, dtype=np.int32)
+            if per_rank == 1 << shift:
+                np.right_shift(topk, shift, out=ranks, casting="unsafe")
+            else:
+                np.floor_divide(topk, per_rank, out=ranks, casting="unsafe")
         else:
             self.placement = _numpy(placement).astype(np.int64)
             if self.placement.shape != (num_experts,) or self.placement.min() < 0 \
                     or self.placement.max() >= self.num_ranks:
                 raise ValueError(f"placement must map each of the {num_experts} experts to a rank in "
                                  f"[0, {self.num_ranks})")
-            ranks = np.take(self.placement, topk)
+            ranks = np.take(self.placement.astype(np.int32), topk)
         self.token_rank = None if token_rank is None else _numpy(token_rank).astype(np.int64)
         if self.token_rank is not None and self.token_rank.shape != topk.shape[:1]:
             raise ValueError(f"token_rank must hold one rank per token ({topk.shape[0]}), "
@@ -237,7 +244,7 @@ class _Routing:
         # Step 2: each (token, k) entry's first_level (0-based): the first level at which its rank's
         # coordinates differ from the previous entry's, num_levels for a repeat of the same rank.
         # Entry k is the token's first in its level-l group iff first_level < l.
-        first_level = np.zeros(ranks.shape, dtype=np.int64)
+        first_level = np.zeros(ranks.shape, dtype=np.int32)
         first_level[:, 1:] = np.take(_first_difference(sizes), ranks[:, 1:] * self.num_ranks + ranks[:, :-1])
         # Step 3: one bincount: table[source, rank, f] = entries with that first_level; its cumsum
         # over f gives the distinct-token count at every level at once (f = num_levels: copies).
@@ -273,7 +280,7 @@ def _first_difference(sizes: tuple[int, ...]) -> np.ndarray:
     len(sizes) when a == b."""
     num_ranks = math.prod(sizes)
     rank = np.arange(num_ranks)
-    out = np.full((num_ranks, num_ranks), len(sizes), dtype=np.int64)
+    out = np.full((num_ranks, num_ranks), len(sizes), dtype=np.int32)
     for level in range(len(sizes), 0, -1):
         group = rank // (num_ranks // math.prod(sizes[:level]))
         out[group[:, None] != group[None, :]] = level - 1
