@@ -29,15 +29,17 @@ class ExpertParams:
     complete: bool = True
 
 
-def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) -> ExpertParams:
+def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int,
+                    family_keys: set[str]) -> ExpertParams:
     """Split parameter nodes into expert families (E modules), stacked tensors, and the rest.
 
     A family is a name pattern with one numeric component (``experts.#.w1.weight``) whose indices,
     over all parameters of the graph, are exactly 0..E-1; a layer index (``layers.#``) therefore
     never forms a family unless the model happens to have E layers, and 3-d tensors with a
-    leading E are always stacked expert weights."""
+    leading E are always stacked expert weights.  ``family_keys`` is ``valid_family_keys(params,
+    num_experts)``, computed once per layer by the caller (it scans every parameter of the graph)."""
     out = ExpertParams()
-    valid = _valid_family_keys(params, num_experts)
+    valid = family_keys
     families: dict[str, dict[int, fx.Node]] = {}
     for n in state:
         shape = static_shape(n) or ()
@@ -66,7 +68,7 @@ def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int) 
     return out
 
 
-def _valid_family_keys(params: ParamTable, num_experts: int) -> set[str]:
+def valid_family_keys(params: ParamTable, num_experts: int) -> set[str]:
     indices: dict[str, set[int]] = {}
     for path in params.path.values():
         fam = _family_key(path, num_experts)

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
-from moe_compile.passes.expert_layout import ExpertParams, classify_params, layout_hypotheses
+from moe_compile.passes.expert_layout import (
+    ExpertParams,
+    classify_params,
+    layout_hypotheses,
+    valid_family_keys,
+)
 from moe_compile.passes.graph_index import GraphIndex, is_view, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable, common_prefix
 from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
@@ -170,6 +175,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
 
     # Step 1: the routed output (a few candidates; canonicalize verifies them in order)
     token_shapes = _token_shapes(router.tokens, num_tokens, hidden)
+    family_keys = valid_family_keys(params, num_experts)
     experts: ExpertParams | None = None
     outputs: list[OutputCandidate] = []
     reason = "no value after the top-k combines expert outputs into a [tokens, hidden] tensor"
@@ -182,7 +188,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         state = [n for n in nodes if n in params]
         if not state:
             continue
-        cls = classify_params(params, state, num_experts)
+        cls = classify_params(params, state, num_experts, family_keys)
         if cls.foreign:
             if not outputs:
                 names = ", ".join(sorted(params.path[n] for n in cls.foreign)[:3])
