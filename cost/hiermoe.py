@@ -221,6 +221,13 @@ class HDCostModel:
     def optimal_dimension(self, stats: HDStatistics) -> int:
         return dimension_rule(self._hd(*stats.values()))
 
+    def times_from_values(self, values: Sequence[float], dedup: bool = True) -> np.ndarray:
+        """t_1..t_D from already aggregated statistics, in the order of ``HDStatistics.values()``
+        (``copy_values()`` when not ``dedup``): the runtime path, where every rank's values have
+        been max-reduced first so all ranks agree."""
+        fn = self._hd if dedup else self._nodedup
+        return np.asarray(fn(*values), dtype=np.float64)
+
     def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:
         """d* (Eq. 6, Alg. 1) from fresh routing: statistics, then the lambdified times."""
         stats = hd_statistics(topk_idx, self.workload.num_experts, self.topology.sizes, placement=placement,

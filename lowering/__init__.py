@@ -7,5 +7,6 @@ from moe_compile.lowering.experts import (
     experts_flops,
     experts_reference,
 )
+from moe_compile.lowering.expert_parallel import ep_experts, ep_experts_backward
 
-__all__ = ["ACTIVATIONS", "experts", "experts_backward", "experts_flops", "experts_reference"]
+__all__ = ["ACTIVATIONS", "ep_experts", "ep_experts_backward", "experts", "experts_backward", "experts_flops", "experts_reference"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from moe_compile.cost.topology import Topology
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Options:
         HIERMOE_DUMP_DIR environment variable).
     topology: a ``moe_compile.cost.Topology`` or the path of a topology TOML file; the planner
         then predicts every strategy's time for each layer on that cluster (shown by explain).
+    kernels: how the expert op runs: "triton" (the fused ESMM/ESS/ESTMM kernels; on CPU through
+        the Triton interpreter, TRITON_INTERPRET=1), "torch" (the torch implementation) or "auto"
+        (default: Triton on CUDA, torch on CPU).
     """
 
     inner_compiler: str = "inductor"
@@ -30,6 +34,7 @@ class Options:
     verify: bool = True
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("HIERMOE_DUMP_DIR") or None)
     topology: Topology | None = None
+    kernels: str = "auto"
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -61,6 +66,8 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'verify' must be True or False, got {kw['verify']!r}")
     if "dump_dir" in kw and kw["dump_dir"] is not None and not isinstance(kw["dump_dir"], str | os.PathLike):
         raise ValueError(f"option 'dump_dir' must be a directory path or None, got {kw['dump_dir']!r}")
+    if "kernels" in kw and kw["kernels"] not in KERNELS:
+        raise ValueError(f"option 'kernels' must be one of {list(KERNELS)}, got {kw['kernels']!r}")
     topo = kw.get("topology")
     if isinstance(topo, str | os.PathLike):
         if not os.path.exists(topo):

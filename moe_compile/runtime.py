@@ -1,0 +1,149 @@
+"""Runtime state of compiled expert-parallel layers: the layer table the ops reach by id, and the
+per-rank traffic counters.
+
+A compiled graph calls ``hiermoe::ep_experts(..., layer=i)``; ``layer(i)`` is the ``EPLayer``
+holding what the op needs between steps without recompiling: the mesh's process groups, the
+placement table (logical expert -> mesh position), the dispatch settings and the cost model that
+picks d* per step, and what the last step chose and sent (read by ``explain``).
+
+Counters (``counters()``, ``reset_counters()``) hold, for this rank, the bytes and messages sent
+per mesh level, per phase (dispatch / combine) and direction (forward / backward), payload (token
+rows) apart from metadata (split sizes, expert ids, weights).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+_lock = threading.Lock()
+
+_PHASES = ("dispatch", "combine")
+_DIRECTIONS = ("forward", "backward")
+_FIELDS = ("payload_bytes", "payload_messages", "meta_bytes", "meta_messages")
+
+_counts: dict[tuple[int, str, str], list[int]] = {}
+_level_names: list[tuple[str, ...]] = []  # names of the mesh levels seen (the last one wins)
+
+
+def record_traffic(layer_id: int, level: int, phase: str, direction: str, *, payload_bytes: int,
+                   payload_messages: int, meta_bytes: int, meta_messages: int) -> None:
+    """Add one send of layer ``layer_id`` to another rank across 0-based mesh level ``level``."""
+    with _lock:
+        c = _counts.setdefault((level, phase, direction), [0, 0, 0, 0])
+        c[0] += payload_bytes
+        c[1] += payload_messages
+        c[2] += meta_bytes
+        c[3] += meta_messages
+        if 0 <= layer_id < len(_layers):
+            key = (level, phase, direction)
+            step = _layers[layer_id].step_bytes
+            step[key] = step.get(key, 0) + payload_bytes
+
+
+def reset_counters() -> None:
+    """Zero this rank's traffic counters."""
+    with _lock:
+        _counts.clear()
+
+
+def counters() -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+    """This rank's traffic since the last ``reset_counters()``:
+    ``{level name: {"dispatch"|"combine": {"forward"|"backward": {payload_bytes, payload_messages,
+    meta_bytes, meta_messages}}}}``, every level of the mesh present (zeros where nothing was sent)."""
+    names = _level_names[-1] if _level_names else ()
+    with _lock:
+        snapshot = {k: list(v) for k, v in _counts.items()}
+    out: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
+    for level, name in enumerate(names):
+        out[name] = {ph: {dr: dict(zip(_FIELDS, snapshot.get((level, ph, dr), [0, 0, 0, 0]), strict=True))
+                          for dr in _DIRECTIONS} for ph in _PHASES}
+    return out
+
+
+@dataclass
+class EPLayer:
+    """One expert-parallel layer of a compiled graph (see module docstring)."""
+
+    layer_id: int
+    name: str
+    num_experts: int
+    top_k: int
+    comm: Any  # lowering.hier_a2a.MeshComm
+    expert_pos_E: Any  # torch.Tensor [E] mesh position of each logical expert
+    local_experts: tuple[int, ...]  # logical experts on this rank, in local slot order
+    dedup: bool
+    dimension: int | None  # fixed d, or None: d* per step from the cost model
+    cost: Any = None  # cost.hiermoe.HDCostModel
+    # what the last forward step chose and sent
+    last_dimension: int | None = None
+    last_times_s: list[float] = field(default_factory=list)
+    step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
+    num_steps: int = 0
+
+    @property
+    def local_slot_E(self) -> Any:
+        import torch
+
+        slot = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.expert_pos_E.device)
+        slot[list(self.local_experts)] = torch.arange(len(self.local_experts), device=slot.device)
+        return slot
+
+    def choose_dimension(self, topk_idx_TK: Any) -> int:
+        """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
+        agrees on (each rank's p statistics, max-reduced over the world: the busiest relay of any
+        rank sets an all-to-all's pace)."""
+        if self.dimension is not None:
+            return self.dimension
+        import torch
+        import torch.distributed as dist
+
+        from moe_compile.cost.hiermoe import dimension_rule
+        from moe_compile.cost.routing import hd_statistics
+
+        stats = hd_statistics(topk_idx_TK.detach().cpu(), self.num_experts, self.comm.sizes,
+                              placement=self.expert_pos_E.cpu().numpy(), copies=not self.dedup)
+        local = stats.values() if self.dedup else stats.copy_values()
+        vals = torch.tensor(local, dtype=torch.float64, device=self.comm.device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        agreed = vals.cpu().tolist()
+        times = self.cost.times_from_values(agreed, dedup=self.dedup)
+        self.last_times_s = [float(t) for t in times]
+        return dimension_rule(times)
+
+    def begin_step(self, d: int) -> None:
+        with _lock:
+            self.last_dimension = d
+            self.step_bytes = {}
+            self.num_steps += 1
+
+    def last_step_bytes(self) -> dict[str, int]:
+        """Payload bytes this rank sent per level in the last step (its forward and, once run, its
+        backward)."""
+        names = self.comm.level_names
+        out = {n: 0 for n in names}
+        for (level, _, _), b in self.step_bytes.items():
+            out[names[level]] += b
+        return out
+
+
+_layers: list[EPLayer] = []
+
+
+def register_layer(**kw: Any) -> EPLayer:
+    with _lock:
+        lay = EPLayer(layer_id=len(_layers), **kw)
+        _layers.append(lay)
+        names = tuple(lay.comm.level_names)
+        if not _level_names or _level_names[-1] != names:
+            _level_names.append(names)
+    return lay
+
+
+def layer(layer_id: int) -> EPLayer:
+    return _layers[layer_id]
+
+
+def layers() -> list[EPLayer]:
+    return list(_layers)
