@@ -7,6 +7,7 @@ Candidates and where their times come from (seconds of one layer's forward on on
     local              the experts computed on this rank only: compute time, no communication
     flat_a2a           flat all-to-all, one copy per (token, expert) - what Megatron and HF do
     hier_a2a           hierarchical all-to-all without dedup (Tutel 2DH), topologies with >= 2 levels
+    hier{d}_a2a        the same over d >= 3 levels (HierMoE's H-d)
     hd{d}              HierMoE HD-d dedup all-to-all, d = 1..D (hiermoe.py, Eq. 1-5)
     monta_{O1,O2,O3}   MoNTA's drop + inter-node A2A + intra-node AllGather options (monta.py, Alg. 3)
     hybridep           HybridEP's expert-domain AllGather + cross-domain A2A (hybridep.py, Alg. 1)
@@ -33,8 +34,22 @@ from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
 
-# What the lowering can run today.  Each distributed lowering adds its strategy names here.
+# What the lowering runs on one process; with a mesh, the expert-parallel lowering runs the
+# all-to-all strategies (``expert_parallel_strategies``).
 IMPLEMENTED: tuple[str, ...] = ("local",)
+
+
+def dispatch_strategy(dimension: int, dedup: bool) -> str:
+    """The candidate name of an HD-d (dedup) or H-d (no dedup) all-to-all."""
+    if dedup:
+        return f"hd{dimension}"
+    return {1: "flat_a2a", 2: "hier_a2a"}.get(dimension, f"hier{dimension}_a2a")
+
+
+def expert_parallel_strategies(num_levels: int, dimension: int | None, dedup: bool) -> tuple[str, ...]:
+    """What the expert-parallel lowering can run: the fixed dimension, or every d (d* per step)."""
+    dims = [dimension] if dimension is not None else range(1, num_levels + 1)
+    return tuple(dispatch_strategy(d, dedup) for d in dims)
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,8 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
     predicted["flat_a2a"] = 2 * float(nodedup[0]) + compute_s
     if len(nodedup) > 1 and len(topology.levels) >= 2:
         predicted["hier_a2a"] = 2 * float(nodedup[1]) + compute_s
+    for d in range(3, len(nodedup) + 1):  # HierMoE's H-d (Fig. 13) beyond Tutel's two levels
+        predicted[f"hier{d}_a2a"] = 2 * float(nodedup[d - 1]) + compute_s
     # MoNTA: inter-node A2A + intra-node AllGather, chunked
     choice = monta.plan(topology, workload)
     for option, t in choice.times_s.items():

@@ -248,7 +248,7 @@ def combine(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | Non
         _count(route.layer_id, hop.phase, hop.recv_counts, row_bytes, meta_bytes, "combine", direction, count_msg_bytes=0)
         acc = summed
     if not route.dedup:
-        acc = acc.view(route.num_tokens, route.top_k, -1).sum(1)
+        acc = acc.view(route.num_tokens, route.top_k, acc.shape[1]).sum(1)
         if meta is not None:
             meta = meta.view(route.num_tokens, route.top_k)
     return acc.to(out_dtype), meta

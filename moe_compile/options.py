@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from moe_compile.cost.topology import Topology
 
@@ -27,6 +28,15 @@ class Options:
     kernels: how the expert op runs: "triton" (the fused ESMM/ESS/ESTMM kernels; on CPU through
         the Triton interpreter, TRITON_INTERPRET=1), "torch" (the torch implementation) or "auto"
         (default: Triton on CUDA, torch on CPU).
+    mesh: a ``DeviceMesh`` with named dims, slowest level first (e.g. ("node", "gpu")): every MoE
+        layer runs expert-parallel over it (experts split contiguously over the ranks, tokens
+        data-parallel, HierMoE HD-d all-to-all). Needs torch.distributed initialized.
+    dimension: with a mesh, fix the all-to-all dimension d (1 = flat, 2 = node then inside the
+        node, ... up to the mesh levels); default None = d* per layer and step from the
+        topology's cost model (HierMoE Eq. 6 / Alg. 1).
+    dedup: with a mesh, send each token once per destination group (HierMoE, default True);
+        False sends one copy per (token, expert), the Megatron/HF flat all-to-all (dimension 1)
+        and Tutel's 2DH (dimension 2) baselines.
     """
 
     inner_compiler: str = "inductor"
@@ -35,6 +45,9 @@ class Options:
     dump_dir: str | None = field(default_factory=lambda: os.environ.get("HIERMOE_DUMP_DIR") or None)
     topology: Topology | None = None
     kernels: str = "auto"
+    mesh: Any = None
+    dimension: int | None = None
+    dedup: bool = True
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -75,6 +88,18 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         kw["topology"] = Topology.load(os.fspath(topo))
     elif topo is not None and not isinstance(topo, Topology):
         raise ValueError(f"option 'topology' must be a moe_compile.cost.Topology or a TOML file path, got {topo!r}")
+    dim = kw.get("dimension")
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+        raise ValueError(f"option 'dimension' must be a positive int (1..number of mesh levels) or None, got {dim!r}")
+    if "dedup" in kw and not isinstance(kw["dedup"], bool):
+        raise ValueError(f"option 'dedup' must be True or False, got {kw['dedup']!r}")
+    if kw.get("mesh") is None and (dim is not None or "dedup" in kw):
+        raise ValueError("options 'dimension' and 'dedup' set how expert-parallel layers communicate; "
+                         "they need options['mesh'] (a DeviceMesh)")
+    if kw.get("mesh") is not None:
+        from moe_compile.parallel import check_mesh
+
+        check_mesh(kw["mesh"], kw.get("topology"))  # type: ignore[arg-type]
     dump_dir = kw.get("dump_dir")
     if isinstance(dump_dir, os.PathLike):
         kw["dump_dir"] = os.fspath(dump_dir)

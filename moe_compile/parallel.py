@@ -21,6 +21,10 @@ from moe_compile.cost.workload import Workload
 
 _comms: dict[int, Any] = {}
 
+NEED_TOPOLOGY = ("expert parallelism picks the all-to-all dimension d* from the cluster's alpha/beta: give "
+                 "options['topology'] (a TOML file from moe-calibrate, or a Topology) or fix "
+                 "options['dimension'] (1..number of mesh levels)")
+
 
 def check_mesh(mesh: Any, topology: Topology | None) -> None:
     """Raise ValueError for a mesh that cannot run expert parallelism on this world."""
@@ -79,9 +83,7 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
         raise ValueError(f"option 'dimension' must be in 1..{num_levels} (the mesh has {num_levels} levels), "
                          f"got {dimension}")
     if dimension is None and topology is None:
-        raise ValueError("expert parallelism picks the all-to-all dimension d* from the cluster's alpha/beta: give "
-                         "options['topology'] (a TOML file from moe-calibrate, or a Topology) or fix "
-                         "options['dimension'] (1..number of mesh levels)")
+        raise ValueError(NEED_TOPOLOGY)
     comm = mesh_comm(mesh)
     per_rank = num_experts // world
     expert_pos = torch.arange(num_experts, device=comm.device) // per_rank

@@ -4,9 +4,14 @@ Ordering constraints:
   find_moe_regions  first: every later pass consumes its MoERegion records, and it must see the
                     graph exactly as Dynamo produced it (verification re-runs that graph).
   canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
-  plan              last: decides each rewritten layer's strategy with cost/planner.py (the argmin
-                    over what the lowering implements; today "local"), recording every
-                    candidate's predicted time when a topology is given.
+  plan              after canonicalize: decides each rewritten layer's strategy with cost/planner.py
+                    (the argmin over what the lowering implements: "local" on one process, the
+                    all-to-all dimensions with a mesh), recording every candidate's predicted time
+                    when a topology is given.
+  expert_parallel   after plan, only with options['mesh']: turns each hiermoe::experts node into
+                    hiermoe::ep_experts over the mesh; before lower_kernels, which only sees the
+                    single-process op.
+  lower_kernels     last: retargets the hiermoe::experts nodes left by all earlier passes (options['kernels']).
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from moe_compile.cost.planner import Plan, plan
+from moe_compile.cost.planner import Plan, dispatch_strategy, expert_parallel_strategies, plan
 from moe_compile.cost.workload import Workload
 from moe_compile.options import Options
+from moe_compile.parallel import NEED_TOPOLOGY
 from moe_compile.passes.canonicalize import CanonicalizeResult, canonicalize_moe_regions_pass
+from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
+from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.regions import Skip
 
 
@@ -35,6 +43,7 @@ class PassContext:
     plans: dict[str, Plan] = field(default_factory=dict)
     skipped: list[Skip] = field(default_factory=list)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    ep_layers: dict[str, int] = field(default_factory=dict)  # layer name -> runtime.EPLayer id
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
@@ -67,16 +76,43 @@ def _plan(ctx: PassContext) -> dict[str, int]:
                         num_experts=reg.num_experts, top_k=reg.top_k,
                         dtype_bytes=getattr(torch, reg.dtype).itemsize, gated=r.layout.gated)
         routing = r.routing.numpy() if r.routing is not None else None
-        decided = plan(ctx.options.topology, work, routing)
+        opts = ctx.options
+        if opts.mesh is None:
+            decided = plan(opts.topology, work, routing)
+        elif opts.topology is None:
+            if opts.dimension is None:
+                raise ValueError(NEED_TOPOLOGY)
+            decided = Plan(strategy=dispatch_strategy(opts.dimension, opts.dedup),
+                           notes=("no topology given: nothing predicted",))
+        else:
+            decided = plan(opts.topology, work, routing, implemented=expert_parallel_strategies(
+                len(opts.topology.levels), opts.dimension, opts.dedup))
         ctx.plans[reg.name] = decided
         counts[decided.strategy] = counts.get(decided.strategy, 0) + 1
     return counts
+
+
+def _expert_parallel(ctx: PassContext) -> dict[str, int]:
+    opts = ctx.options
+    if opts.mesh is None or ctx.canonical is None or not ctx.canonical.rewritten:
+        return {}
+    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=opts.topology, dimension=opts.dimension,
+                               dedup=opts.dedup)
+    ctx.ep_layers.update(out.pop("layers"))
+    return out
+
+
+
+def _lower_kernels(ctx: PassContext) -> dict[str, int]:
+    return lower_kernels_pass(ctx.gm, ctx.options.kernels)
 
 
 PASSES: list[tuple[str, Callable[[PassContext], dict[str, int]]]] = [
     ("find_moe_regions", _find),
     ("canonicalize", _canonicalize),
     ("plan", _plan),
+    ("expert_parallel", _expert_parallel),
+    ("lower_kernels", _lower_kernels),
 ]
 PASS_NAMES = tuple(name for name, _ in PASSES)
 

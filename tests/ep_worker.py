@@ -1,0 +1,299 @@
+"""One rank of the expert-parallel tests (launched by tests/dist_utils.py; gloo on CPU).
+
+Each case writes this rank's measurements to $HIERMOE_TEST_OUT/rank<r>.json; the test process
+asserts on them. References are computed here on the same rank: the single-process expert op
+(``hiermoe::experts``, itself checked against eager elsewhere) or the eager model.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import moe_compile
+from moe_compile import parallel, runtime
+from moe_compile.cost.routing import hd_statistics
+from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
+from moe_compile.samples.train_tiny_lm import train
+
+LEVELS = ("node", "socket", "gpu")
+PARAMS: dict[str, Any] = json.loads(os.environ.get("HIERMOE_TEST_PARAMS", "{}"))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) if b.numel() else 0.0
+
+
+def make_mesh(shape: list[int]) -> Any:
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=LEVELS[-len(shape):])
+
+
+def routing(kind: str, T: int, K: int, E: int, rank: int) -> torch.Tensor:  # noqa: N803
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if kind == "one_expert":  # every token of every rank picks expert 0 first (K > 1: then others)
+        rest = torch.stack([torch.randperm(E - 1, generator=gen)[: K - 1] + 1 for _ in range(T)]) if K > 1 else None
+        first = torch.zeros(T, 1, dtype=torch.long)
+        return first if rest is None else torch.cat([first, rest], 1)
+    if kind == "empty_rank" and rank == 1:  # rank 1 has no tokens at all
+        return torch.zeros(0, K, dtype=torch.long)
+    if kind == "local_only":  # every token stays on its own rank: nothing crosses a link
+        per = E // dist.get_world_size()
+        return torch.stack([torch.randperm(per, generator=gen)[:K] + rank * per for _ in range(T)])
+    return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+
+
+def expected_bytes(idx: np.ndarray, E: int, shape: list[int], me: int, d: int, dedup: bool,  # noqa: N803
+                   row_bytes: int) -> dict[int, int]:
+    """Payload bytes this rank must send per level in forward dispatch, computed from the routing
+    alone: every level for the flat all-to-all (d = 1), the slowest level for d > 1 (the dedup
+    lower bound: distinct (token, destination node) pairs)."""
+    G = math.prod(shape)  # noqa: N806
+    dest = idx // (E // G)  # [T, K] rank of each slot
+    coords = np.array(np.unravel_index(np.arange(G), shape)).T  # [G, D]
+    mine = coords[me]
+    out: dict[int, int] = {}
+    if d == 1:
+        diff = coords[dest] != mine  # [T, K, D]
+        first = np.where(diff.any(-1), diff.argmax(-1), -1)
+        for lv in range(len(shape)):
+            if dedup:
+                pairs = {(t, int(q)) for t, k in zip(*np.nonzero(first == lv), strict=True) for q in [dest[t, k]]}
+                out[lv] = len(pairs) * row_bytes
+            else:
+                out[lv] = int((first == lv).sum()) * row_bytes
+        return out
+    node = coords[dest][..., 0]
+    away = node != mine[0]
+    if dedup:
+        out[0] = len({(t, int(node[t, k])) for t, k in zip(*np.nonzero(away), strict=True)}) * row_bytes
+    else:
+        out[0] = int(away.sum()) * row_bytes
+    return out
+
+
+def case_op_matrix() -> dict[str, Any]:
+    """Every d and both dedup modes on several routings: outputs and all gradients against the
+    single-process op; traffic against the routing-derived counts."""
+    shape, E, K, H, F, T = (PARAMS[k] for k in ("shape", "E", "K", "H", "F", "T"))  # noqa: N806
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = make_mesh(shape)
+    torch.manual_seed(0)  # same weights on every rank
+    full = [torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), torch.randn(E, F), None, torch.randn(E, H)]
+    records = []
+    for kind in PARAMS["routings"]:
+        k = E if kind == "k_eq_e" else min(K, E // world) if kind == "local_only" else K
+        t = 1 if kind == "t1" else T
+        idx = routing(kind, t, k, E, rank)
+        gen = torch.Generator().manual_seed(2000 + rank)
+        x = torch.randn(idx.shape[0], H, generator=gen)
+        tw = torch.rand(idx.shape[0], k, generator=gen)
+        g = torch.randn(idx.shape[0], H, generator=gen)
+        ref_w = [None if w is None else w.clone().requires_grad_() for w in full]
+        xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
+        y_ref = torch.ops.hiermoe.experts(xr, idx, twr, *ref_w, "silu")
+        grads_ref = torch.autograd.grad(y_ref, [xr, twr, *(w for w in ref_w if w is not None)], g)
+        for dedup in (True, False):
+            for d in range(1, len(shape) + 1):
+                lay = parallel.build_layer(name=f"{kind}-{dedup}-{d}", mesh=mesh, topology=None, dimension=d,
+                                           dedup=dedup, num_experts=E, top_k=k, hidden_size=H, ffn_size=F,
+                                           gated=True, dtype=torch.float32, device=torch.device("cpu"))
+                first, n = lay.local_experts[0], len(lay.local_experts)
+                ws = [None if w is None else w.clone().requires_grad_() for w in full]
+                local = [None if w is None else w.narrow(0, first, n) for w in ws]
+                xe, twe = x.clone().requires_grad_(), tw.clone().requires_grad_()
+                runtime.reset_counters()
+                y, used = torch.ops.hiermoe.ep_experts(xe, idx, twe, *local, "silu", lay.layer_id)
+                grads = torch.autograd.grad(y, [xe, twe, *(w for w in ws if w is not None)], g)
+                errs = {"y": rel_err(y, y_ref), "x": rel_err(grads[0], grads_ref[0]),
+                        "topk_weights": rel_err(grads[1], grads_ref[1])}
+                for i, (a, b) in enumerate(zip(grads[2:], grads_ref[2:], strict=True)):
+                    a, b = a.clone(), b.clone()
+                    dist.all_reduce(a)  # expert grads live on their owner: compare the sums over ranks
+                    dist.all_reduce(b)
+                    errs[f"w{i}"] = rel_err(a, b)
+                c = runtime.counters()
+                row_bytes = H * 4
+                stats = hd_statistics(idx, E, shape)
+                p_inter1 = stats.p_inter[0] if len(shape) > 1 else None
+                p_flat = stats.p_intra[0]
+                records.append({
+                    "kind": kind, "dedup": dedup, "d": d, "used": int(used.item()), "errs": errs,
+                    "sent": {lv: {ph: {dr: c[name][ph][dr]["payload_bytes"] for dr in ("forward", "backward")}
+                                  for ph in ("dispatch", "combine")} for lv, name in enumerate(mesh.mesh_dim_names)},
+                    "meta": sum(c[name][ph][dr]["meta_bytes"] for name in mesh.mesh_dim_names
+                                for ph in ("dispatch", "combine") for dr in ("forward", "backward")),
+                    "expected": expected_bytes(idx.numpy(), E, shape, rank, d, dedup, row_bytes),
+                    # HierMoE Eq. 4 and Eq. 2 from this rank's p statistics, without the max padding
+                    # (sum over destinations that are not this rank's own) and with it (n_a2a)
+                    "eq4_sum": None if p_inter1 is None else
+                    int(p_inter1.sum() - p_inter1[mesh.get_coordinate()[0]]) * row_bytes,
+                    "eq4_n": None if p_inter1 is None else int(shape[0] * p_inter1.max()) * row_bytes,
+                    "eq2_sum": int(p_flat.sum() - p_flat[rank]) * row_bytes,
+                    "eq2_n": int(world * p_flat.max()) * row_bytes,
+                })
+    return {"records": records}
+
+
+def tiny(kind: str, E: int, seed: int = 0) -> TinyMoELM:  # noqa: N803
+    torch.manual_seed(seed)
+    return TinyMoELM(TinyLMConfig(moe_kind=kind, num_experts=E))
+
+
+def compile_options(mesh: Any) -> dict[str, Any]:
+    opts: dict[str, Any] = {"mesh": mesh, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
+    for key in ("dimension", "dedup", "topology"):
+        if key in PARAMS:
+            opts[key] = PARAMS[key]
+    return opts
+
+
+def case_compile() -> dict[str, Any]:
+    """Compiled tiny LM over the mesh against the eager model, forward and backward, per rank."""
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for kind in PARAMS["kinds"]:
+        torch._dynamo.reset()
+        model = tiny(kind, PARAMS.get("E", 8))
+        ref = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="hiermoe", options=compile_options(mesh))
+        gen = torch.Generator().manual_seed(10 + rank)
+        ids = torch.randint(0, 32, (2, 8), generator=gen)
+        loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+        loss.backward()
+        loss_ref.backward()
+        errs = []
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            a = torch.zeros_like(p) if p.grad is None else p.grad.clone()  # non-local expert modules: no grad
+            b = q.grad.clone()
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+            errs.append(rel_err(a, b))
+        ops = sum(lay.num_steps > 0 for lay in runtime.layers())
+        out[kind] = {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": max(errs), "layers_run": ops,
+                     "d": [lay.last_dimension for lay in runtime.layers()][-2:],
+                     "times": [lay.last_times_s for lay in runtime.layers()][-2:]}
+    return out
+
+
+def case_train() -> dict[str, Any]:
+    """A few AdamW steps: compiled expert-parallel model (gradients averaged over ranks, as DDP
+    does) against the eager model wrapped in DistributedDataParallel."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = make_mesh(PARAMS["shape"])
+    kind, steps = PARAMS["kind"], PARAMS["steps"]
+    model = tiny(kind, PARAMS.get("E", 8))
+    eager = DDP(copy.deepcopy(model))
+    compiled = torch.compile(model, backend="hiermoe", options=compile_options(mesh))
+
+    def average(_: int, __: float) -> None:
+        pass
+
+    losses_eager = train(eager, steps, seed=rank, batch=2, seq=8, vocab_size=32)
+    # the same loop with a DDP-style average of the compiled model's gradients before each step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 32, (2, 8 + 1), generator=gen)
+        loss = compiled(ids[:, :-1], ids[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        losses.append(float(loss))
+    return {"eager": losses_eager, "compiled": losses}
+
+
+def case_errors() -> dict[str, Any]:
+    """Setup errors raise ValueError at compile time, before any step collective, on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from moe_compile.cost.topology import Level, Topology
+
+    mesh = make_mesh(PARAMS["shape"])
+    msgs: dict[str, str] = {}
+
+    def catch(name: str, fn: Any) -> None:
+        try:
+            fn()
+            msgs[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test asserts the type and message
+            msgs[name] = f"{type(getattr(e, 'inner_exception', e)).__name__}: {e}"
+
+    ids = torch.randint(0, 32, (2, 8))
+
+    def run_compiled(model: Any, options: dict[str, Any]) -> None:
+        torch._dynamo.reset()
+        torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager", **options})(ids, ids)
+
+    catch("indivisible", lambda: run_compiled(tiny("grouped_gemm", 6), {"mesh": mesh, "dimension": 1}))
+    bad_topo = Topology(levels=tuple(Level(n, s, 1e-5, 1e-9) for n, s in
+                                     zip(("rack", "gpu"), PARAMS["shape"], strict=True)))
+    catch("level_names", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh, "topology": bad_topo}))
+    sub = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("gpu",))
+    catch("world_size", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": sub, "dimension": 1}))
+    catch("no_topology", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh}))
+    catch("dimension", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh, "dimension": 5}))
+    catch("device", lambda: parallel.build_layer(
+        name="l", mesh=mesh, topology=None, dimension=1, dedup=True, num_experts=8, top_k=2, hidden_size=4,
+        ffn_size=4, gated=True, dtype=torch.float32, device=torch.device("meta")))
+    # after all that, the world still works: one collective
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"messages": msgs, "world_ok": float(t) == dist.get_world_size()}
+
+
+def case_die() -> dict[str, Any]:
+    """Rank 1 exits after the first step; the others must fail fast with an error, not hang."""
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    model = tiny("grouped_gemm", 8)
+    compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "dimension": 1,
+                                                               "inner_compiler": "aot_eager"})
+    ids = torch.randint(0, 32, (2, 8))
+    compiled(ids, ids)
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            compiled(ids, ids)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - the test asserts the message
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err[:500], "elapsed_s": time.monotonic() - start}
+
+
+def main() -> None:
+    case = sys.argv[1]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(PARAMS.get("pg_timeout_s", 60))))
+    result = globals()[f"case_{case}"]()
+    Path(os.environ["HIERMOE_TEST_OUT"], f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    if case != "die":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    assert moe_compile is not None
+    main()
