@@ -19,8 +19,10 @@ from moe_compile.backend import hiermoe_backend
 from moe_compile.explain import explain
 from moe_compile.options import Options, parse_options
 from moe_compile.report import RegionReport, Report, SkipReport
+from moe_compile.runtime import counters, reset_counters
 
-__all__ = ["Options", "RegionReport", "Report", "SkipReport", "explain", "hiermoe_backend", "parse_options"]
+__all__ = ["Options", "RegionReport", "Report", "SkipReport", "counters", "explain", "hiermoe_backend",
+           "parse_options", "reset_counters"]
 
 # Per-expert loops (`idx, pos = torch.where(mask[e])`) have data-dependent shapes; without this
 # Dynamo breaks the graph at each expert and no layer can be seen whole.

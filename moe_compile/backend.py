@@ -51,7 +51,8 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             layout=lay.describe(), drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
-            backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index))
+            backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index,
+            ep_layer=ctx.ep_layers.get(reg.name)))
     skipped = [SkipReport(s.name, s.reason, index) for s in ctx.skipped]
     if ctx.found is not None and ctx.found.num_topk == 0:
         skipped.append(SkipReport(f"graph {index}", "no MoE layer found (no top-k router in this graph)", index))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch._dynamo
@@ -11,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from moe_compile.backend import collect_reports, hiermoe_backend
 from moe_compile.options import parse_options
-from moe_compile.report import Report
+from moe_compile.report import Report, parallel_summary
 
 
 def explain(model: torch.nn.Module, *example_inputs: object, options: Mapping[str, object] | None = None,
@@ -22,7 +23,9 @@ def explain(model: torch.nn.Module, *example_inputs: object, options: Mapping[st
     left alone with the reason, ``report.before``/``report.after`` the graph code, and
     ``report.graph_breaks`` the reasons Dynamo split the model into several graphs.  Dynamo's
     caches are reset first so the report describes a fresh compile; the model object itself is
-    not modified.
+    not modified.  Under torchrun with options['mesh'], every rank must call it (the step runs
+    collectives); each expert-parallel layer's ``parallel`` entry then holds the d it used, the
+    predicted time of every d, and the bytes this rank sent per level in that step.
     """
     parse_options(options)  # fail before compiling on a bad option
     torch._dynamo.reset()
@@ -32,6 +35,9 @@ def explain(model: torch.nn.Module, *example_inputs: object, options: Mapping[st
         compiled = torch.compile(model, backend=backend)
         compiled(*example_inputs, **example_kwargs)
     breaks = [_summarize_break(reason, n) for reason, n in counters["unimplemented"].items()]
+    for g in graphs:  # expert-parallel layers: what the step just run chose and sent
+        g.regions = [r if r.ep_layer is None else replace(r, parallel=parallel_summary(r.ep_layer))
+                     for r in g.regions]
     return Report(graphs=list(graphs), graph_breaks=breaks)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,21 @@ class RegionReport:
     forward_err: float
     backward_err: float
     graph: int
+    ep_layer: int | None = None  # runtime.EPLayer id when the layer runs expert-parallel
+    parallel: dict[str, Any] | None = None  # filled by explain after running: see ParallelReport keys
+
+
+def parallel_summary(layer_id: int) -> dict[str, Any]:
+    """What an expert-parallel layer did in its last step on this rank: the d it used, the
+    predicted seconds of every d (HD-d, or H-d without dedup; empty when d is fixed), the payload
+    bytes it sent per level, and the experts this rank holds."""
+    from moe_compile import runtime
+
+    lay = runtime.layer(layer_id)
+    return {"dimension": lay.last_dimension, "fixed": lay.dimension is not None, "dedup": lay.dedup,
+            "predicted_s": {f"d{d}": t for d, t in enumerate(lay.last_times_s, start=1)},
+            "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
+            "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position}
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,20 @@ class Report:
             for r in planned:
                 ranked = sorted(r.predicted_s.items(), key=lambda kv: kv[1])
                 table.add_row(escape(r.name), r.plan, escape(", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)))
+            console.print(table)
+        parallel = [r for r in self.regions if r.parallel is not None]
+        if parallel:
+            table = Table(title="expert parallel: last step on this rank (payload bytes sent per level)")
+            for col in ("layer", "d used", "predicted per d (ms)", "bytes per level", "local experts"):
+                table.add_column(col, overflow="fold")
+            for r in parallel:
+                p = r.parallel
+                assert p is not None
+                used = f"{p['dimension']}" + (" (fixed)" if p["fixed"] else " (d*)") + ("" if p["dedup"] else " no dedup")
+                pred = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["predicted_s"].items()) or "-"
+                sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
+                local = p["local_experts"]
+                table.add_row(escape(r.name), used, pred, sent, f"{local[0]}..{local[-1]} ({len(local)})")
             console.print(table)
         skipped = self.skipped
         if skipped:

@@ -26,7 +26,6 @@ import moe_compile
 from moe_compile import parallel, runtime
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
-from moe_compile.samples.train_tiny_lm import train
 
 LEVELS = ("node", "socket", "gpu")
 PARAMS: dict[str, Any] = json.loads(os.environ.get("HIERMOE_TEST_PARAMS", "{}"))
@@ -198,29 +197,72 @@ def case_train() -> dict[str, Any]:
     kind, steps = PARAMS["kind"], PARAMS["steps"]
     model = tiny(kind, PARAMS.get("E", 8))
     eager = DDP(copy.deepcopy(model))
-    compiled = torch.compile(model, backend="hiermoe", options=compile_options(mesh))
+    options = compile_options(mesh)
+    if "topology_gbps" in PARAMS:
+        from moe_compile.cost.topology import Topology
 
-    def average(_: int, __: float) -> None:
-        pass
+        links = {n: {"alpha_s": 2e-5, "bandwidth_gbps": g}
+                 for n, g in zip(mesh.mesh_dim_names, PARAMS["topology_gbps"], strict=True)}
+        options["topology"] = Topology.from_mesh(mesh, links)
+    compiled = torch.compile(model, backend="hiermoe", options=options)
+    def run(module: Any, params: Any, average: bool) -> list[float]:
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, 32, (2, 8 + 1), generator=gen)
+            loss = module(ids[:, :-1], ids[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if average:  # what DDP does to the eager model's gradients
+                for p in params:
+                    if p.grad is None:  # experts held by other ranks: this rank's share is zero
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            opt.step()
+            losses.append(float(loss))
+        return losses
 
-    losses_eager = train(eager, steps, seed=rank, batch=2, seq=8, vocab_size=32)
-    # the same loop with a DDP-style average of the compiled model's gradients before each step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 32, (2, 8 + 1), generator=gen)
-        loss = compiled(ids[:, :-1], ids[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        losses.append(float(loss))
+    losses_eager = run(eager, list(eager.parameters()), average=False)
+    losses = run(compiled, list(model.parameters()), average=True)
     return {"eager": losses_eager, "compiled": losses}
+
+
+def topology_for(mesh: Any, node_gbps: float, inner_gbps: float) -> Any:
+    from moe_compile.cost.topology import Topology
+
+    names = mesh.mesh_dim_names
+    links = {n: {"alpha_s": 2e-5, "bandwidth_gbps": node_gbps if i == 0 else inner_gbps} for i, n in enumerate(names)}
+    return Topology.from_mesh(mesh, links, flops_per_s=1e12)
+
+
+def case_explain() -> dict[str, Any]:
+    """explain under torchrun: the d each layer used, every d's prediction, and the bytes sent,
+    on a topology whose inter-node link is slow and on one with equal links."""
+    from moe_compile.cost.hiermoe import dimension_rule
+
+    mesh = make_mesh(PARAMS["shape"])
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for label, node_gbps in (("slow_node", 0.1), ("flat", 100.0)):
+        model = tiny("grouped_gemm", 8)
+        model.config.top_k = 4
+        gen = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, 32, (4, 16), generator=gen)
+        runtime.reset_counters()
+        report = moe_compile.explain(model, ids, ids, options={
+            "mesh": mesh, "topology": topology_for(mesh, node_gbps, 100.0), "inner_compiler": "aot_eager"})
+        c = runtime.counters()
+        sent = {lv: sum(c[lv][ph]["forward"]["payload_bytes"] for ph in ("dispatch", "combine")) for lv in c}
+        layers = []
+        for r in report.regions:
+            p = r.parallel
+            times = list(p["predicted_s"].values())
+            layers.append({"d": p["dimension"], "rule": dimension_rule(times), "times": times,
+                           "bytes": p["bytes_per_level"], "local": p["local_experts"]})
+        out[label] = {"layers": layers, "counters": sent, "text": str(report)}
+    return out
 
 
 def case_errors() -> dict[str, Any]:
