@@ -17,6 +17,7 @@ import torch.fx as fx
 from moe_compile.dump import dump_graph_report
 from moe_compile.options import Options, parse_options
 from moe_compile.passes.canonicalize import Rewritten
+from moe_compile.passes.regions import ExpertLayout
 from moe_compile.pipeline import PassContext, run_pipeline
 from moe_compile.report import GraphReport, RegionReport, SkipReport
 
@@ -35,7 +36,25 @@ def hiermoe_backend(gm: fx.GraphModule, example_inputs: Sequence[object], *,
         collector.append(report)
     if opts.dump_dir:
         dump_graph_report(opts.dump_dir, report, gm)
-    return _inner_compile(gm, list(example_inputs), opts, mode)
+    inputs = list(example_inputs)
+    for pos, t in ctx.input_swaps.items():
+        inputs[pos] = t
+    compiled = _inner_compile(gm, inputs, opts, mode)
+    return _with_swapped_inputs(compiled, ctx.input_swaps) if ctx.input_swaps else compiled
+
+
+def _with_swapped_inputs(fn: Callable[..., object], swaps: dict[int, object]) -> Callable[..., object]:
+    """Feed the expert shard parameters where Dynamo passes their full-shape placeholders
+    (after Dynamo's guards checked those). Dynamo calls compiled functions with positional
+    arguments, so this does too."""
+
+    def call(*args: object) -> object:
+        given = list(args)
+        for pos, t in swaps.items():
+            given[pos] = t
+        return fn(*given)
+
+    return call
 
 
 def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
@@ -52,12 +71,17 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
             backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index,
-            ep_layer=ctx.ep_layers.get(reg.name)))
+            ep_layer=ctx.ep_layers.get(reg.name), expert_params=_expert_params(lay)))
     skipped = [SkipReport(s.name, s.reason, index) for s in ctx.skipped]
     if ctx.found is not None and ctx.found.num_topk == 0:
         skipped.append(SkipReport(f"graph {index}", "no MoE layer found (no top-k router in this graph)", index))
     return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
                        counters=ctx.counters)
+
+
+def _expert_params(lay: ExpertLayout) -> tuple[tuple[str, ...], ...]:
+    roles = (lay.up, lay.gate, lay.down, lay.b_up, lay.b_gate, lay.b_down)
+    return tuple(role.names for role in roles if role is not None)
 
 
 def _verification(r: Rewritten) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from moe_compile import shard
 from moe_compile.cost.planner import Plan, dispatch_strategy, expert_parallel_strategies, plan
 from moe_compile.cost.workload import Workload
 from moe_compile.options import Options
@@ -44,6 +45,7 @@ class PassContext:
     skipped: list[Skip] = field(default_factory=list)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     ep_layers: dict[str, int] = field(default_factory=dict)  # layer name -> runtime.EPLayer id
+    input_swaps: dict[int, torch.Tensor] = field(default_factory=dict)  # input position -> shard parameter
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
@@ -58,7 +60,13 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
     if not ctx.found.regions:
         return {"rewritten": 0}
     before = len(ctx.gm.graph.nodes)
-    ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, ctx.example_inputs, ctx.found, verify=ctx.options.verify)
+    sharded = [ex for ex in ctx.example_inputs if shard.lookup(ex) is not None]
+    if sharded and ctx.options.mesh is None:
+        raise ValueError("this model's experts are sharded (moe_compile.shard_experts); compile it with "
+                         "options['mesh'] set to the mesh it was sharded over")
+    # sharded expert weights are zero placeholders: verify on random weights of their shape instead
+    inputs = [shard.verification_value(ex, seed=i) for i, ex in enumerate(ctx.example_inputs)]
+    ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, inputs, ctx.found, verify=ctx.options.verify)
     ctx.skipped.extend(ctx.canonical.skipped)
     return {"rewritten": len(ctx.canonical.rewritten), "left_alone": len(ctx.canonical.skipped),
             "verifications": ctx.canonical.num_verifications, "nodes_before": before,
@@ -96,9 +104,10 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     opts = ctx.options
     if opts.mesh is None or ctx.canonical is None or not ctx.canonical.rewritten:
         return {}
-    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=opts.topology, dimension=opts.dimension,
-                               dedup=opts.dedup)
+    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=opts.topology,
+                               dimension=opts.dimension, dedup=opts.dedup, example_inputs=ctx.example_inputs)
     ctx.ep_layers.update(out.pop("layers"))
+    ctx.input_swaps.update(out.pop("input_swaps"))
     return out
 
 

@@ -33,6 +33,7 @@ class RegionReport:
     backward_err: float
     graph: int
     ep_layer: int | None = None  # runtime.EPLayer id when the layer runs expert-parallel
+    expert_params: tuple[tuple[str, ...], ...] = ()  # module paths of each expert tensor family
     parallel: dict[str, Any] | None = None  # filled by explain after running: see ParallelReport keys
 
 

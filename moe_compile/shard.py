@@ -1,0 +1,139 @@
+"""Expert sharding: each rank keeps only its own experts' weights.
+
+``shard_experts(model, mesh, *example_inputs)`` finds the model's MoE layers with the backend's
+own finder (a compile on the example inputs, nothing rewritten in the model), then for every
+expert weight family:
+
+- stacked ``[E, ...]`` parameter ``p``: the rank's experts become a new parameter ``p_shard``
+  (``[E/G, ...]``, a copy of the rows this rank owns under the contiguous placement), and ``p``
+  becomes a non-persistent buffer that is a stride-0 expansion of one element: it keeps the
+  shape Dynamo and the finder see, and costs no memory;
+- experts kept as E modules: the other ranks' modules get such placeholders for their weights;
+  this rank's modules keep theirs.
+
+Then the model must run compiled with ``options={"mesh": mesh, ...}``: the expert-parallel
+pass reads ``p_shard`` (a parameter of the compiled graph, so autograd and the optimizer see it)
+instead of ``p``; nothing copies expert weights in a step. Call it before creating the optimizer
+(the optimizer must hold the ``_shard`` parameters). The model run eagerly after sharding would
+compute with zero placeholder weights, so ``shard_experts`` refuses to shard a model twice and the
+pass refuses a placeholder it does not know.
+
+Gradients: a ``_shard`` parameter's gradient is the sum over every rank's tokens routed to those
+experts; DDP-style averaging divides it by the world size without an all-reduce (no other rank
+has a share). ``state_dict()`` holds each rank's ``_shard`` tensors; gather them per rank to
+rebuild the full tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str  # module path of the original parameter
+    placeholder: Tensor
+    local: nn.Parameter | None  # None for a non-local expert module's weight
+    first: int
+    num_local: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """Per-rank expert memory after sharding."""
+
+    shards: tuple[Shard, ...]
+    full_bytes: int  # every expert weight of the model
+    local_bytes: int  # what this rank holds
+
+    def __str__(self) -> str:
+        return (f"expert weights on this rank: {self.local_bytes / 2**20:.2f} MiB of {self.full_bytes / 2**20:.2f} MiB "
+                f"({len(self.shards)} tensors sharded)")
+
+
+_BY_ID: dict[int, Shard] = {}
+
+
+def lookup(t: object) -> Shard | None:
+    """The shard a placeholder tensor stands for (None for any other value)."""
+    s = _BY_ID.get(id(t))
+    return s if s is not None and s.placeholder is t else None
+
+
+def verification_value(t: object, seed: int) -> object:
+    """Random full-shape weights for a placeholder, so that verification compares the layer's two
+    forms on weights that tell the experts apart (the placeholder is all zeros). Allocated at
+    compile time only, then freed."""
+    s = lookup(t)
+    if s is None:
+        return t
+    assert isinstance(t, Tensor)
+    gen = torch.Generator(device=t.device).manual_seed(seed)
+    return torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device)
+
+
+def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **example_kwargs: object) -> ShardReport:
+    """Shard the expert weights of ``model`` over ``mesh`` (see the module docstring)."""
+    import torch._dynamo
+
+    from moe_compile.explain import explain
+    from moe_compile.parallel import check_mesh, mesh_comm
+
+    check_mesh(mesh, None)
+    if any(lookup(b) is not None for b in model.buffers()):
+        raise ValueError("this model's experts are already sharded; shard_experts runs once per model")
+    report = explain(model, *example_inputs, options={"inner_compiler": "eager"}, **example_kwargs)
+    torch._dynamo.reset()  # the next compile must trace the sharded model
+    comm = mesh_comm(mesh)
+    world = comm.world
+    shards: list[Shard] = []
+    full = local = 0
+    for region in report.regions:
+        num_experts = region.num_experts
+        if num_experts % world:
+            raise ValueError(f"layer {region.name}: {num_experts} experts do not split evenly over {world} ranks; "
+                             f"use a mesh whose size divides {num_experts}")
+        per = num_experts // world
+        first = comm.position * per
+        for family in region.expert_params:
+            for i, path in enumerate(family):
+                module, attr = _resolve(model, path)
+                param = module._parameters.get(attr)
+                if not isinstance(param, nn.Parameter):
+                    raise ValueError(f"layer {region.name}: {path} is not a parameter of the model; "
+                                     "shard_experts shards expert parameters only")
+                full += param.numel() * param.element_size()
+                placeholder = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+                if len(family) == 1:  # stacked [E, ...]
+                    kept = nn.Parameter(param.detach()[first:first + per].clone(), requires_grad=param.requires_grad)
+                    module.register_parameter(f"{attr}_shard", kept)
+                    local += kept.numel() * kept.element_size()
+                    shard = Shard(path, placeholder, kept, first, per, num_experts)
+                elif first <= i < first + per:  # this rank's expert module: keep it as it is
+                    local += param.numel() * param.element_size()
+                    continue
+                else:
+                    shard = Shard(path, placeholder, None, first, per, num_experts)
+                del module._parameters[attr]
+                module.register_buffer(attr, placeholder, persistent=False)
+                _BY_ID[id(placeholder)] = shard
+                shards.append(shard)
+    if not shards:
+        raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "
+                         "for the layers found and why others were left alone)")
+    assert local <= full and math.isfinite(full)
+    return ShardReport(tuple(shards), full, local)
+
+
+def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    *mods, attr = path.split(".")
+    module = model
+    for m in mods:
+        module = getattr(module, m)
+    return module, attr
