@@ -18,9 +18,10 @@ instead of ``p``; nothing copies expert weights in a step. Call it before creati
 compute with zero placeholder weights, so ``shard_experts`` refuses to shard a model twice and the
 pass refuses a placeholder it does not know.
 
-Gradients: a ``_shard`` parameter's gradient is the sum over every rank's tokens routed to those
-experts; DDP-style averaging divides it by the world size without an all-reduce (no other rank
-has a share). ``state_dict()`` holds each rank's ``_shard`` tensors; gather them per rank to
+Gradients: an owned expert parameter's gradient (``ShardReport.owns``) is the sum over every
+rank's tokens routed to those experts; DDP-style averaging divides it by the world size without
+an all-reduce (no other rank has a share, and with experts kept as E modules the ranks' parameter
+lists no longer line up). ``state_dict()`` holds each rank's ``_shard`` tensors; gather them per rank to
 rebuild the full tensors.
 """
 
@@ -51,6 +52,13 @@ class ShardReport:
     shards: tuple[Shard, ...]
     full_bytes: int  # every expert weight of the model
     local_bytes: int  # what this rank holds
+    owned: tuple[nn.Parameter, ...] = ()  # every expert parameter this rank holds (shards, local modules)
+
+    def owns(self, p: object) -> bool:
+        """Whether ``p`` is an expert parameter of this rank: its gradient already sums every
+        rank's tokens, so DDP-style averaging divides it by the world size and must not all-reduce
+        it (other ranks hold other experts at the same position of ``model.parameters()``)."""
+        return any(p is q for q in self.owned)
 
     def __str__(self) -> str:
         return (f"expert weights on this rank: {self.local_bytes / 2**20:.2f} MiB of {self.full_bytes / 2**20:.2f} MiB "
@@ -93,6 +101,7 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
     comm = mesh_comm(mesh)
     world = comm.world
     shards: list[Shard] = []
+    owned: list[nn.Parameter] = []
     full = local = 0
     for region in report.regions:
         num_experts = region.num_experts
@@ -114,9 +123,11 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
                     kept = nn.Parameter(param.detach()[first:first + per].clone(), requires_grad=param.requires_grad)
                     module.register_parameter(f"{attr}_shard", kept)
                     local += kept.numel() * kept.element_size()
+                    owned.append(kept)
                     shard = Shard(path, placeholder, kept, first, per, num_experts)
                 elif first <= i < first + per:  # this rank's expert module: keep it as it is
                     local += param.numel() * param.element_size()
+                    owned.append(param)
                     continue
                 else:
                     shard = Shard(path, placeholder, None, first, per, num_experts)
@@ -128,7 +139,7 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
         raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "
                          "for the layers found and why others were left alone)")
     assert local <= full and math.isfinite(full)
-    return ShardReport(tuple(shards), full, local)
+    return ShardReport(tuple(shards), full, local, tuple(owned))
 
 
 def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str]:

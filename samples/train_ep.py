@@ -64,11 +64,10 @@ def main() -> None:
     def batch() -> torch.Tensor:
         return torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
 
-    shard_params: set[int] = set()
+    report: moe_compile.ShardReport | None = None
     if args.shard:
         first = batch()
         report = moe_compile.shard_experts(model, mesh, first[:, :-1], first[:, 1:])
-        shard_params = {id(s.local) for s in report.shards if s.local is not None}
         if rank == 0:
             print(report)
     options: dict[str, object] = {"mesh": mesh, "inner_compiler": args.inner_compiler, "dedup": not args.no_dedup}
@@ -90,7 +89,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for p in model.parameters():
-            if id(p) in shard_params:
+            if report is not None and report.owns(p):  # the owner holds the sum over ranks
                 p.grad /= world
                 continue
             if p.grad is None:  # experts this rank does not run
