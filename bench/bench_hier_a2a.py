@@ -1,0 +1,586 @@
+"""Hierarchical token-deduplicating all-to-all: bytes per mesh level and wall time of dispatch + combine.
+
+    python bench/bench_hier_a2a.py           # full run, 8 local gloo ranks; writes bench/results/hier_a2a.*
+    python bench/bench_hier_a2a.py --quick   # one small configuration, well under a minute; prints only
+
+The script starts its own ranks (one process per rank, forked after the imports, with env RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT as tests/dist_utils.py sets them; under torchrun it is the
+rank torchrun made) over a mesh node x socket x gpu (2 x 2 x 2 for 8 ranks).
+Each rank holds T tokens x_TH [T, H] fp32 and a routing topk_idx_TK (uniform, or Zipf-skewed over a
+fixed random popularity order of the experts; K distinct experts per token either way; placement
+contiguous, expert e on rank e // (E/G)). One step is ``lowering.hier_a2a.dispatch`` followed by
+``combine`` of the received rows (no expert compute, so the time is the all-to-alls' alone), for:
+
+    flat A2A  dedup=False, d=1: one (token, expert) copy per pair, one all-to-all (Megatron, HF)
+    HD1       dedup, d=1: one copy per (token, destination rank)
+    2DH       dedup=False, d=2: Tutel's two-phase hierarchical all-to-all
+    HD2, HD3  dedup, d=2 / d=3 (HierMoE Section III-A)
+    HD-d*     dedup, d chosen each step by ``EPLayer.choose_dimension`` (HierMoE Eq. 6 / Alg. 1)
+              on a layer built by ``parallel.build_layer(dimension=None, topology=...)``
+
+Bytes: the runtime's traffic counters (``runtime.counters()``) of one untimed step per strategy,
+summed over ranks: forward dispatch payload per mesh level (combine sends the same back; checked).
+The dedup lower bound on inter-node bytes, distinct (token, other node) pairs x H x 4, and the
+expected inter-node bytes of every strategy are computed from the routing alone and compared with
+the counters. The untimed step also checks the result: combining rows scaled by their summed slot
+weights must give x * sum_k w_k for every strategy.
+
+Time: after that step, ``--reps`` repetitions; each times one step of every strategy, in an order
+rotated by one per repetition (interleaved, so drift hits all alike), each after a barrier; a step's
+time is its slowest rank's. Reported: median, min and max, and median / median(flat A2A).
+
+Predicted time: 2 x HierMoE's dispatch time (cost/hiermoe.py; combine moves the same volumes back)
+from the ranks' statistics max-reduced as the runtime does, under two topologies: ``cluster``, the
+emulated cluster of bench/clusters/two_node_two_socket.toml (node 400 Mbit/s, socket 2 Gbit/s, gpu
+10 Gbit/s standing in for its unshaped loopback; alpha 20 us per level), and ``local``, this
+machine's loopback fitted at start (all_to_all per mesh level, as moe_compile.calibrate does). HD-d*
+runs on the local fit (``--dstar-topology``), so its d can be compared with the fastest measured d.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor
+
+from moe_compile import calibrate, parallel, runtime
+from moe_compile.cost.calibrate import message_sizes
+from moe_compile.cost.hiermoe import HDCostModel, dimension_rule
+from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.topology import Level, Topology
+from moe_compile.cost.workload import Workload
+from moe_compile.lowering import hier_a2a
+
+# Shape legend: T tokens per rank, H hidden, K top-k, E experts, G ranks, N nodes, R rows, S slots.
+CLUSTER_GBPS = {"node": 0.4, "socket": 2.0, "gpu": 10.0}  # bench/clusters/two_node_two_socket.toml
+CLUSTER_ALPHA_S = 2e-5
+ZIPF_EXPONENT = 1.2
+FULL_GRID = [(k, e, r) for e in (16, 64) for r in ("uniform", "zipf") for k in (2, 4, 8)]
+console = Console(width=None if Console().is_terminal else 200)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    dedup: bool
+    d: int | None  # None: d* per step
+
+
+def strategies(num_levels: int) -> list[Strategy]:
+    out = [Strategy("flat A2A", False, 1), Strategy("HD1", True, 1)]
+    if num_levels >= 2:
+        out.append(Strategy("2DH", False, 2))
+    out += [Strategy(f"HD{d}", True, d) for d in range(2, num_levels + 1)]
+    return out + [Strategy("HD-d*", True, None)]
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+
+def make_routing(kind: str, num_tokens: int, top_k: int, num_experts: int, seed: int) -> Tensor:
+    """[T, K] distinct experts per token: uniform, or Zipf(ZIPF_EXPONENT) popularity over a random
+    (but same on every rank) order of the experts, sampled without replacement."""
+    if kind == "uniform":
+        probs_E = torch.ones(num_experts)
+    elif kind == "zipf":
+        order_E = torch.randperm(num_experts, generator=torch.Generator().manual_seed(12345))
+        probs_E = torch.empty(num_experts)
+        probs_E[order_E] = torch.arange(1, num_experts + 1, dtype=torch.float32) ** -ZIPF_EXPONENT
+    else:
+        raise ValueError(f"routing must be 'uniform' or 'zipf', got {kind!r}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.multinomial(probs_E.expand(num_tokens, num_experts), top_k, replacement=False, generator=gen)
+
+
+def expected_node_rows(topk_idx_TK: Tensor, num_experts: int, sizes: tuple[int, ...], position: int
+                       ) -> dict[str, int]:
+    """Rows this rank must send across the node level, from the routing alone: (token, expert)
+    copies (no dedup), distinct (token, rank) pairs (HD1), distinct (token, node) pairs (the
+    lower bound, reached by HD-d for d >= 2)."""
+    world = math.prod(sizes)
+    ranks_per_node = world // sizes[0]
+    dest_rank_TK = topk_idx_TK // (num_experts // world)
+    away_TK = dest_rank_TK // ranks_per_node != position // ranks_per_node
+    num_tokens = topk_idx_TK.shape[0]
+    has_TG = torch.zeros(num_tokens, world, dtype=torch.bool).scatter_(1, dest_rank_TK, True)
+    away_G = torch.arange(world) // ranks_per_node != position // ranks_per_node
+    has_TN = torch.zeros(num_tokens, sizes[0], dtype=torch.bool).scatter_(1, dest_rank_TK // ranks_per_node, True)
+    has_TN[:, position // ranks_per_node] = False
+    return {"copies": int(away_TK.sum()), "rank_pairs": int(has_TG[:, away_G].sum()),
+            "node_pairs": int(has_TN.sum())}
+
+
+# ---- one rank -----------------------------------------------------------------------------------
+
+
+def calibrate_local(mesh: Any, names: tuple[str, ...], sizes: tuple[int, ...], quick: bool
+                    ) -> tuple[Topology | None, list[dict[str, Any]]]:
+    """alpha/beta per mesh level from timed subgroup all-to-alls (moe_compile.calibrate's measure
+    and fit); None when a fit has no positive beta (too noisy)."""
+    steps, reps = (3, 3) if quick else (8, 11)
+    plan = [("all_to_all", n, s, message_sizes(1 << 14, 1 << 22, steps, multiple_of=s * 4))
+            for n, s in zip(names, sizes)]
+    fits = calibrate.fit_measurements(calibrate.measure(mesh, plan, torch.device("cpu"), reps, 1, lambda _: None))
+    info = [{"level": f.measurement.group, "alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte, "r2": f.r2,
+             "sizes_bytes": list(f.measurement.sizes_bytes), "times_s": list(f.measurement.times_s)} for f in fits]
+    if any(f.beta_s_per_byte <= 0 for f in fits):
+        return None, info
+    levels = tuple(Level(n, s, max(f.alpha_s, 0.0), f.beta_s_per_byte) for n, s, f in zip(names, sizes, fits))
+    return Topology(levels=levels, name="this machine (loopback, fitted at start)"), info
+
+
+def run_step(s: Strategy, x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, comm: Any, expert_pos_E: Tensor,
+             chooser: runtime.EPLayer, scale: bool = False) -> tuple[Tensor, int, float]:
+    """One forward dispatch + combine: (result, d, seconds spent choosing d). ``scale`` multiplies
+    each row by its slots' weights (the correctness check) instead of sending the rows straight back."""
+    t0 = time.perf_counter()
+    d = chooser.choose_dimension(topk_idx_TK) if s.d is None else s.d
+    decide_s = time.perf_counter() - t0
+    rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x_TH, topk_idx_TK, weights_TK, expert_pos_E, comm.phases(d),
+                                                     s.dedup, "forward")
+    if scale:
+        rows_RH = rows_RH * torch.where(ids_RS >= 0, w_RS, 0.0).sum(1, keepdim=True)
+    y_TH, _ = hier_a2a.combine(rows_RH, route, "forward")
+    return y_TH, d, decide_s
+
+
+def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any, comm: Any,
+                 topologies: dict[str, Topology], dstar_topology: str, seed: int) -> dict[str, Any]:
+    top_k, num_experts, kind = cfg
+    rank, names, sizes = dist.get_rank(), comm.level_names, comm.sizes
+    strats = strategies(len(sizes))
+    topk_idx_TK = make_routing(kind, args.tokens, top_k, num_experts, seed * 1000 + rank)
+    gen = torch.Generator().manual_seed(seed * 1000 + 500 + rank)
+    x_TH = torch.randn(args.tokens, args.hidden, generator=gen)
+    weights_TK = torch.rand(args.tokens, top_k, generator=gen)
+    chooser = parallel.build_layer(name=f"K{top_k}E{num_experts}{kind}", mesh=mesh,
+                                   topology=topologies[dstar_topology], dimension=None, dedup=True,
+                                   num_experts=num_experts, top_k=top_k, hidden_size=args.hidden,
+                                   ffn_size=args.hidden, gated=True, dtype=torch.float32, device=torch.device("cpu"))
+    expert_pos_E = chooser.expert_pos_E
+
+    # Step 1: one untimed step per strategy: bytes, messages, the result check (and warm-up).
+    fields = 5  # dispatch payload, combine payload, dispatch meta, dispatch payload messages, d used
+    traffic = torch.zeros(len(strats), len(sizes), fields, dtype=torch.int64)
+    errs = torch.zeros(len(strats), dtype=torch.float64)
+    want_TH = x_TH * weights_TK.sum(1, keepdim=True)
+    for i, s in enumerate(strats):
+        runtime.reset_counters()
+        y_TH, d, _ = run_step(s, x_TH, topk_idx_TK, weights_TK, comm, expert_pos_E, chooser, scale=True)
+        errs[i] = float((y_TH - want_TH).abs().max() / want_TH.abs().max())
+        c = runtime.counters()
+        for lv, name in enumerate(names):
+            dis, com = c[name]["dispatch"]["forward"], c[name]["combine"]["forward"]
+            traffic[i, lv, :4] = torch.tensor([dis["payload_bytes"], com["payload_bytes"], dis["meta_bytes"],
+                                               dis["payload_messages"]])
+        traffic[i, :, 4] = d
+    used_d = traffic[:, 0, 4].clone()
+    dist.all_reduce(traffic)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    expected = expected_node_rows(topk_idx_TK, num_experts, sizes, comm.position)
+    expected_t = torch.tensor([expected["copies"], expected["rank_pairs"], expected["node_pairs"]])
+    dist.all_reduce(expected_t)
+
+    # Step 2: interleaved timed repetitions; each step's time is its slowest rank's.
+    times = torch.zeros(args.reps, len(strats), dtype=torch.float64)
+    decide = torch.zeros(args.reps, dtype=torch.float64)  # HD-d*'s choose_dimension, inside its time
+    order = list(range(len(strats)))
+    for rep in range(args.reps):
+        for i in order[rep % len(order):] + order[: rep % len(order)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            _, _, decide_s = run_step(strats[i], x_TH, topk_idx_TK, weights_TK, comm, expert_pos_E, chooser)
+            times[rep, i] = time.perf_counter() - t0
+            decide[rep] += decide_s
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(decide, op=dist.ReduceOp.MAX)
+
+    # Step 3: the cost model's statistics, max-reduced over ranks as EPLayer.choose_dimension does.
+    stats = hd_statistics(topk_idx_TK, num_experts, sizes, placement=expert_pos_E.numpy(), copies=True)
+    num_stats = len(stats.values())
+    values = torch.tensor(stats.values() + stats.copy_values(), dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return {}
+
+    row_bytes = args.hidden * 4
+    vals = values.tolist()
+    predicted: dict[str, list[float]] = {}
+    dstar: dict[str, int] = {}
+    for tname, topo in topologies.items():
+        work = Workload(num_tokens=args.tokens, hidden_size=args.hidden, ffn_size=args.hidden,
+                        num_experts=num_experts, top_k=top_k, dtype_bytes=4)
+        model = HDCostModel(topo, work)
+        hd = model.times_from_values(vals[:num_stats], dedup=True)
+        nodedup = model.times_from_values(vals[num_stats:], dedup=False)
+        dstar[tname] = dimension_rule(hd)
+        predicted[tname] = [2 * float((hd if s.dedup else nodedup)[(s.d or int(used_d[i])) - 1])
+                            for i, s in enumerate(strats)]
+    lower_bound = int(expected_t[2]) * row_bytes
+    results = []
+    for i, s in enumerate(strats):
+        d = int(used_d[i])
+        per_level = {n: int(traffic[i, lv, 0]) for lv, n in enumerate(names)}
+        exp_rows = int(expected_t[0] if not s.dedup else expected_t[1] if d == 1 else expected_t[2])
+        t = times[:, i].tolist()
+        results.append({
+            "strategy": s.name, "dedup": s.dedup, "d": d, "bytes_per_level": per_level,
+            "combine_bytes_per_level": {n: int(traffic[i, lv, 1]) for lv, n in enumerate(names)},
+            "meta_bytes": int(traffic[i, :, 2].sum()), "messages": int(traffic[i, :, 3].sum()),
+            "total_bytes": sum(per_level.values()), "expected_node_bytes": exp_rows * row_bytes,
+            "result_rel_err": float(errs[i]), "times_s": t, "median_s": statistics.median(t),
+            "predicted_s": {tn: p[i] for tn, p in predicted.items()},
+        })
+    return {"top_k": top_k, "num_experts": num_experts, "routing": kind, "node_lower_bound_bytes": lower_bound,
+            "dstar_decision_s": decide.tolist(), "dstar": dstar, "dstar_topology": dstar_topology, "strategies": results}
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, sizes = args.mesh_names, args.mesh_sizes
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    comm = parallel.mesh_comm(mesh)
+    links = {n: {"alpha_s": CLUSTER_ALPHA_S, "bandwidth_gbps": CLUSTER_GBPS.get(n, 10.0)} for n in names}
+    topologies = {"cluster": Topology.from_mesh(mesh, links, name="emulated cluster (stated)")}
+    t0 = time.perf_counter()
+    local, fit_info = calibrate_local(mesh, names, sizes, args.quick)
+    if dist.get_rank() == 0:
+        console.print(f"fitted this machine's loopback per level in {time.perf_counter() - t0:.1f} s: "
+                      + "; ".join(f"{f['level']} alpha {f['alpha_s'] * 1e6:.0f} us, "
+                                  f"{8 / f['beta_s_per_byte'] / 1e9 if f['beta_s_per_byte'] > 0 else 0:.2g} Gbit/s "
+                                  f"(r2 {f['r2']:.3f})" for f in fit_info), highlight=False)
+    if local is not None:
+        topologies["local"] = local
+    dstar_topology = args.dstar_topology if args.dstar_topology in topologies else "cluster"
+    rank = dist.get_rank()
+    grid = [(4, 16, "uniform")] if args.quick else FULL_GRID
+    configs = []
+    start = time.perf_counter()
+    for n, cfg in enumerate(grid):
+        res = bench_config(cfg, args, mesh, comm, topologies, dstar_topology, seed=n + 1)
+        if rank == 0:
+            configs.append(res)
+            med = {r["strategy"]: r["median_s"] for r in res["strategies"]}
+            console.print(f"[{time.perf_counter() - start:6.1f} s] K={cfg[0]} E={cfg[1]} {cfg[2]:7s} "
+                          + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()), highlight=False)
+    if rank == 0:
+        report(args, configs, topologies, fit_info, dstar_topology)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- output (rank 0) ----------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "torch_threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "loadavg_1m_at_start": float(os.environ.get("HIER_A2A_LOADAVG", "nan"))}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def detail_rows(configs: list[dict[str, Any]], names: tuple[str, ...]) -> list[list[str]]:
+    rows = []
+    for c in configs:
+        flat = c["strategies"][0]
+        for r in c["strategies"]:
+            node = r["bytes_per_level"][names[0]]
+            t = r["times_s"]
+            rows.append([str(c["top_k"]), str(c["num_experts"]), c["routing"], r["strategy"], str(r["d"]),
+                         *(_mib(r["bytes_per_level"][n]) for n in names), _mib(r["total_bytes"]),
+                         _mib(r["meta_bytes"]),
+                         f"{node / flat['bytes_per_level'][names[0]]:.3f}",
+                         f"{node / c['node_lower_bound_bytes']:.3f}", str(r["messages"]),
+                         f"{r['median_s'] * 1e3:.1f}", f"{min(t) * 1e3:.1f} / {max(t) * 1e3:.1f}",
+                         f"{r['median_s'] / flat['median_s']:.2f}",
+                         *(f"{r['predicted_s'][tn] * 1e3:.2f}" for tn in sorted(r["predicted_s"]))])
+    return rows
+
+
+def fastest_d(config: dict[str, Any]) -> int:
+    """The d of the HD-d (dedup, fixed d) with the lowest median time."""
+    fixed = [r for r in config["strategies"] if r["dedup"] and r["strategy"] != "HD-d*"]
+    return int(min(fixed, key=lambda r: r["median_s"])["d"])
+
+
+def above_lower_bound(config: dict[str, Any], node: str) -> list[str]:
+    """Dedup strategies with d >= 2 whose inter-node bytes differ from the lower bound."""
+    return [r["strategy"] for r in config["strategies"] if r["dedup"] and r["d"] >= 2
+            and r["bytes_per_level"][node] != config["node_lower_bound_bytes"]]
+
+
+def summary_rows(configs: list[dict[str, Any]], names: tuple[str, ...]) -> list[list[str]]:
+    rows = []
+    for c in configs:
+        by = {r["strategy"]: r for r in c["strategies"]}
+        flat, lb = by["flat A2A"], c["node_lower_bound_bytes"]
+        at_lb = above_lower_bound(c, names[0])
+        expected_ok = all(r["bytes_per_level"][names[0]] == r["expected_node_bytes"] for r in c["strategies"])
+        combine_ok = all(r["bytes_per_level"] == r["combine_bytes_per_level"] for r in c["strategies"])
+        rows.append([str(c["top_k"]), str(c["num_experts"]), c["routing"], _mib(lb),
+                     "yes" if not at_lb else "NO: " + ", ".join(at_lb),
+                     "yes" if expected_ok else "NO", "yes" if combine_ok else "NO",
+                     f"{max(r['result_rel_err'] for r in c['strategies']):.1e}",
+                     f"{by['HD2']['bytes_per_level'][names[0]] / flat['bytes_per_level'][names[0]]:.3f}",
+                     str(fastest_d(c)), str(by["HD-d*"]["d"]),
+                     *(str(c["dstar"][tn]) for tn in sorted(c["dstar"])),
+                     f"{by['HD2']['median_s'] / flat['median_s']:.2f}",
+                     f"{by['HD-d*']['median_s'] / flat['median_s']:.2f}",
+                     f"{statistics.median(c['dstar_decision_s']) * 1e3:.1f}"])
+    return rows
+
+
+def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: dict[str, Topology],
+           fit_info: list[dict[str, Any]], dstar_topology: str) -> None:
+    names = args.mesh_names
+    tnames = sorted(topologies)
+    lb_label = "HD2" if len(names) == 2 else f"HD2..HD{len(names)}"  # the strategies that must reach LB
+    info = machine_info()
+    command = " ".join(["python bench/bench_hier_a2a.py", *sys.argv[1:]])
+    detail_headers = ["K", "E", "routing", "strategy", "d", *(f"{n} MiB" for n in names), "total MiB", "meta MiB",
+                      f"{names[0]} / flat", f"{names[0]} / LB", "msgs", "median ms", "min / max ms", "wall / flat",
+                      *(f"pred ms ({tn})" for tn in tnames)]
+    summary_headers = ["K", "E", "routing", f"{names[0]} LB MiB", f"{lb_label} = LB", "all = expected",
+                       "combine = dispatch", "result err", f"HD2 {names[0]} / flat", "fastest d (measured)",
+                       "HD-d* used", *(f"d* ({tn})" for tn in tnames), "HD2 wall / flat", "HD-d* wall / flat",
+                       "d* decision ms"]
+    detail, summary = detail_rows(configs, names), summary_rows(configs, names)
+    for title, headers, rows in (("per strategy", detail_headers, detail), ("per configuration", summary_headers,
+                                                                             summary)):
+        table = Table(title=f"hier_a2a {title}")
+        for h in headers:
+            table.add_column(h, justify="left" if h in ("routing", "strategy") else "right", overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    matches = sum(fastest_d(c) == c["strategies"][-1]["d"] for c in configs)
+    lb_all = not any(above_lower_bound(c, names[0]) for c in configs)
+    console.print(f"HD-d* ({dstar_topology} topology) used the measured-fastest dedup d in {matches} of "
+                  f"{len(summary)} configurations; {lb_label} inter-node bytes at the lower bound everywhere: "
+                  f"{'yes' if lb_all else 'NO'}", highlight=False)
+    if args.out is None:
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": command, "machine": info, "world": args.world,
+               "mesh": dict(zip(names, args.mesh_sizes)), "tokens_per_rank": args.tokens, "hidden": args.hidden,
+               "reps": args.reps, "zipf_exponent": ZIPF_EXPONENT, "dstar_topology": dstar_topology,
+               "topologies": {tn: t.to_dict() for tn, t in topologies.items()}, "local_fits": fit_info,
+               "configs": configs}
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    topo_lines = [f"- `{tn}`: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.1f} us, "
+                                            f"{lv.bandwidth_gbps:.3g} Gbit/s" for lv in topologies[tn].levels)
+                  + f" ({topologies[tn].name})" for tn in tnames]
+    if "local" in topologies:
+        topo_lines.append("  (fit r2 per level: " + ", ".join(f"{f['level']} {f['r2']:.3f}" for f in fit_info)
+                          + "; on a shared machine the fit moves from run to run)")
+    lines = [
+        "# Hierarchical all-to-all: bytes per level and dispatch + combine time", "",
+        f"Command: `{command}`", "",
+        f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable); {args.world} gloo ranks "
+        f"(one process each, {info['torch_threads_per_rank']} torch thread each) on them; 1-min load average "
+        f"{info['loadavg_1m_at_start']} at start; torch {info['torch']}; Python {info['python']}.", "",
+        f"Setup: mesh {' x '.join(f'{n}={s}' for n, s in zip(names, args.mesh_sizes))}, {args.tokens} tokens "
+        f"per rank, H={args.hidden}, fp32, contiguous expert placement; routing uniform or Zipf (exponent "
+        f"{ZIPF_EXPONENT}, fixed random popularity order), K distinct experts per token; {args.reps} timed "
+        "repetitions per strategy, strategies interleaved (order rotated each repetition).", "",
+        "Bytes: forward dispatch payload (token rows) per mesh level, summed over all ranks, from the runtime's "
+        "counters; combine sends the same back (column \"combine = dispatch\"). Metadata (split sizes, "
+        "expert ids and weights, all levels) is apart, in \"meta MiB\". LB: the dedup lower bound on inter-node "
+        "bytes, distinct (token, other node) pairs x H x 4, computed from the routing. \"all = expected\": "
+        "every strategy's inter-node bytes equal the count derived from the routing alone (copies for flat / "
+        "2DH, distinct (token, rank) pairs for HD1, LB for d >= 2). \"result err\": max relative error of "
+        "combine(dispatch(x) scaled by slot weights) against x * sum_k w_k.", "",
+        "Time: one forward dispatch + combine (no expert compute), the slowest rank's time per repetition; "
+        "median, min / max; wall / flat = median / median of flat A2A. HD-d* includes its per-step decision "
+        "(statistics, one all-reduce, Eq. 6), whose median (slowest rank) is \"d* decision ms\". Predicted: 2 x HierMoE's dispatch time (combine moves the same "
+        "volumes) from the max-reduced statistics, under:", "",
+        *topo_lines, "",
+        f"HD-d* chooses with the `{dstar_topology}` topology; \"fastest d (measured)\" is the HD-d (dedup) with "
+        "the lowest median here.", "",
+        "All ranks run on one machine: every link is loopback at the same speed, so the wall times mostly "
+        "reflect the number of messages and collectives (an HD-d step runs 3d all-to-alls in dispatch and d in "
+        "combine) and copy overhead, not the bytes saved on slow links. Wall-clock comparisons on slow "
+        "inter-node links belong to the emulated-cluster benchmark (moe-cluster, bench/clusters/).", "",
+        f"HD-d* used the measured-fastest d in {matches} of {len(summary)} configurations; {lb_label} inter-node "
+        f"bytes equal the lower bound in every configuration: {'yes' if lb_all else 'NO'}.", "",
+        "## Per configuration", "",
+        "| " + " | ".join(summary_headers) + " |", "|" + "|".join("---" for _ in summary_headers) + "|",
+        *("| " + " | ".join(row) + " |" for row in summary), "",
+        "## Per strategy", "",
+        "| " + " | ".join(detail_headers) + " |", "|" + "|".join("---" for _ in detail_headers) + "|",
+        *("| " + " | ".join(row) + " |" for row in detail),
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    console.print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    plot(payload, out.with_suffix(".png"))
+
+
+def plot(payload: dict[str, Any], path: Path) -> bool:
+    """Inter-node MiB per strategy, bars grouped by K, one panel per (E, routing); False (with a
+    printed note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("note: matplotlib is not installed; no plot written (pip install matplotlib to get one)")
+        return False
+    node = next(iter(payload["mesh"]))
+    panels = sorted({(c["num_experts"], c["routing"]) for c in payload["configs"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, (num_experts, kind) in zip(axes[0], panels):
+        cs = sorted((c for c in payload["configs"] if (c["num_experts"], c["routing"]) == (num_experts, kind)),
+                    key=lambda c: c["top_k"])
+        strat_names = [r["strategy"] for r in cs[0]["strategies"]]
+        width = 0.8 / len(strat_names)
+        for j, sn in enumerate(strat_names):
+            vals = [next(r for r in c["strategies"] if r["strategy"] == sn)["bytes_per_level"][node] / 2**20
+                    for c in cs]
+            ax.bar([i + j * width for i in range(len(cs))], vals, width, label=sn)
+        for i, c in enumerate(cs):
+            ax.hlines(c["node_lower_bound_bytes"] / 2**20, i - width / 2, i + 0.8 - width / 2, colors="black",
+                      linestyles="dashed", label="dedup lower bound" if i == 0 else None)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cs))], [f"K={c['top_k']}" for c in cs])
+        ax.set_title(f"E={num_experts}, {kind}")
+        ax.set_ylabel(f"inter-{node} MiB (all ranks)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(f"inter-{node} bytes of dispatch: {payload['world']} ranks, {payload['tokens_per_rank']} "
+                 f"tokens/rank, H={payload['hidden']} fp32")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    console.print(f"wrote {path}")
+    return True
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+
+def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, log: Path, loadavg: float) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", HIER_A2A_LOADAVG=f"{loadavg:.2f}")
+    if rank != 0:  # rank 0 prints to the terminal; the others to a log shown if something fails
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    worker(args)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Fork ``args.world`` ranks (after the imports, so torch is imported once, not once per rank:
+    on a small machine eight concurrent imports take most of a minute); each sets RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT and joins a gloo process group over localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = Path(tempfile.mkdtemp(prefix="a2abench_ranks_"))
+    loadavg = os.getloadavg()[0]  # before our ranks add to it
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_rank_entry, args=(r, args.world, port, args, logs / f"rank{r}.log", loadavg))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    failed: int | None = None
+    while failed is None and any(p.is_alive() for p in procs):
+        failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+        if failed is None and time.monotonic() > deadline:
+            failed = -1
+        time.sleep(0.2)
+    if failed is None:
+        failed = next((r for r, p in enumerate(procs) if p.exitcode), None)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    if failed is None:
+        shutil.rmtree(logs, ignore_errors=True)
+        return 0
+    console.print((f"[red]rank {failed} failed" if failed >= 0 else f"[red]timed out after {args.timeout} s")
+                  + f"; rank logs in {logs}")
+    for r in range(1, args.world):
+        if (r == failed or failed < 0) and (logs / f"rank{r}.log").exists():
+            text = (logs / f"rank{r}.log").read_text()
+            console.print(f"--- rank {r} ---\n{text[-3000:]}", markup=False, highlight=False)
+    return 1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one small configuration (K=4, E=16, uniform), 3 reps")
+    p.add_argument("--world", type=int, default=8, help="ranks to start (default 8)")
+    p.add_argument("--mesh", default=None, help="levels slowest first, NAME=SIZE,... (default node=2,socket=2,gpu=2)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 512; 128 quick)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; 64 quick)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per strategy (default 21; 3 quick)")
+    p.add_argument("--dstar-topology", choices=("local", "cluster"), default="local",
+                   help="topology HD-d* chooses d with (default local: this machine, fitted at start)")
+    p.add_argument("--out", default=None, help="results path without suffix (default bench/results/hier_a2a; "
+                                               "with --quick nothing is written unless given)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only draw the plot (JSON path with .png) from a results JSON of an earlier run")
+    args = p.parse_args(argv)
+    args.tokens = args.tokens or (128 if args.quick else 512)
+    args.hidden = args.hidden or (64 if args.quick else 256)
+    args.reps = args.reps or (3 if args.quick else 21)
+    if args.out is None and not args.quick:
+        args.out = str(Path(__file__).parent / "results" / "hier_a2a")
+    mesh = args.mesh or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
+    if mesh is None:
+        p.error(f"--world {args.world}: give --mesh NAME=SIZE,... (slowest first) with product {args.world}")
+    try:
+        args.mesh_names, args.mesh_sizes = calibrate.parse_mesh(mesh)
+        calibrate.check_world_size(args.mesh_names, args.mesh_sizes, args.world)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.replot:
+        return 0 if plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png")) else 1
+    if "RANK" in os.environ:  # started by torchrun or the like: be that rank
+        worker(args)
+        return 0
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
