@@ -1,5 +1,12 @@
-"""Ops the passes emit. Importing this package registers them with torch.library."""
+"""Ops the passes emit. Importing this package registers them with torch.library.
 
+``hiermoe::experts`` (torch lowering) always; ``hiermoe::experts_triton`` (the HEXA-MoE Triton
+kernels, same arguments and semantics) when the ``triton`` package is importable (HAS_TRITON).
+"""
+
+import torch
+
+from moe_compile.lowering.expert_parallel import ep_experts, ep_experts_backward
 from moe_compile.lowering.experts import (
     ACTIVATIONS,
     experts,
@@ -7,6 +14,23 @@ from moe_compile.lowering.experts import (
     experts_flops,
     experts_reference,
 )
-from moe_compile.lowering.expert_parallel import ep_experts, ep_experts_backward
 
-__all__ = ["ACTIVATIONS", "ep_experts", "ep_experts_backward", "experts", "experts_backward", "experts_flops", "experts_reference"]
+try:
+    import triton  # noqa: F401
+except ImportError:  # no Triton wheel for this platform: the op stays unregistered
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+    from moe_compile.lowering import triton_experts  # registers hiermoe::experts_triton
+
+
+def triton_kernels_error(device: torch.device) -> str | None:
+    """Why ``hiermoe::experts_triton`` cannot run on ``device`` in this process (None: it can).
+    For passes, which must not import Triton themselves."""
+    if not HAS_TRITON:
+        return "the triton package is not installed (pip install 'triton>=3.3'; Linux wheels only)"
+    return triton_experts.interpreter_error(device)
+
+
+__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_experts", "ep_experts_backward", "experts", "experts_backward",
+           "experts_flops", "experts_reference", "triton_kernels_error"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
@@ -43,7 +43,7 @@ def hiermoe_backend(gm: fx.GraphModule, example_inputs: Sequence[object], *,
     return _with_swapped_inputs(compiled, ctx.input_swaps) if ctx.input_swaps else compiled
 
 
-def _with_swapped_inputs(fn: Callable[..., object], swaps: dict[int, object]) -> Callable[..., object]:
+def _with_swapped_inputs(fn: Callable[..., object], swaps: Mapping[int, object]) -> Callable[..., object]:
     """Feed the expert shard parameters where Dynamo passes their full-shape placeholders
     (after Dynamo's guards checked those). Dynamo calls compiled functions with positional
     arguments, so this does too."""

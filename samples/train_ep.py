@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ def main() -> None:
         report = moe_compile.shard_experts(model, mesh, first[:, :-1], first[:, 1:])
         if rank == 0:
             print(report)
-    options: dict[str, object] = {"mesh": mesh, "inner_compiler": args.inner_compiler, "dedup": not args.no_dedup}
+    options: dict[str, Any] = {"mesh": mesh, "inner_compiler": args.inner_compiler, "dedup": not args.no_dedup}
     if args.topology:
         options["topology"] = args.topology
     if args.dimension:
@@ -90,6 +91,7 @@ def main() -> None:
         loss.backward()
         for p in model.parameters():
             if report is not None and report.owns(p):  # the owner holds the sum over ranks
+                assert p.grad is not None
                 p.grad /= world
                 continue
             if p.grad is None:  # experts this rank does not run

@@ -1,0 +1,318 @@
+"""Backward of ``hiermoe::experts_triton``: ESMM with transposed weights, ESS, ESTMM and the fused
+expert-specific kernel ESFK (HEXA-MoE, papers/hexa-moe.txt Sec. 4.2 "Fused Kernel in Backward
+Propagation", App. A Alg. 2-4, Table 5 steps 4-10 top-k column, Table 6).
+
+Two launches after the re-index (nothing but the op's inputs is saved by forward):
+
+  hidden (grid: blocks x F tiles; Table 5 steps 6-7 and the routing-weight gradient)
+      recompute up, gate (ESMM over x), dhu[s] = g[t] W_down[e] (ESMM with the transposed
+      down weight; g = dL/dy), then h = act(gate) * up, dh = w[s] dhu[s],
+      d_up = dh act(gate), d_gate = dh up act'(gate) (non-gated: d_up = dh act'(up)), and the
+      routing weight's gradient dL/dw[s] = <g[t], y_e[s]> = <dhu[s], h[s]> + <g[t], b_down[e]>
+      (so y_e is never recomputed), summed over F tiles from a per-(slot, tile) partial buffer.
+      Stores h, d_up, d_gate per slot ([N, F], x's dtype).
+  ESFK (one 1-D grid of three program ranges, HEXA-MoE's fused kernel with equal-shape blocks)
+      ESTMM  dW_up[e] = sum_s d_up[s]^T x[t], dW_gate[e] likewise, dW_down[e] = sum_s (w[s] g[t])^T h[s]
+             (Alg. 4; Table 5 steps 5, 9): one program per (expert, output tile), looping over that
+             expert's blocks of v from starts[e] to starts[e+1].
+      ESMM   dx[t] += d_up[s] W_up[e] + d_gate[s] W_gate[e] (Table 5 step 10), accumulated over the
+             top-k like the forward's y: atomic add into fp32 [T, H] or per-slot [N, H] + sum.
+      ESS    db_up[e] = sum_s d_up[s], db_gate[e], db_down[e] = sum_s w[s] g[t] (Alg. 2; steps 4, 8).
+  The ESTMM range comes first in the grid: its programs loop over a whole expert (the longest
+  work) and start earliest. With ``KernelConfig.fused = False`` the same kernel is launched three
+  times, one range each (the unfused ESTMM / ESMM / ESS reference for tests and benchmarks).
+
+As in the torch lowering, gradients of weights are returned in the weights' dtypes, dx in x's,
+dL/dw in topk_weights'; accumulation is fp32 throughout.
+
+Shape legend: T tokens, K experts per token, N = T*K slots, E experts, H hidden, F ffn, BLK slots
+per block; g_TH (grad of y), x_TH, tw_N (fp32 routing weights), h_NF, d_up_NF, d_gate_NF,
+dw_part_NJ (J = F tiles), dx_TH, d_w_up_EFH, d_w_gate_EFH, d_w_down_EHF, d_b_up_EF, d_b_gate_EF,
+d_b_down_EH.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from moe_compile.lowering.experts_ref import ACTIVATIONS
+from moe_compile.lowering.triton_esmm import KernelConfig, act_fwd, act_grad, esmm_tile, strides2, strides3
+from moe_compile.lowering.triton_reindex import Reindex, build_reindex
+
+
+@triton.jit
+def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, b_up_ptr, b_gate_ptr, b_down_ptr,
+                        h_ptr, d_up_ptr, d_gate_ptr, dw_part_ptr, v_ptr, block_expert_ptr,
+                        num_h, num_f, top_k,
+                        s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h, s_down_e, s_down_h, s_down_f,
+                        s_bup_e, s_bup_f, s_bgate_e, s_bgate_f, s_bdown_e, s_bdown_h,
+                        ACT: tl.constexpr, GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr,
+                        HAS_B_DOWN: tl.constexpr, BLK: tl.constexpr, BLOCK_F: tl.constexpr,
+                        BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= 0:
+        slot = tl.load(v_ptr + pid_b * BLK + tl.arange(0, BLK)).to(tl.int64)
+        ok = slot >= 0
+        tok = slot // top_k
+        e64 = expert.to(tl.int64)
+        offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_ok = offs_f < num_f
+        mask = ok[:, None] & f_ok[None, :]
+        zero = tl.zeros((BLK, BLOCK_F), tl.float32)
+        up = esmm_tile(zero, x_ptr, tok, ok, w_up_ptr, e64 * s_up_e, s_up_f, s_up_h, offs_f, num_f, num_h,
+                       BLOCK_H, UPCAST, PRECISION)
+        if HAS_B_UP:
+            up += tl.load(b_up_ptr + e64 * s_bup_e + offs_f * s_bup_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+        # ESMM with W_down^T: element (o=f, i=h) of the operand is w_down[e, h, f]
+        dhu = esmm_tile(zero, g_ptr, tok, ok, w_down_ptr, e64 * s_down_e, s_down_f, s_down_h, offs_f, num_f, num_h,
+                        BLOCK_H, UPCAST, PRECISION)
+        w = tl.load(tw_ptr + slot, mask=ok, other=0.0)
+        if GATED:
+            gate = esmm_tile(zero, x_ptr, tok, ok, w_gate_ptr, e64 * s_gate_e, s_gate_f, s_gate_h, offs_f, num_f,
+                             num_h, BLOCK_H, UPCAST, PRECISION)
+            if HAS_B_GATE:
+                gate += tl.load(b_gate_ptr + e64 * s_bgate_e + offs_f * s_bgate_f, mask=f_ok,
+                                other=0.0).to(tl.float32)[None, :]
+            a = act_fwd(gate, ACT)
+            h = a * up
+            dh = dhu * w[:, None]
+            d_up = dh * a
+            d_gate = dh * up * act_grad(gate, ACT)
+            tl.store(d_gate_ptr + slot[:, None] * num_f + offs_f[None, :], d_gate.to(d_gate_ptr.dtype.element_ty),
+                     mask=mask)
+        else:
+            h = act_fwd(up, ACT)
+            d_up = dhu * w[:, None] * act_grad(up, ACT)
+        h_q = h.to(h_ptr.dtype.element_ty)  # what the forward's second matmul read
+        tl.store(h_ptr + slot[:, None] * num_f + offs_f[None, :], h_q, mask=mask)
+        tl.store(d_up_ptr + slot[:, None] * num_f + offs_f[None, :], d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+        part = tl.sum(dhu * h_q.to(tl.float32), axis=1)
+        if HAS_B_DOWN:
+            if pid_f == 0:  # <g[t], b_down[e]> once per slot
+                for h0 in range(0, num_h, BLOCK_H):
+                    offs_h = h0 + tl.arange(0, BLOCK_H)
+                    h_ok = offs_h < num_h
+                    gt = tl.load(g_ptr + tok[:, None] * num_h + offs_h[None, :], mask=ok[:, None] & h_ok[None, :],
+                                 other=0.0).to(tl.float32)
+                    bd = tl.load(b_down_ptr + e64 * s_bdown_e + offs_h * s_bdown_h, mask=h_ok, other=0.0)
+                    part += tl.sum(gt * bd.to(tl.float32)[None, :], axis=1)
+        tl.store(dw_part_ptr + slot * tl.num_programs(1) + pid_f, part, mask=ok)
+
+
+@triton.jit
+def _estmm_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, b_ptr, num_b, tile_b, tw_ptr, v_ptr, top_k,
+                A_TOKEN: tl.constexpr, A_WEIGHTED: tl.constexpr, B_TOKEN: tl.constexpr, BLK: tl.constexpr,
+                BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """out[e, a-tile, b-tile] = sum over expert e's slots s of A[s]^T B[s] (Alg. 4). Rows of A and B
+    are gathered by token (t = s // K) or by slot; A_WEIGHTED multiplies A's row by w[s]."""
+    offs_a = tile_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_b = tile_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    a_ok = offs_a < num_a
+    b_ok = offs_b < num_b
+    acc = tl.zeros((BLOCK_A, BLOCK_B), tl.float32)
+    for p in range(start, end, BLK):
+        slot = tl.load(v_ptr + p + tl.arange(0, BLK)).to(tl.int64)
+        ok = slot >= 0
+        if A_TOKEN:
+            row_a = slot // top_k
+        else:
+            row_a = slot
+        if B_TOKEN:
+            row_b = slot // top_k
+        else:
+            row_b = slot
+        a = tl.load(a_ptr + row_a[:, None] * num_a + offs_a[None, :], mask=ok[:, None] & a_ok[None, :], other=0.0)
+        if A_WEIGHTED:  # (w g) rounded to the compute dtype, as the torch lowering's dy
+            w = tl.load(tw_ptr + slot, mask=ok, other=0.0)
+            a = (a.to(tl.float32) * w[:, None]).to(a_ptr.dtype.element_ty)
+        b = tl.load(b_ptr + row_b[:, None] * num_b + offs_b[None, :], mask=ok[:, None] & b_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    out = out_ptr + expert.to(tl.int64) * num_a * num_b
+    tl.store(out + offs_a[:, None] * num_b + offs_b[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=a_ok[:, None] & b_ok[None, :])
+
+
+@triton.jit
+def _ess_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, tw_ptr, v_ptr, top_k,
+              A_TOKEN: tl.constexpr, A_WEIGHTED: tl.constexpr, BLK: tl.constexpr, BLOCK_A: tl.constexpr):
+    """out[e, a-tile] = sum over expert e's slots s of A[s] (Alg. 2), in fp32."""
+    offs_a = tile_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    a_ok = offs_a < num_a
+    acc = tl.zeros((BLOCK_A,), tl.float32)
+    for p in range(start, end, BLK):
+        slot = tl.load(v_ptr + p + tl.arange(0, BLK)).to(tl.int64)
+        ok = slot >= 0
+        if A_TOKEN:
+            row = slot // top_k
+        else:
+            row = slot
+        a = tl.load(a_ptr + row[:, None] * num_a + offs_a[None, :], mask=ok[:, None] & a_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if A_WEIGHTED:
+            a = a * tl.load(tw_ptr + slot, mask=ok, other=0.0)[:, None]
+        acc += tl.sum(a, axis=0)
+    tl.store(out_ptr + expert.to(tl.int64) * num_a + offs_a, acc.to(out_ptr.dtype.element_ty), mask=a_ok)
+
+
+@triton.jit
+def _esfk_kernel(x_ptr, g_ptr, tw_ptr, h_ptr, d_up_ptr, d_gate_ptr, w_up_ptr, w_gate_ptr,
+                 dx_ptr, dw_up_ptr, dw_gate_ptr, dw_down_ptr, db_up_ptr, db_gate_ptr, db_down_ptr,
+                 v_ptr, block_expert_ptr, starts_ptr, num_experts, num_blocks, num_h, num_f, top_k,
+                 s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h,
+                 GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr, HAS_B_DOWN: tl.constexpr,
+                 ATOMIC: tl.constexpr, DO_ESTMM: tl.constexpr, DO_ESMM: tl.constexpr, DO_ESS: tl.constexpr,
+                 BLK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    n_f = tl.cdiv(num_f, BLOCK_F)
+    n_h = tl.cdiv(num_h, BLOCK_H)
+    tiles = n_f * n_h
+    per_expert = (2 + GATED) * tiles  # weight tiles of one expert: up, down (, gate)
+    n_estmm = num_experts * per_expert * DO_ESTMM
+    n_esmm = num_blocks * n_h * DO_ESMM
+    if pid < n_estmm:
+        e = pid // per_expert
+        r = pid % per_expert
+        mat = r // tiles
+        t = r % tiles
+        start = tl.load(starts_ptr + e)
+        end = tl.load(starts_ptr + e + 1)
+        if mat == 0:  # dW_up[e] [F, H]: A = d_up rows (slot), B = x rows (token)
+            _estmm_tile(dw_up_ptr, e, start, end, d_up_ptr, num_f, t // n_h, x_ptr, num_h, t % n_h, tw_ptr, v_ptr,
+                        top_k, False, False, True, BLK, BLOCK_F, BLOCK_H, UPCAST, PRECISION)
+        elif mat == 1:  # dW_down[e] [H, F]: A = w * g rows (token), B = h rows (slot)
+            _estmm_tile(dw_down_ptr, e, start, end, g_ptr, num_h, t // n_f, h_ptr, num_f, t % n_f, tw_ptr, v_ptr,
+                        top_k, True, True, False, BLK, BLOCK_H, BLOCK_F, UPCAST, PRECISION)
+        else:
+            if GATED:
+                _estmm_tile(dw_gate_ptr, e, start, end, d_gate_ptr, num_f, t // n_h, x_ptr, num_h, t % n_h, tw_ptr,
+                            v_ptr, top_k, False, False, True, BLK, BLOCK_F, BLOCK_H, UPCAST, PRECISION)
+    elif pid < n_estmm + n_esmm:
+        q = pid - n_estmm
+        b = q // n_h
+        expert = tl.load(block_expert_ptr + b)
+        if expert >= 0:
+            slot = tl.load(v_ptr + b * BLK + tl.arange(0, BLK)).to(tl.int64)
+            ok = slot >= 0
+            e64 = expert.to(tl.int64)
+            offs_h = (q % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+            # ESMM with W_up (not transposed: element (o=h, i=f) is w_up[e, f, h])
+            acc = esmm_tile(tl.zeros((BLK, BLOCK_H), tl.float32), d_up_ptr, slot, ok, w_up_ptr, e64 * s_up_e,
+                            s_up_h, s_up_f, offs_h, num_h, num_f, BLOCK_F, UPCAST, PRECISION)
+            if GATED:
+                acc = esmm_tile(acc, d_gate_ptr, slot, ok, w_gate_ptr, e64 * s_gate_e, s_gate_h, s_gate_f, offs_h,
+                                num_h, num_f, BLOCK_F, UPCAST, PRECISION)
+            mask = ok[:, None] & (offs_h < num_h)[None, :]
+            if ATOMIC:
+                tl.atomic_add(dx_ptr + (slot // top_k)[:, None] * num_h + offs_h[None, :], acc, mask=mask,
+                              sem="relaxed")
+            else:
+                tl.store(dx_ptr + slot[:, None] * num_h + offs_h[None, :], acc, mask=mask)
+    elif DO_ESS:
+        q = pid - n_estmm - n_esmm
+        n_bu = 0  # programs of the db_up range (none without b_up), then of db_gate
+        if HAS_B_UP:
+            n_bu = num_experts * n_f
+        n_bg = 0
+        if HAS_B_GATE:
+            n_bg = num_experts * n_f
+        if q < n_bu:
+            e = q // n_f
+            _ess_tile(db_up_ptr, e, tl.load(starts_ptr + e), tl.load(starts_ptr + e + 1), d_up_ptr, num_f, q % n_f,
+                      tw_ptr, v_ptr, top_k, False, False, BLK, BLOCK_F)
+        elif q < n_bu + n_bg:
+            e = (q - n_bu) // n_f
+            _ess_tile(db_gate_ptr, e, tl.load(starts_ptr + e), tl.load(starts_ptr + e + 1), d_gate_ptr, num_f,
+                      (q - n_bu) % n_f, tw_ptr, v_ptr, top_k, False, False, BLK, BLOCK_F)
+        else:
+            e = (q - n_bu - n_bg) // n_h
+            _ess_tile(db_down_ptr, e, tl.load(starts_ptr + e), tl.load(starts_ptr + e + 1), g_ptr, num_h,
+                      (q - n_bu - n_bg) % n_h, tw_ptr, v_ptr, top_k, True, True, BLK, BLOCK_H)
+
+
+def _esfk_ranges(num_e: int, num_blocks: int, num_h: int, num_f: int, cfg: KernelConfig, gated: bool,
+                 biases: tuple[bool, bool, bool]) -> tuple[int, int, int]:
+    """Program counts of the ESTMM, ESMM and ESS ranges (must match _esfk_kernel's arithmetic)."""
+    n_f, n_h = triton.cdiv(num_f, cfg.block_f), triton.cdiv(num_h, cfg.block_h)
+    has_up, has_gate, has_down = biases
+    return (num_e * (2 + gated) * n_f * n_h, num_blocks * n_h,
+            num_e * (n_f * has_up + n_f * has_gate + n_h * has_down))
+
+
+def _empty_like(t: Tensor | None) -> Tensor | None:
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def esfk_backward(
+    g_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor, tw_N: Tensor,
+    w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
+    activation: str, cfg: KernelConfig, r: Reindex | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(dx_TH, d_tw_N (fp32), d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down); an absent
+    optional input gets None. g_TH and x_TH contiguous, tw_N fp32."""
+    num_t, num_h = x_TH.shape
+    num_k = topk_idx_TK.shape[1]
+    num_e, num_f = w_up_EFH.shape[0], w_up_EFH.shape[1]
+    gated = w_gate_EFH is not None
+    if r is None:
+        r = build_reindex(topk_idx_TK, num_e, cfg.blk)
+    num_blocks = r.block_expert_B.shape[0]
+    dev = x_TH.device
+    absent = x_TH
+    launch = dict(BLK=cfg.blk, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, UPCAST=cfg.upcast,
+                  PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    # Step 1: recompute h; dhu = g W_down (ESMM, transposed weight); activation backward; dL/dw partials.
+    num_ft = triton.cdiv(num_f, cfg.block_f)
+    h_NF = x_TH.new_empty(num_t * num_k, num_f)
+    d_up_NF = torch.empty_like(h_NF)
+    d_gate_NF = torch.empty_like(h_NF) if gated else absent
+    dw_part_NJ = torch.zeros(num_t * num_k, num_ft, dtype=torch.float32, device=dev)
+    wrap_triton(_hidden_grad_kernel)[(num_blocks, num_ft)](
+        x_TH, g_TH, tw_N, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH, w_down_EHF,
+        absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
+        absent if b_down_EH is None else b_down_EH, h_NF, d_up_NF, d_gate_NF, dw_part_NJ,
+        r.v_P, r.block_expert_B, num_h, num_f, num_k,
+        *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides3(w_down_EHF),
+        *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH),
+        ACT=ACTIVATIONS.index(activation), GATED=gated, HAS_B_UP=b_up_EF is not None,
+        HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, **launch,
+    )
+    d_tw_N = dw_part_NJ.sum(1)
+
+    # Step 2: ESTMM + ESMM + ESS, fused into one launch (or three).
+    atomic = cfg.combine == "atomic"
+    dx_acc = torch.zeros(num_t if atomic else num_t * num_k, num_h, dtype=torch.float32, device=dev)
+    d_w_up = torch.empty(w_up_EFH.shape, dtype=w_up_EFH.dtype, device=dev)
+    d_w_gate = _empty_like(w_gate_EFH)
+    d_w_down = torch.empty(w_down_EHF.shape, dtype=w_down_EHF.dtype, device=dev)
+    d_b_up, d_b_gate, d_b_down = (_empty_like(b) for b in (b_up_EF, b_gate_EF, b_down_EH))
+    biases = (b_up_EF is not None, b_gate_EF is not None, b_down_EH is not None)
+    ranges = _esfk_ranges(num_e, num_blocks, num_h, num_f, cfg, gated, biases)
+    parts = [(1, 1, 1)] if cfg.fused else [(1, 0, 0), (0, 1, 0), (0, 0, 1)]
+    for do_estmm, do_esmm, do_ess in parts:
+        grid = ranges[0] * do_estmm + ranges[1] * do_esmm + ranges[2] * do_ess
+        if grid == 0:
+            continue
+        wrap_triton(_esfk_kernel)[(grid,)](
+            x_TH, g_TH, tw_N, h_NF, d_up_NF, d_gate_NF, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH,
+            dx_acc, d_w_up, absent if d_w_gate is None else d_w_gate, d_w_down,
+            absent if d_b_up is None else d_b_up, absent if d_b_gate is None else d_b_gate,
+            absent if d_b_down is None else d_b_down,
+            r.v_P, r.block_expert_B, r.starts_E1, num_e, num_blocks, num_h, num_f, num_k,
+            *strides3(w_up_EFH), *strides3(w_gate_EFH),
+            GATED=gated, HAS_B_UP=biases[0], HAS_B_GATE=biases[1], HAS_B_DOWN=biases[2], ATOMIC=atomic,
+            DO_ESTMM=do_estmm, DO_ESMM=do_esmm, DO_ESS=do_ess, **launch,
+        )
+    dx_TH = dx_acc if atomic else dx_acc.view(num_t, num_k, num_h).sum(1)
+    return dx_TH.to(x_TH.dtype), d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down

@@ -1,0 +1,246 @@
+"""The op ``hiermoe::experts_triton``: ``hiermoe::experts`` lowered to the expert-specific Triton
+kernels of HEXA-MoE (papers/hexa-moe.txt Sec. 4.2, App. A): re-index (``triton_reindex``), ESMM
+forward (``triton_esmm``), ESMM/ESTMM/ESS and the fused ESFK backward (``triton_esfk``).
+
+Same arguments, schema and semantics as ``hiermoe::experts`` (see ``experts_ref``), so the
+``lower_kernels`` pass swaps one for the other; differences are rounding only: inside the kernels
+the intermediates (up, gate, the expert output) stay in fp32 where the torch lowering rounds them to
+x's dtype, so low-precision results are slightly more accurate.
+
+Registration. ``experts_triton`` and its backward ``experts_triton_backward`` are
+``torch.library.triton_op``s whose kernels are launched through ``wrap_triton``, so Inductor
+sees (and can schedule) every launch on CUDA; both have a fake implementation, and the forward has
+``register_autograd`` (backward recomputes the activations from the inputs, like the torch op).
+
+Where the kernels run:
+  * CUDA tensors: compiled Triton kernels.
+  * CPU tensors: the Triton interpreter, which needs TRITON_INTERPRET=1 in the environment
+    *before triton is first imported* (importing moe_compile imports it): triton 3.x reads the
+    variable when ``@triton.jit`` decorates a function, both ours and triton.language's own
+    (tl.sum, tl.cumsum, ...), so it cannot be switched on later, nor per device, without
+    re-creating triton.language. Without it the op raises ValueError on CPU (and the
+    ``lower_kernels`` pass refuses kernels="triton" before that). With it, CUDA tensors are
+    interpreted too (slowly): set it only on machines without a GPU. Interpreted kernels cannot be
+    traced with fake tensors, so on this path the op calls the opaque custom ops
+    ``hiermoe::experts_triton_interpreted`` / ``..._backward_interpreted``. bf16 works in the
+    interpreter as well: tiles are upcast to fp32 before tl.dot (the interpreter's own bf16 dot is
+    wrong; on CUDA the tensor cores multiply bf16 exactly into fp32 anyway), and its fp32->bf16
+    stores may differ from CUDA's by one bf16 ulp.
+
+Top-k accumulation (``KernelConfig.combine``), chosen per call from HIERMOE_TRITON_COMBINE:
+  "atomic" (default on CUDA and in the interpreter): fp32 atomic add into a [T, H] buffer, the
+      memory-light scheme of HEXA-MoE Fig. 5c; sums in a run-dependent order on CUDA.
+  "slots": each slot writes its own row of an fp32 [N, H] buffer, then a sum over K in fixed
+      order: for backends without float atomics, and chosen by "auto" (the default value) whenever
+      torch.are_deterministic_algorithms_enabled() (bitwise reproducible, K times the buffer).
+HIERMOE_TRITON_FUSED=0 runs the backward's ESTMM, ESMM and ESS as three launches instead of ESFK.
+Both variables are read when the op runs (or is traced: a compiled graph keeps its choice).
+
+Shape legend: T tokens, K experts per token, N = T*K, E experts, H hidden, F ffn; x_TH, topk_idx_TK,
+topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, grad_TH.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from moe_compile.lowering import triton_esmm
+from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
+from moe_compile.lowering.experts_ref import check_activation
+from moe_compile.lowering.triton_esfk import esfk_backward
+from moe_compile.lowering.triton_esmm import KernelConfig, esmm_forward
+
+__all__ = ["INTERPRETED", "KernelConfig", "experts_triton", "experts_triton_backward", "interpreter_error",
+           "kernel_config"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+# @triton.jit made InterpretedFunctions: TRITON_INTERPRET=1 was set when triton was imported.
+INTERPRETED = isinstance(triton_esmm._esmm_up_kernel, InterpretedFunction)
+
+
+def interpreter_error(device: torch.device) -> str | None:
+    """Why the kernels cannot run for tensors on ``device`` in this process, or None when they can."""
+    if device.type == "cuda" and not INTERPRETED:
+        return None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"the Triton expert kernels run on {device.type} tensors only in the Triton interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before importing torch/triton/moe_compile "
+                "(e.g. `TRITON_INTERPRET=1 python train.py`), or use options={'kernels': 'torch'}")
+    if not INTERPRETED:
+        return ("TRITON_INTERPRET=1 was set after triton had been imported, so the kernels were compiled for a "
+                "GPU, not interpreted: set it in the environment before the process imports "
+                "torch/triton/moe_compile, or use options={'kernels': 'torch'}")
+    return None
+
+
+def _combine() -> str:
+    mode = os.environ.get("HIERMOE_TRITON_COMBINE", "auto")
+    if mode not in ("auto", "atomic", "slots"):
+        raise ValueError(f"HIERMOE_TRITON_COMBINE must be auto, atomic or slots, got {mode!r}")
+    if mode == "auto":
+        return "slots" if torch.are_deterministic_algorithms_enabled() else "atomic"
+    return mode
+
+
+def kernel_config(x_TH: Tensor, num_h: int, num_f: int) -> KernelConfig:
+    """Tile sizes and modes for one call: GPU tiles of 64, small tiles in the interpreter (its cost
+    grows with every element a program touches, padding included)."""
+    fused = os.environ.get("HIERMOE_TRITON_FUSED", "1") != "0"
+    if INTERPRETED:
+        def tile(n: int) -> int:
+            return min(32, max(16, triton.next_power_of_2(n)))
+
+        return KernelConfig(blk=16, block_f=tile(num_f), block_h=tile(num_h), combine=_combine(), fused=fused,
+                            upcast=True)
+    tf32 = x_TH.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+    return KernelConfig(combine=_combine(), fused=fused, precision="tf32" if tf32 else "ieee")
+
+
+def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
+    check_activation(activation)
+    why = interpreter_error(x.device)
+    if why is not None:
+        raise ValueError(why)
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"hiermoe::experts_triton supports {_DTYPES}, got x of dtype {x.dtype}; "
+                         "use options={'kernels': 'torch'} for other dtypes")
+    for name, w in (("w_up", w_up), ("w_gate", w_gate), ("w_down", w_down)):
+        if w is not None and w.dtype != x.dtype:
+            raise ValueError(f"hiermoe::experts_triton needs {name} in x's dtype {x.dtype}, got {w.dtype}; "
+                             "cast the expert weights or use options={'kernels': 'torch'}")
+
+
+def _forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+             w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
+             activation: str) -> Tensor:
+    if topk_idx.numel() == 0:
+        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+    cfg = kernel_config(x, x.shape[1], w_up.shape[1])
+    tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    return esmm_forward(x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
+                           activation, cfg)
+
+
+def _backward(grad: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor,
+              w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
+              b_down: Tensor | None, activation: str) -> Grads:
+    def fresh(t: Tensor | None) -> Tensor:  # outputs may not alias each other or an input
+        return x.new_empty(0) if t is None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+    if topk_idx.numel() == 0:
+        return (fresh(x), fresh(topk_weights), fresh(w_up), fresh(w_gate), fresh(w_down), fresh(b_up),
+                fresh(b_gate), fresh(b_down))
+    cfg = kernel_config(x, x.shape[1], w_up.shape[1])
+    tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    dx, d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = esfk_backward(
+        grad.contiguous(), x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
+        activation, cfg)
+
+    def given(t: Tensor | None) -> Tensor:
+        return x.new_empty(0) if t is None else t
+
+    d_tw = d_tw_N.view(topk_weights.shape).to(topk_weights.dtype)
+    return dx, d_tw, d_w_up, given(d_w_gate), d_w_down, given(d_b_up), given(d_b_gate), given(d_b_down)
+
+
+@torch.library.triton_op("hiermoe::experts_triton", mutates_args=())
+def experts_triton(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
+    b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+) -> Tensor:
+    """y_TH[t] = sum_k topk_weights[t, k] * FFN_{topk_idx[t, k]}(x[t]), by the ESMM kernels."""
+    _check(x, w_up, w_gate, w_down, activation)
+    if INTERPRETED:
+        return torch.ops.hiermoe.experts_triton_interpreted(
+            x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation)
+    return _forward(x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation)
+
+
+@torch.library.triton_op("hiermoe::experts_triton_backward", mutates_args=())
+def experts_triton_backward(
+    grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+    w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Grads of (x, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down); zero-size for an
+    absent optional input (same contract as ``hiermoe::experts_backward``)."""
+    _check(x, w_up, w_gate, w_down, activation)
+    if INTERPRETED:
+        return torch.ops.hiermoe.experts_triton_backward_interpreted(
+            grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation)
+    return _backward(grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down,
+                     activation)
+
+
+@torch.library.custom_op("hiermoe::experts_triton_interpreted", mutates_args=(), schema=_EXPERTS_SCHEMA)
+def _experts_interpreted(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
+    b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+) -> Tensor:
+    return _forward(x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down,
+                    activation)
+
+
+@torch.library.custom_op("hiermoe::experts_triton_backward_interpreted", mutates_args=(),
+                         schema=_EXPERTS_BACKWARD_SCHEMA)
+def _experts_backward_interpreted(
+    grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+    w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+) -> Grads:
+    return _backward(grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up,
+                     b_gate, b_down, activation)
+
+
+def _fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
+          b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str) -> Tensor:
+    _check(x, w_up, w_gate, w_down, activation)  # fail at compile time, not at the first step
+    return x.new_empty(x.shape)
+
+
+def _fake_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor,
+                   w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
+                   b_down: Tensor | None, activation: str) -> Grads:
+    _check(x, w_up, w_gate, w_down, activation)
+
+    def like(t: Tensor | None) -> Tensor:
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)
+
+    return (like(x), like(topk_weights), like(w_up), like(w_gate), like(w_down), like(b_up), like(b_gate),
+            like(b_down))
+
+
+# The triton ops' default fake is their own body run on fake tensors (every launch traced); the
+# shapes are known without it.
+for _op, _f in ((experts_triton, _fake), (_experts_interpreted, _fake),
+                (experts_triton_backward, _fake_backward), (_experts_backward_interpreted, _fake_backward)):
+    _op.register_fake(_f)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    *tensors, activation = inputs
+    ctx.save_for_backward(*tensors)  # inputs only; backward recomputes h
+    ctx.activation = activation
+
+
+def _autograd_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down = ctx.saved_tensors
+    grads = torch.ops.hiermoe.experts_triton_backward(
+        grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation)
+    d_x, d_tw, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = grads
+
+    def given(grad: Tensor, inp: Tensor | None) -> Tensor | None:
+        return None if inp is None else grad
+
+    return (d_x, None, d_tw, d_w_up, given(d_w_gate, w_gate), d_w_down, given(d_b_up, b_up),
+            given(d_b_gate, b_gate), given(d_b_down, b_down), None)
+
+
+experts_triton.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -1,0 +1,88 @@
+"""Choose how each expert op runs: the torch lowering or the HEXA-MoE Triton kernels (re-index
+vector, ESMM forward, ESMM/ESTMM/ESS/ESFK backward; papers/hexa-moe.txt Sec. 4.2, App. A Alg. 1-4).
+
+``hiermoe::experts`` and ``hiermoe::experts_triton`` take the same arguments and compute the same
+function (``lowering/triton_experts.py``), so lowering one layer to the kernels is a change of the
+call's target and nothing else. This module refers to the ops through ``torch.ops`` only (it must
+not import Triton; see DESIGN.md, Layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import moe_compile.lowering as lowering
+from moe_compile.passes.graph_index import tensor_meta
+
+KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+def _device_of(node: fx.Node) -> torch.device | None:
+    """Device of the tensor ``node`` produces, from its recorded fake value, or (for nodes added by
+    earlier passes, which carry none) from the nearest producer that has one."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        t = tensor_meta(n)
+        if t is not None:
+            return t.device
+        todo.extend(n.all_input_nodes)
+    return None
+
+
+def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
+    """Retarget every ``hiermoe::experts`` call to ``hiermoe::experts_triton`` where ``kernels``
+    resolves to Triton.
+
+    Contract:
+      needs       a graph whose expert ops are ``torch.ops.hiermoe.experts.default`` call nodes (what
+                  canonicalize emits, or what a model calls itself), with fake values recorded on
+                  the op's input x or on its producers (Dynamo's ``example_value`` or ``val``).
+      guarantees  the graph computes the same function (same arguments, same semantics); each op is
+                  counted once, under "triton" (retargeted) or "torch" (left as is); with
+                  kernels="auto" on CPU inputs nothing changes, so default CPU behaviour is unchanged.
+                  "auto" is Triton when x is on CUDA and the triton package is installed, else torch.
+      refuses     (ValueError, before anything changes) an unknown ``kernels`` value, and
+                  kernels="triton" when the kernels cannot run: triton missing, or x on CPU without
+                  TRITON_INTERPRET=1 in the environment from before triton was imported.
+
+    Pseudo-code::
+
+        ops = [n for n in graph if n.target is experts.default]        # Step 1
+        for n in ops: choice[n] = resolve(kernels, device(n.x))        # Step 2 (may refuse)
+        for n in ops with choice triton: n.target = experts_triton     # Step 3
+        return {"triton": #retargeted, "torch": #left}
+    """
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
+    # Step 1: the expert ops.
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.hiermoe.experts.default]
+    # Step 2: resolve the option per op; refuse before changing anything.
+    choices: dict[fx.Node, str] = {}
+    for n in ops:
+        x = n.args[0] if n.args else n.kwargs.get("x")
+        device = _device_of(x) if isinstance(x, fx.Node) else None
+        if kernels == "torch":
+            choices[n] = "torch"
+        elif kernels == "auto":
+            on_gpu = device is not None and device.type == "cuda" and lowering.triton_kernels_error(device) is None
+            choices[n] = "triton" if on_gpu else "torch"
+        else:
+            why = lowering.triton_kernels_error(device) if device is not None else None
+            if why is not None:
+                raise ValueError(f"options kernels='triton' cannot lower {n.name}: {why}")
+            choices[n] = "triton"
+    # Step 3: retarget.
+    counts = {"triton": 0, "torch": 0}
+    for n, choice in choices.items():
+        if choice == "triton":
+            n.target = torch.ops.hiermoe.experts_triton.default
+        counts[choice] += 1
+    if counts["triton"]:
+        gm.recompile()
+    return counts

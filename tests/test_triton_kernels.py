@@ -1,0 +1,467 @@
+"""Tests of the HEXA-MoE Triton kernels behind ``hiermoe::experts_triton`` and of the
+``lower_kernels`` pass: re-index vector (Alg. 1), ESMM forward, ESMM/ESTMM/ESS and fused ESFK
+backward, against the torch lowering of ``hiermoe::experts`` and an independent per-token loop.
+
+Where they run. On CPU the kernels run in the Triton interpreter, which needs TRITON_INTERPRET=1
+before triton is first imported. This module sets it when it is the first to import torch/triton
+in the process and no GPU is present (``pytest tests/test_triton_kernels.py``). In a process that
+imported triton earlier (a full ``pytest`` run imports moe_compile from other modules first), the
+interpreter tests skip here and ``test_interpreter_tests_in_fresh_process`` runs this file again
+in a new process with the variable set. GPU tests (bf16, large offsets, Inductor) skip without
+CUDA. Interpreter shapes stay small (T <= 40, H, F <= 40): the interpreter runs every program in
+Python.
+
+Tolerances, as max |a - b| / max(1, max |b|):
+  vs the float64 per-token loop (the kernels' own rounding): fp32 1e-5 (three chained fp32
+  matmuls over H, F <= 40 and a K-term sum round at ~1e-6; a wrong index or a missing term is
+  O(1)); fp16 4e-3 and bf16 3e-2: h and the slot gradients are stored in the 16-bit dtype once
+  (unit roundoff 4.9e-4 / 3.9e-3) and go through one more matmul; measured <= 5e-4 / 1.3e-2.
+  vs the torch op in the same dtype: the sum of both ops' errors, fp32 1e-5, fp16 6e-3, bf16 6e-2
+  (the torch op also rounds every matmul output, see tests/test_experts_op.py).
+If these fail, fix the kernels, not the tolerance.
+
+Shape legend: T tokens, K experts per token, N = T*K slots, E experts, H hidden, F ffn; x_TH,
+topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
+    import torch  # importing torch does not import triton
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.fx as fx  # noqa: E402
+from compile_utils import compare_compiled  # noqa: E402
+from test_experts_op import loop_reference  # noqa: E402  (the per-token loop reference, shared)
+from torch import Tensor  # noqa: E402
+from torch._subclasses import FakeTensorMode  # noqa: E402
+
+import moe_compile.lowering as lowering  # noqa: E402
+from moe_compile.lowering.experts_ref import experts_reference_backward  # noqa: E402
+from moe_compile.passes.lower_kernels import lower_kernels_pass  # noqa: E402
+from moe_compile.samples import SAMPLES, example_input  # noqa: E402
+
+if lowering.HAS_TRITON:
+    from moe_compile.lowering import triton_esfk, triton_esmm, triton_experts, triton_reindex
+
+    INTERPRETED = triton_experts.INTERPRETED
+else:
+    INTERPRETED = False
+CUDA = torch.cuda.is_available()
+
+needs_triton = pytest.mark.skipif(not lowering.HAS_TRITON, reason="the triton package is not installed")
+interp = pytest.mark.skipif(
+    not INTERPRETED, reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import); "
+    "test_interpreter_tests_in_fresh_process runs it")
+gpu = pytest.mark.skipif(not CUDA or INTERPRETED or not lowering.HAS_TRITON, reason="needs CUDA and compiled Triton")
+
+TOL_LOOP = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOL_OP = {torch.float32: 1e-5, torch.float16: 6e-3, torch.bfloat16: 6e-2}
+T, K, E, H, F = 37, 2, 6, 40, 24  # N = 74 slots: not a multiple of BLK; H, F not multiples of the tiles
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1.0)).item()
+
+
+def routing(kind: str, num_t: int = T, num_k: int = K, num_e: int = E, seed: int = 1) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.rand(num_t, num_e, generator=g).topk(num_k, dim=-1).indices
+    if kind == "one_expert":  # every slot on expert 3
+        return torch.full((num_t, num_k), 3)
+    if kind == "empty_experts":  # only experts 0 and E-1 get tokens
+        return torch.randint(0, 2, (num_t, num_k), generator=g) * (num_e - 1)
+    if kind == "repeated":  # a token may pick the same expert twice; each slot counts
+        return torch.randint(0, 2, (num_t, num_k), generator=g)
+    raise AssertionError(kind)
+
+
+Build = Callable[[dict[str, Tensor]], list[Any]]
+
+
+def make_case(gated: bool, bias: bool, dtype: torch.dtype, layout: str = "contiguous", route: str = "random",
+              num_h: int = H, num_f: int = F, num_e: int = E, num_t: int = T) -> tuple[dict[str, Tensor], Build]:
+    """Leaves (what requires grad) and build(leaves) -> the op's 9 tensor args (views of the
+    leaves for the transposed / fused / interleaved layouts, so weights are read in place)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    lv = {"x": rnd(num_t, num_h), "tw": torch.rand(num_t, K, generator=g) + 0.1,
+          "b_up": rnd(num_e, num_f, scale=0.1), "b_gate": rnd(num_e, num_f, scale=0.1),
+          "b_down": rnd(num_e, num_h, scale=0.1), "w_down": rnd(num_e, num_h, num_f, scale=num_f**-0.5)}
+    if layout == "contiguous":
+        lv |= {"w_up": rnd(num_e, num_f, num_h, scale=num_h**-0.5), "w_gate": rnd(num_e, num_f, num_h, scale=num_h**-0.5)}
+    elif layout == "transposed":  # stored [E, in, out] as some checkpoints do
+        lv |= {"w_up": rnd(num_e, num_h, num_f, scale=num_h**-0.5), "w_gate": rnd(num_e, num_h, num_f, scale=num_h**-0.5),
+               "w_down": rnd(num_e, num_f, num_h, scale=num_f**-0.5)}
+    else:  # one gate_up [E, 2F, H]
+        lv["gate_up"] = rnd(num_e, 2 * num_f, num_h, scale=num_h**-0.5)
+    if not gated:
+        lv.pop("w_gate", None)
+        lv.pop("b_gate")
+    if not bias:
+        for name in ("b_up", "b_gate", "b_down"):
+            lv.pop(name, None)
+
+    def build(v: dict[str, Tensor]) -> list[Any]:
+        if layout == "contiguous":
+            w_up, w_gate, w_down = v["w_up"], v.get("w_gate"), v["w_down"]
+        elif layout == "transposed":
+            w_up, w_down = v["w_up"].mT, v["w_down"].mT
+            w_gate = v["w_gate"].mT if gated else None
+        else:
+            gate_sl, up_sl = ((slice(0, num_f), slice(num_f, None)) if layout == "fused"
+                              else (slice(0, None, 2), slice(1, None, 2)))  # interleaved rows: stride 2H
+            w_up, w_down = v["gate_up"][:, up_sl], v["w_down"]
+            w_gate = v["gate_up"][:, gate_sl] if gated else None
+        return [v["x"], idx_TK, v["tw"], w_up, w_gate, w_down, v.get("b_up"), v.get("b_gate"), v.get("b_down")]
+
+    idx_TK = routing(route, num_t, num_e=num_e)
+    return lv, build
+
+
+def check_op(gated: bool, bias: bool, activation: str, dtype: torch.dtype, route: str = "random",
+             layout: str = "contiguous") -> None:
+    """experts_triton (forward + autograd) vs the float64 loop and vs hiermoe::experts."""
+    lv, build = make_case(gated, bias, dtype, layout, route)
+    names = list(lv)
+    runs = {}
+    for op in ("experts_triton", "experts"):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in lv.items()}
+        y = getattr(torch.ops.hiermoe, op)(*build(leaves), activation)
+        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+        runs[op] = (y, torch.autograd.grad(y, [leaves[k] for k in names], cot))
+    ref_leaves = {k: v.detach().double().requires_grad_() for k, v in lv.items()}
+    y_ref = loop_reference(build(ref_leaves), activation)
+    g_ref = torch.autograd.grad(y_ref, [ref_leaves[k] for k in names], cot.double())
+    y, grads = runs["experts_triton"]
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    assert rel_err(y, y_ref) <= TOL_LOOP[dtype], f"forward vs loop: {rel_err(y, y_ref):.2e}"
+    assert rel_err(y, runs["experts"][0]) <= TOL_OP[dtype], "forward vs hiermoe::experts"
+    for name, a, b, c in zip(names, grads, g_ref, runs["experts"][1], strict=True):
+        assert a.dtype == lv[name].dtype and a.shape == b.shape, name
+        assert rel_err(a, b) <= TOL_LOOP[dtype], f"grad of {name} vs loop: {rel_err(a, b):.2e}"
+        assert rel_err(a, c) <= TOL_OP[dtype], f"grad of {name} vs hiermoe::experts: {rel_err(a, c):.2e}"
+
+
+# ---- re-index vector (HEXA-MoE Alg. 1) ---------------------------------------------------------
+
+@interp
+@pytest.mark.parametrize(("route", "num_e", "chunk"), [
+    ("random", 6, 16),  # 5 chunks: positions carried across chunks
+    ("empty_experts", 6, 16),
+    ("one_expert", 6, 128),
+    ("random", 80, 32),  # E > 64: experts in two E_BLOCK tiles
+])
+def test_reindex_groups_slots_by_expert_with_minimal_padding(route: str, num_e: int, chunk: int) -> None:
+    idx_TK = routing(route, num_e=num_e)
+    blk = 16
+    r = triton_reindex.build_reindex(idx_TK, num_e, blk, chunk=chunk)
+    flat = idx_TK.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_e)
+    starts = r.starts_E1.long()
+    assert starts[0] == 0 and torch.equal(starts[1:] - starts[:-1], (counts + blk - 1) // blk * blk)
+    padding = starts[1:] - starts[:-1] - counts
+    assert padding.max() <= blk - 1 and padding.min() >= 0  # HEXA-MoE: padded only up to BLK
+    used = int(starts[-1])
+    assert used <= flat.numel() + num_e * (blk - 1) and r.v_P.numel() >= used
+    for e in range(num_e):
+        seg = r.v_P[starts[e]:starts[e + 1]].long()
+        n = int(counts[e])
+        # slots of expert e in increasing order (stable, like the torch lowering's argsort), then -1
+        assert torch.equal(seg[:n], (flat == e).nonzero().flatten()), e
+        assert (seg[n:] == -1).all()
+        assert (r.block_expert_B[starts[e] // blk:starts[e + 1] // blk] == e).all()
+    assert (r.v_P[used:] == -1).all() and (r.block_expert_B[used // blk:] == -1).all()
+
+
+# ---- ESMM forward, ESMM/ESTMM/ESS/ESFK backward, through the op ----------------------------------
+
+@interp
+@pytest.mark.parametrize(("activation", "gated", "bias", "dtype"), [
+    ("silu", True, True, torch.float32),
+    ("gelu", False, True, torch.float32),
+    ("gelu_tanh", True, False, torch.float16),
+    ("relu", False, False, torch.float16),
+    ("sigmoid", True, True, torch.float32),
+    ("identity", False, True, torch.float16),
+])
+def test_op_matches_loop_and_torch_op(activation: str, gated: bool, bias: bool, dtype: torch.dtype) -> None:
+    check_op(gated, bias, activation, dtype)
+
+
+@interp
+@pytest.mark.parametrize("route", ["empty_experts", "one_expert", "repeated"])
+def test_degenerate_routings(route: str) -> None:
+    check_op(True, True, "silu", torch.float32, route=route)
+
+
+@interp
+@pytest.mark.parametrize("layout", ["transposed", "interleaved"])
+def test_weight_views_are_read_in_place(layout: str) -> None:
+    check_op(True, True, "gelu", torch.float32, layout=layout)
+
+
+@interp
+def test_bf16_in_the_interpreter() -> None:
+    # tl.dot tiles are upcast to fp32 in the interpreter (its bf16 dot is wrong)
+    check_op(True, True, "silu", torch.bfloat16)
+
+
+@interp
+def test_slot_buffer_combine_and_unfused_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIERMOE_TRITON_COMBINE", "slots")
+    monkeypatch.setenv("HIERMOE_TRITON_FUSED", "0")  # ESTMM, ESMM, ESS as three launches
+    x = torch.zeros(2, 16)
+    cfg = triton_experts.kernel_config(x, 16, 16)
+    assert cfg.combine == "slots" and not cfg.fused
+    check_op(True, True, "silu", torch.float32)
+
+
+@needs_triton
+def test_combine_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HIERMOE_TRITON_COMBINE", raising=False)
+    x = torch.zeros(2, 16)
+    assert triton_experts.kernel_config(x, 16, 16).combine == "atomic"
+    torch.use_deterministic_algorithms(True)
+    try:  # atomics add in a run-dependent order: deterministic mode takes the per-slot buffer
+        assert triton_experts.kernel_config(x, 16, 16).combine == "slots"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("HIERMOE_TRITON_COMBINE", "sometimes")
+    with pytest.raises(ValueError, match="HIERMOE_TRITON_COMBINE"):
+        triton_experts.kernel_config(x, 16, 16)
+
+
+@interp
+@pytest.mark.parametrize("fused", [True, False])
+def test_launchers_with_many_small_tiles(fused: bool) -> None:
+    """16-wide tiles: H = 40 and F = 24 span 3 and 2 tiles with masked tails; both combines."""
+    lv, build = make_case(True, True, torch.float32, num_t=20)
+    args = build(lv)
+    x, idx, tw, w_up, w_gate, w_down, b_up, b_gate, b_down = args
+    grad = torch.randn(20, H, generator=torch.Generator().manual_seed(3))
+    want_y = torch.ops.hiermoe.experts(*args, "gelu")
+    want = experts_reference_backward(grad, *args, "gelu")
+    for combine in ("atomic", "slots"):
+        cfg = triton_esmm.KernelConfig(blk=16, block_f=16, block_h=16, combine=combine, fused=fused, upcast=True)
+        tw_N = tw.reshape(-1).float()
+        y = triton_esmm.esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
+        got = triton_esfk.esfk_backward(grad, x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
+        assert rel_err(y, want_y) <= 1e-5
+        for name, a, b in zip(("x", "tw", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"), got, want,
+                              strict=True):
+            assert a is not None and rel_err(a.reshape(b.shape), b) <= 1e-5, (combine, name)
+
+
+@interp
+def test_backward_op_matches_reference_backward_and_fills_absent_grads() -> None:
+    lv, build = make_case(False, False, torch.float32)
+    args = build(lv)
+    grad = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    got = torch.ops.hiermoe.experts_triton_backward(grad, *args, "relu")
+    want = experts_reference_backward(grad, *args, "relu")
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if b.numel():
+            assert rel_err(a, b) <= 1e-5
+    assert [t.numel() for t in got[3:4] + got[5:]] == [0, 0, 0, 0]  # w_gate and biases absent
+
+
+@interp
+def test_no_tokens() -> None:
+    lv, build = make_case(True, True, torch.float32, num_t=0)
+    leaves = {k: v.requires_grad_() for k, v in lv.items()}
+    y = torch.ops.hiermoe.experts_triton(*build(leaves), "silu")
+    assert y.shape == (0, H)
+    grads = torch.autograd.grad(y.sum(), list(leaves.values()), allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
+
+
+@interp
+def test_opcheck() -> None:
+    lv, build = make_case(True, True, torch.float32, num_t=8, num_h=16, num_f=16, num_e=3)
+    args = [a.requires_grad_() if isinstance(a, Tensor) and a.is_floating_point() else a for a in build(lv)]
+    torch.library.opcheck(torch.ops.hiermoe.experts_triton.default, (*args, "silu"))
+    plain = [a.detach() if isinstance(a, Tensor) else a for a in args]
+    torch.library.opcheck(torch.ops.hiermoe.experts_triton_backward.default,
+                          (torch.randn(8, 16), *plain, "silu"))
+
+
+@interp
+def test_user_errors_say_what_to_change() -> None:
+    lv, build = make_case(True, False, torch.float32, num_t=4, num_h=16, num_f=16)
+    args = build(lv)
+    bad = list(args)
+    bad[3] = args[3].double()
+    with pytest.raises(ValueError, match="w_up in x's dtype"):
+        torch.ops.hiermoe.experts_triton(*bad, "silu")
+    with pytest.raises(ValueError, match="unknown expert activation"):
+        torch.ops.hiermoe.experts_triton(*args, "swish")
+
+
+# ---- the lower_kernels pass ---------------------------------------------------------------------
+
+def _op_graph(device: str = "cpu") -> tuple[fx.GraphModule, list[Any]]:
+    """A graph calling hiermoe::experts, with Dynamo-style fake values on x (on ``device``)."""
+    lv, build = make_case(True, True, torch.float32, num_t=8, num_h=16, num_f=16)
+    args = build(lv)
+    graph = fx.Graph()
+    names = ["x", "topk_idx", "topk_weights", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"]
+    nodes = [graph.placeholder(n) for n in names]
+    with FakeTensorMode():
+        nodes[0].meta["example_value"] = torch.empty(args[0].shape, device=device)
+    out = graph.call_function(torch.ops.hiermoe.experts.default, (*nodes, "silu"))
+    graph.output(out)
+    return fx.GraphModule(torch.nn.Module(), graph), args
+
+
+def _targets(gm: fx.GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_pass_torch_and_auto_on_cpu_leave_the_graph_alone() -> None:
+    for kernels in ("torch", "auto"):
+        gm, _ = _op_graph()
+        assert lower_kernels_pass(gm, kernels) == {"triton": 0, "torch": 1}
+        assert _targets(gm) == [torch.ops.hiermoe.experts.default]
+
+
+@needs_triton
+def test_pass_auto_on_cuda_picks_triton() -> None:
+    gm, _ = _op_graph("cuda")  # a fake CUDA value: no GPU needed to decide
+    assert lower_kernels_pass(gm, "auto") == {"triton": 1, "torch": 0}
+    assert _targets(gm) == [torch.ops.hiermoe.experts_triton.default]
+
+
+def test_pass_rejects_unknown_choice() -> None:
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        lower_kernels_pass(_op_graph()[0], "cuda")
+
+
+@needs_triton
+def test_pass_triton_on_cpu_without_interpreter_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gm, args = _op_graph()
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 in the environment before importing"):
+        lower_kernels_pass(gm, "triton")
+    assert _targets(gm) == [torch.ops.hiermoe.experts.default]  # refused before changing anything
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):  # the op itself, called directly
+        torch.ops.hiermoe.experts_triton(*args, "silu")
+    spec = SAMPLES["grouped_gemm"]
+    torch._dynamo.reset()
+    compiled = torch.compile(spec.make(), backend="hiermoe", options={"kernels": "triton", "inner_compiler": "eager"})
+    with pytest.raises(Exception, match="TRITON_INTERPRET=1"):
+        compiled(example_input(spec))
+
+
+@interp
+def test_pass_triton_retargets_and_keeps_the_function() -> None:
+    gm, args = _op_graph()
+    assert lower_kernels_pass(gm, "triton") == {"triton": 1, "torch": 0}
+    assert _targets(gm) == [torch.ops.hiermoe.experts_triton.default]
+    assert rel_err(gm(*args), torch.ops.hiermoe.experts(*args, "silu")) <= 1e-5
+
+
+@interp
+def test_compile_with_triton_kernels_matches_eager() -> None:
+    """torch.compile(backend="hiermoe", kernels="triton"): one experts_triton op, outputs and
+    every gradient equal eager within fp32 rounding (compare_compiled's 1e-5 of the scale)."""
+    spec = SAMPLES["grouped_gemm"]
+    torch.manual_seed(0)
+    cmp = compare_compiled(spec.make(), [example_input(spec)], {"kernels": "triton", "inner_compiler": "aot_eager"})
+    cmp.assert_close()
+    after = cmp.report.graphs[0].after
+    assert after.count("torch.ops.hiermoe.experts_triton.default(") == 1
+    assert after.count("torch.ops.hiermoe.experts.default(") == 0
+    assert cmp.report.graphs[0].counters["lower_kernels"] == {"triton": 1, "torch": 0}
+
+
+@pytest.mark.skipif(INTERPRETED or not lowering.HAS_TRITON, reason="this process already runs the interpreter tests")
+def test_interpreter_tests_in_fresh_process() -> None:
+    """Triton was imported before this module set TRITON_INTERPRET=1 (or a GPU is present): run
+    this file again in a new process that sets it before anything imports triton."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+# ---- GPU: compiled kernels, bf16 --------------------------------------------------------------
+
+def _cuda_case(num_t: int, num_k: int, num_e: int, num_h: int, num_f: int, dtype: torch.dtype,
+               gated: bool = True, bias: bool = True) -> list[Any]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    idx = torch.rand(num_t, num_e, generator=g, device="cuda").topk(num_k, dim=-1).indices
+    tw = torch.rand(num_t, num_k, generator=g, device="cuda") + 0.1
+    return [rnd(num_t, num_h), idx, tw, rnd(num_e, num_f, num_h, scale=num_h**-0.5),
+            rnd(num_e, num_f, num_h, scale=num_h**-0.5) if gated else None, rnd(num_e, num_h, num_f, scale=num_f**-0.5),
+            rnd(num_e, num_f, scale=0.1) if bias else None, rnd(num_e, num_f, scale=0.1) if bias and gated else None,
+            rnd(num_e, num_h, scale=0.1) if bias else None]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("combine", ["atomic", "slots"])
+def test_gpu_matches_torch_op(dtype: torch.dtype, combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIERMOE_TRITON_COMBINE", combine)
+    args = _cuda_case(1000, 2, 8, 256, 352, dtype)  # F = 352: a masked tail tile
+    leaves = [a.requires_grad_() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
+    grad = torch.randn(1000, 256, device="cuda").to(dtype)
+    y = torch.ops.hiermoe.experts_triton(*leaves, "silu")
+    ref = torch.ops.hiermoe.experts(*[a.detach().float() if isinstance(a, Tensor) and a.is_floating_point() else a
+                                      for a in leaves], "silu")
+    assert rel_err(y, ref) <= TOL_OP[dtype]
+    got = torch.ops.hiermoe.experts_triton_backward(grad, *[a.detach() if isinstance(a, Tensor) else a for a in args],
+                                                     "silu")
+    want = experts_reference_backward(grad.float(), *[a.detach().float() if isinstance(a, Tensor) and
+                                                      a.is_floating_point() else a for a in args], "silu")
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) <= TOL_OP[dtype]
+
+
+@gpu
+def test_gpu_int64_offsets() -> None:
+    """T*H > 2**31: token rows past the int32 range are read and written at the right place."""
+    num_h, num_t = 1024, 2**21 + 64
+    args = _cuda_case(num_t, 1, 4, num_h, 64, torch.bfloat16, bias=False)
+    y = torch.ops.hiermoe.experts_triton(*args, "silu")
+    tail = slice(num_t - 64, num_t)
+    sub = [args[0][tail], args[1][tail], args[2][tail], *args[3:]]
+    assert rel_err(y[tail], torch.ops.hiermoe.experts(*sub, "silu")) <= TOL_OP[torch.bfloat16]
+
+
+@gpu
+def test_gpu_compile_auto_uses_triton_with_inductor() -> None:
+    spec = SAMPLES["grouped_gemm"]
+    torch.manual_seed(0)
+    model = spec.make().cuda().to(torch.bfloat16)
+    x = example_input(spec).cuda().to(torch.bfloat16)
+    torch._dynamo.reset()
+    from moe_compile.backend import collect_reports
+
+    with collect_reports() as graphs:
+        y = torch.compile(model, backend="hiermoe")(x)
+    assert graphs[0].counters["lower_kernels"] == {"triton": 1, "torch": 0}
+    assert rel_err(y, model(x)) <= 3e-2
