@@ -2,10 +2,15 @@
 
     python bench/bench_hier_a2a.py           # full run, 8 local gloo ranks; writes bench/results/hier_a2a.*
     python bench/bench_hier_a2a.py --quick   # one small configuration, well under a minute; prints only
+    moe-cluster run --nodes 2 --ranks-per-node 2 --rate 400mbit -- python -m moe_compile.calibrate \
+        --mesh node=2,gpu=2 --out /tmp/c.toml           # then, on the same emulated cluster:
+    moe-cluster run --nodes 2 --ranks-per-node 2 --rate 400mbit -- python bench/bench_hier_a2a.py \
+        --topology /tmp/c.toml --reps 7 --out bench/results/hier_a2a_cluster
 
 The script starts its own ranks (one process per rank, forked after the imports, with env RANK /
 WORLD_SIZE / MASTER_ADDR / MASTER_PORT as tests/dist_utils.py sets them; under torchrun it is the
-rank torchrun made) over a mesh node x socket x gpu (2 x 2 x 2 for 8 ranks).
+rank torchrun made, the world its WORLD_SIZE and the mesh, without --mesh, moe-cluster's
+MOE_CLUSTER_MESH) over a mesh node x socket x gpu (2 x 2 x 2 for 8 ranks).
 Each rank holds T tokens x_TH [T, H] fp32 and a routing topk_idx_TK (uniform, or Zipf-skewed over a
 fixed random popularity order of the experts; K distinct experts per token either way; placement
 contiguous, expert e on rank e // (E/G)). One step is ``lowering.hier_a2a.dispatch`` followed by
@@ -31,10 +36,16 @@ time is its slowest rank's. Reported: median, min and max, and median / median(f
 
 Predicted time: 2 x HierMoE's dispatch time (cost/hiermoe.py; combine moves the same volumes back)
 from the ranks' statistics max-reduced as the runtime does, under two topologies: ``cluster``, the
-emulated cluster of bench/clusters/two_node_two_socket.toml (node 400 Mbit/s, socket 2 Gbit/s, gpu
-10 Gbit/s standing in for its unshaped loopback; alpha 20 us per level), and ``local``, this
-machine's loopback fitted at start (all_to_all per mesh level, as moe_compile.calibrate does). HD-d*
-runs on the local fit (``--dstar-topology``), so its d can be compared with the fastest measured d.
+topology file given with ``--topology`` (moe_compile.calibrate's output for the cluster the ranks run
+on), else the emulated cluster of bench/clusters/two_node_two_socket.toml as stated (node 400 Mbit/s,
+socket 2 Gbit/s, gpu 10 Gbit/s standing in for its unshaped loopback; alpha 20 us per level), and
+``local``, the ranks' own links fitted at start (all_to_all per mesh level, as moe_compile.calibrate
+does, with the same all-to-all as the dispatch: receives first on gloo). HD-d* runs on the local fit,
+or on the ``--topology`` file when one is given (``--dstar-topology`` to choose), so its d can be
+compared with the fastest measured d.
+
+Under ``moe-cluster run`` (env MOE_CLUSTER_MESH) the report also names the emulated cluster: the
+node link's tc rate read from the rank's interface (``tc qdisc show``), the ranks per namespace.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import platform
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -139,13 +151,17 @@ def calibrate_local(mesh: Any, names: tuple[str, ...], sizes: tuple[int, ...], q
     steps, reps = (3, 3) if quick else (8, 11)
     plan = [("all_to_all", n, s, message_sizes(1 << 14, 1 << 22, steps, multiple_of=s * 4))
             for n, s in zip(names, sizes)]
-    fits = calibrate.fit_measurements(calibrate.measure(mesh, plan, torch.device("cpu"), reps, 1, lambda _: None))
+    a2a = calibrate.resolve_a2a(None, torch.device("cpu"))  # the all-to-all hier_a2a runs: receives first on gloo
+    fits = calibrate.fit_measurements(calibrate.measure(mesh, plan, torch.device("cpu"), reps, 1, lambda _: None,
+                                                        a2a))
     info = [{"level": f.measurement.group, "alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte, "r2": f.r2,
              "sizes_bytes": list(f.measurement.sizes_bytes), "times_s": list(f.measurement.times_s)} for f in fits]
     if any(f.beta_s_per_byte <= 0 for f in fits):
         return None, info
     levels = tuple(Level(n, s, max(f.alpha_s, 0.0), f.beta_s_per_byte) for n, s, f in zip(names, sizes, fits))
-    return Topology(levels=levels, name="this machine (loopback, fitted at start)"), info
+    name = ("the emulated cluster's links, fitted at start" if os.environ.get("MOE_CLUSTER_MESH")
+            else "this machine (loopback, fitted at start)")
+    return Topology(levels=levels, name=name), info
 
 
 def run_step(s: Strategy, x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, comm: Any, expert_pos_E: Tensor,
@@ -262,18 +278,26 @@ def worker(args: argparse.Namespace) -> None:
     names, sizes = args.mesh_names, args.mesh_sizes
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
     comm = parallel.mesh_comm(mesh)
-    links = {n: {"alpha_s": CLUSTER_ALPHA_S, "bandwidth_gbps": CLUSTER_GBPS.get(n, 10.0)} for n in names}
-    topologies = {"cluster": Topology.from_mesh(mesh, links, name="emulated cluster (stated)")}
+    if "HIER_A2A_LOADAVG" not in os.environ:  # under torchrun: this rank's view, before the bench's load
+        os.environ["HIER_A2A_LOADAVG"] = f"{os.getloadavg()[0]:.2f}"
+    if args.topology_file is not None:
+        cluster_topo = Topology.load(args.topology_file)
+    else:
+        links = {n: {"alpha_s": CLUSTER_ALPHA_S, "bandwidth_gbps": CLUSTER_GBPS.get(n, 10.0)} for n in names}
+        cluster_topo = Topology.from_mesh(mesh, links, name="emulated cluster (stated)")
+    topologies = {"cluster": cluster_topo}
     t0 = time.perf_counter()
     local, fit_info = calibrate_local(mesh, names, sizes, args.quick)
     if dist.get_rank() == 0:
-        console.print(f"fitted this machine's loopback per level in {time.perf_counter() - t0:.1f} s: "
+        links_fitted = "the cluster's links" if os.environ.get("MOE_CLUSTER_MESH") else "this machine's loopback"
+        console.print(f"fitted {links_fitted} per level in {time.perf_counter() - t0:.1f} s: "
                       + "; ".join(f"{f['level']} alpha {f['alpha_s'] * 1e6:.0f} us, "
                                   f"{8 / f['beta_s_per_byte'] / 1e9 if f['beta_s_per_byte'] > 0 else 0:.2g} Gbit/s "
                                   f"(r2 {f['r2']:.3f})" for f in fit_info), highlight=False)
     if local is not None:
         topologies["local"] = local
-    dstar_topology = args.dstar_topology if args.dstar_topology in topologies else "cluster"
+    dstar_topology = args.dstar_topology or ("cluster" if args.topology_file else "local")
+    dstar_topology = dstar_topology if dstar_topology in topologies else "cluster"
     rank = dist.get_rank()
     grid = [(4, 16, "uniform")] if args.quick else FULL_GRID
     configs = []
@@ -294,6 +318,23 @@ def worker(args: argparse.Namespace) -> None:
 # ---- output (rank 0) ----------------------------------------------------------------------------
 
 
+def emulated_cluster_info() -> dict[str, Any] | None:
+    """Under ``moe-cluster run``: the mesh, this rank's namespace and the tc rate of its link
+    (the node link with one shaped level, the socket link with two); None elsewhere."""
+    mesh = os.environ.get("MOE_CLUSTER_MESH")
+    if not mesh:
+        return None
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "veth0")
+    rate = None
+    try:
+        out = subprocess.run(["tc", "qdisc", "show", "dev", iface], capture_output=True, text=True, timeout=10).stdout
+        rate = next((w[i + 1] for w in [out.split()] for i in range(len(w) - 1) if w[i] == "rate"), None)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"mesh": mesh, "namespace": os.environ.get("MOE_CLUSTER_NAMESPACE"), "link_iface": iface,
+            "link_tc_rate": rate}
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
@@ -304,7 +345,8 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "torch_threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(),
-            "loadavg_1m_at_start": float(os.environ.get("HIER_A2A_LOADAVG", "nan"))}
+            "loadavg_1m_at_start": float(os.environ.get("HIER_A2A_LOADAVG", "nan")),
+            "emulated_cluster": emulated_cluster_info()}
 
 
 def _mib(b: float) -> str:
@@ -394,7 +436,7 @@ def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: 
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"command": command, "machine": info, "world": args.world,
+    payload = {"command": command, "machine": info, "world": args.world, "topology_file": args.topology_file,
                "mesh": dict(zip(names, args.mesh_sizes)), "tokens_per_rank": args.tokens, "hidden": args.hidden,
                "reps": args.reps, "zipf_exponent": ZIPF_EXPONENT, "dstar_topology": dstar_topology,
                "topologies": {tn: t.to_dict() for tn, t in topologies.items()}, "local_fits": fit_info,
@@ -403,15 +445,29 @@ def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: 
     topo_lines = [f"- `{tn}`: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.1f} us, "
                                             f"{lv.bandwidth_gbps:.3g} Gbit/s" for lv in topologies[tn].levels)
                   + f" ({topologies[tn].name})" for tn in tnames]
+    if args.topology_file:
+        topo_lines[tnames.index("cluster")] += f", from `{args.topology_file}`"
     if "local" in topologies:
         topo_lines.append("  (fit r2 per level: " + ", ".join(f"{f['level']} {f['r2']:.3f}" for f in fit_info)
                           + "; on a shared machine the fit moves from run to run)")
+    emu = info["emulated_cluster"]
+    if emu is None:
+        where = ("All ranks run on one machine: every link is loopback at the same speed, so the wall times mostly "
+                 "reflect the number of messages and collectives (an HD-d step runs 3d all-to-alls in dispatch and "
+                 "d in combine) and copy overhead, not the bytes saved on slow links. Wall-clock comparisons on slow "
+                 "inter-node links belong to the emulated-cluster benchmark (moe-cluster, bench/clusters/).")
+        ranks_on = f"{args.world} gloo ranks (one process each, {info['torch_threads_per_rank']} torch thread each) on them"
+    else:
+        where = (f"The ranks run on an emulated cluster (moe-cluster, mesh {emu['mesh']}): one network namespace per "
+                 f"leaf, its link shaped with tc to {emu['link_tc_rate']} per direction, the ranks of a namespace on "
+                 "its loopback (unshaped), all processes on the machine's CPUs.")
+        ranks_on = (f"{args.world} gloo ranks under moe-cluster run (one process each, "
+                    f"{info['torch_threads_per_rank']} torch thread each; leaf link {emu['link_tc_rate']})")
     lines = [
         "# Hierarchical all-to-all: bytes per level and dispatch + combine time", "",
-        f"Command: `{command}`", "",
-        f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable); {args.world} gloo ranks "
-        f"(one process each, {info['torch_threads_per_rank']} torch thread each) on them; 1-min load average "
-        f"{info['loadavg_1m_at_start']} at start; torch {info['torch']}; Python {info['python']}.", "",
+        f"Command: `{command}`" + (" (on every rank, under `moe-cluster run`)" if emu else ""), "",
+        f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable); {ranks_on}; 1-min load "
+        f"average {info['loadavg_1m_at_start']} at start; torch {info['torch']}; Python {info['python']}.", "",
         f"Setup: mesh {' x '.join(f'{n}={s}' for n, s in zip(names, args.mesh_sizes))}, {args.tokens} tokens "
         f"per rank, H={args.hidden}, fp32, contiguous expert placement; routing uniform or Zipf (exponent "
         f"{ZIPF_EXPONENT}, fixed random popularity order), K distinct experts per token; {args.reps} timed "
@@ -430,10 +486,7 @@ def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: 
         *topo_lines, "",
         f"HD-d* chooses with the `{dstar_topology}` topology; \"fastest d (measured)\" is the HD-d (dedup) with "
         "the lowest median here.", "",
-        "All ranks run on one machine: every link is loopback at the same speed, so the wall times mostly "
-        "reflect the number of messages and collectives (an HD-d step runs 3d all-to-alls in dispatch and d in "
-        "combine) and copy overhead, not the bytes saved on slow links. Wall-clock comparisons on slow "
-        "inter-node links belong to the emulated-cluster benchmark (moe-cluster, bench/clusters/).", "",
+        where, "",
         f"HD-d* used the measured-fastest d in {matches} of {len(summary)} configurations; {lb_label} inter-node "
         f"bytes equal the lower bound in every configuration: {'yes' if lb_all else 'NO'}.", "",
         "## Per configuration", "",
@@ -542,13 +595,19 @@ def launch(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one small configuration (K=4, E=16, uniform), 3 reps")
-    p.add_argument("--world", type=int, default=8, help="ranks to start (default 8)")
-    p.add_argument("--mesh", default=None, help="levels slowest first, NAME=SIZE,... (default node=2,socket=2,gpu=2)")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks to start (default 8; under torchrun its WORLD_SIZE, which it must equal)")
+    p.add_argument("--mesh", default=None, help="levels slowest first, NAME=SIZE,... (default node=2,socket=2,gpu=2; "
+                                                "under moe-cluster its MOE_CLUSTER_MESH)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 512; 128 quick)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; 64 quick)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per strategy (default 21; 3 quick)")
-    p.add_argument("--dstar-topology", choices=("local", "cluster"), default="local",
-                   help="topology HD-d* chooses d with (default local: this machine, fitted at start)")
+    p.add_argument("--topology", dest="topology_file", default=None, metavar="TOML",
+                   help="topology file (moe_compile.calibrate's, for the cluster the ranks run on) to use as the "
+                        "'cluster' topology instead of the stated two_node_two_socket figures")
+    p.add_argument("--dstar-topology", choices=("local", "cluster"), default=None,
+                   help="topology HD-d* chooses d with (default: cluster with --topology, else local: the "
+                        "ranks' links fitted at start)")
     p.add_argument("--out", default=None, help="results path without suffix (default bench/results/hier_a2a; "
                                                "with --quick nothing is written unless given)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
@@ -560,13 +619,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.reps = args.reps or (3 if args.quick else 21)
     if args.out is None and not args.quick:
         args.out = str(Path(__file__).parent / "results" / "hier_a2a")
-    mesh = args.mesh or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun and args.world is not None and args.world != int(os.environ["WORLD_SIZE"]):
+        p.error(f"--world {args.world} but torchrun started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
+    if args.world is None:
+        args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 8
+    mesh = args.mesh or os.environ.get("MOE_CLUSTER_MESH") or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
     if mesh is None:
         p.error(f"--world {args.world}: give --mesh NAME=SIZE,... (slowest first) with product {args.world}")
     try:
         args.mesh_names, args.mesh_sizes = calibrate.parse_mesh(mesh)
         calibrate.check_world_size(args.mesh_names, args.mesh_sizes, args.world)
-    except ValueError as e:
+        if args.topology_file is not None:
+            topo = Topology.load(args.topology_file)
+            if (tuple(topo.level_names), tuple(topo.sizes)) != (args.mesh_names, args.mesh_sizes):
+                raise ValueError(f"--topology {args.topology_file} has levels "
+                                 f"{dict(zip(topo.level_names, topo.sizes))}, the mesh "
+                                 f"{dict(zip(args.mesh_names, args.mesh_sizes))}: calibrate on this mesh")
+    except (ValueError, OSError) as e:
         p.error(str(e))
     return args
 

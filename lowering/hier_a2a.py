@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
 from moe_compile.runtime import record_traffic
 
 
@@ -168,8 +169,13 @@ class Route:
 
 
 def _a2a(t: Tensor, recv_counts: list[int], send_counts: list[int], group: dist.ProcessGroup) -> Tensor:
+    """The rows' all-to-all: on gloo with every receive posted before any send (gloo's own runs a
+    pair's two directions one after the other, lowering/p2p_a2a.py), else the library's."""
     out = t.new_empty((sum(recv_counts), *t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=group)
+    if use_recv_first(group, t.device):
+        all_to_all_single_recv_first(out, t.contiguous(), recv_counts, send_counts, group=group)
+    else:
+        dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=group)
     return out
 
 

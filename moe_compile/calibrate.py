@@ -9,6 +9,13 @@ first; gloo on CPU, NCCL on CUDA), then for every level times ``all_to_all_singl
 all-to-alls do), and the flat all-to-all over the whole world, each at ``--steps`` sizes from
 ``--min-bytes`` to ``--max-bytes``.
 
+All-to-all (``--a2a``): on gloo, by default, ``lowering.p2p_a2a.all_to_all_single_recv_first``
+(point-to-point ops, every receive posted before any send), the all-to-all the expert-parallel
+dispatch and combine run on gloo; gloo's own ``all_to_all_single`` (``--a2a gloo``) runs the two
+directions of a pair one after the other on a full-duplex link and measures 65-94 % of its rate,
+differently from run to run (bench/results/cluster_calibration.md).  On NCCL the library's
+``all_to_all_single`` (``--a2a library``, the default there).
+
 Timing: ``--warmup`` untimed runs per size, then ``--reps`` timed runs, each after a world barrier;
 each run's time is the slowest rank's (all_reduce MAX) and a size's time is the median over runs.
 
@@ -46,12 +53,14 @@ from rich.table import Table
 
 from moe_compile.cost.calibrate import efficiency_curve, fit_collective, link_fraction, message_sizes
 from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
+from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
 
 _ELEMENT = torch.float32  # the payload's dtype; only its byte count matters
 _ELEMENT_BYTES = 4
 WORLD = "world"
 # torch 2.13 renamed all_gather_into_tensor (deprecated, warns on every call) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+A2A_CHOICES = ("recv-first", "library", "gloo")  # "gloo": the library's, as named for gloo
 
 
 def parse_mesh(spec: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -92,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per size (default 2)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (NCCL) when available under auto, else cpu (gloo)")
+    p.add_argument("--a2a", choices=A2A_CHOICES, default=None,
+                   help="all-to-all to time: recv-first (point-to-point ops, receives posted first: what the "
+                        "expert-parallel dispatch runs on gloo), or library / gloo (torch.distributed."
+                        "all_to_all_single: gloo's own on CPU, NCCL's on CUDA). Default: recv-first on gloo, "
+                        "library otherwise")
     p.add_argument("--name", default="", help="topology name written to the file")
     p.add_argument("--flops-per-s", type=float, default=None,
                    help="device compute rate to write instead of a quick matmul measurement")
@@ -144,12 +158,21 @@ def _time_runs(run: Callable[[], object], device: torch.device, reps: int, warmu
     return times
 
 
+def resolve_a2a(choice: str | None, device: torch.device) -> str:
+    """``--a2a`` as run: "recv-first" or "library" (None: recv-first where the world group is gloo)."""
+    if choice is None:
+        return "recv-first" if use_recv_first(None, device) else "library"
+    return "library" if choice == "gloo" else choice
+
+
 def _collective_runner(collective: str, num_bytes: int, group: Any, group_size: int,
-                       device: torch.device) -> Callable[[], object]:
+                       device: torch.device, a2a: str = "library") -> Callable[[], object]:
     numel = num_bytes // _ELEMENT_BYTES
     if collective == "all_to_all":
         send = torch.ones(numel, dtype=_ELEMENT, device=device)
         recv = torch.empty_like(send)
+        if a2a == "recv-first":
+            return lambda: all_to_all_single_recv_first(recv, send, group=group)
         return lambda: dist.all_to_all_single(recv, send, group=group)
     out = torch.empty(numel, dtype=_ELEMENT, device=device)
     shard = torch.ones(numel // group_size, dtype=_ELEMENT, device=device)
@@ -169,13 +192,14 @@ def plan_measurements(names: Sequence[str], sizes: Sequence[int], world_size: in
 
 
 def measure(mesh: Any, plan: Sequence[tuple[str, str, int, list[int]]], device: torch.device, reps: int,
-            warmup: int, advance: Callable[[str], None]) -> list[Measurement]:
+            warmup: int, advance: Callable[[str], None], a2a: str = "library") -> list[Measurement]:
+    """Time the plan; ``a2a`` ("library" or "recv-first", see ``resolve_a2a``) picks the all-to-all."""
     out = []
     for collective, group_name, group_size, msgs in plan:
         group = None if group_name == WORLD else mesh.get_group(group_name)
         times = []
         for num_bytes in msgs:
-            run = _collective_runner(collective, num_bytes, group, group_size, device)
+            run = _collective_runner(collective, num_bytes, group, group_size, device, a2a)
             times.append(_agreed_median(_time_runs(run, device, reps, warmup), device))
             advance(f"{collective} {group_name}")
         out.append(Measurement(collective, group_name, group_size, tuple(msgs), tuple(times)))
@@ -261,6 +285,10 @@ def fit_table(fits: Sequence[Fit]) -> Table:
     return table
 
 
+_A2A_WHAT = {"recv-first": "lowering.p2p_a2a.all_to_all_single_recv_first, receives posted before sends",
+             "library": "torch.distributed.all_to_all_single"}
+
+
 def _stdout_console() -> Console:
     # Off a terminal (logs, pipes) rich assumes 80 columns and would elide the numbers.
     console = Console()
@@ -295,12 +323,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names)
+        a2a = resolve_a2a(args.a2a, device)
         total = sum(len(msgs) for *_, msgs in plan)
         with Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, disable=rank != 0, transient=False) as progress:
             task = progress.add_task("calibrating", total=total)
             measurements = measure(mesh, plan, device, args.reps, args.warmup,
-                                   lambda what: progress.update(task, advance=1, description=what))
+                                   lambda what: progress.update(task, advance=1, description=what), a2a)
         flops_values, mem_values = [args.flops_per_s], [args.mem_bw_bytes_per_s]
         if args.flops_per_s is None or args.mem_bw_bytes_per_s is None:
             flops, mem_bw = measure_compute(device)
@@ -309,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.mem_bw_bytes_per_s is None:
                 mem_values = _compute_values(mem_bw, device, world_size)
         fits = fit_measurements(measurements)
-        name = args.name or f"calibrated {args.mesh} ({device.type})"
+        name = args.name or f"calibrated {args.mesh} ({device.type}, {a2a} all-to-all)"
         try:
             topo = build_topology(fits, names, sizes, flops_per_s=flops_values, mem_bw_bytes_per_s=mem_values,
                                   name=name)
@@ -321,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             console = _stdout_console()
             console.print(fit_table(fits))
+            console.print(f"all-to-all timed: {a2a} ({_A2A_WHAT[a2a]})", markup=False, highlight=False)
             for f in fits:
                 if f.measurement.group in names and f.measurement.collective == "all_to_all" and f.alpha_s < 0:
                     console.print(f"note: level {f.measurement.group}: fitted alpha {f.alpha_s * 1e6:.3g} us < 0 is "

@@ -142,9 +142,10 @@ def test_all_to_all_and_calibration_across_two_nodes(tmp_path: Path) -> None:
     - all_to_all_single, even and uneven splits, equals the locally computed result on every rank;
     - a 1 and 4 MiB exchange inside a node leaves nothing on the shaped interface (it goes over
       loopback), one across nodes goes over it;
-    - calibration (moe_compile.calibrate with receives posted first, tests/cluster_calibrate_recv_first.py:
-      gloo's own all-to-all runs a pair's two directions one after the other, see
-      bench/results/cluster_calibration.md) finds the node link's rate: its node-level bandwidth
+    - calibration (``moe_compile.calibrate --a2a recv-first``, calibrate's default on gloo, run in the
+      same processes through tests/cluster_calibrate_recv_first.py: gloo's own all-to-all runs a
+      pair's two directions one after the other, see bench/results/cluster_calibration.md) finds
+      the node link's rate: its node-level bandwidth
       times the 2 ranks that share the link is the configured rate less TCP/IP/Ethernet headers
       (tcp_goodput_fraction), within the bounds below;
     - nothing is left behind: no namespace, no process, no link in this namespace."""
