@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from machine import cpu_name
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
@@ -336,12 +337,7 @@ def emulated_cluster_info() -> dict[str, Any] | None:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "torch_threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(),

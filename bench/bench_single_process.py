@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import torch
 import torch._dynamo
+from machine import cpu_name
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -219,12 +220,7 @@ def bench_case(case: str, shape: Shape, variants: list[str], reps: int, warmup: 
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     info: dict[str, Any] = {
         "cpu": cpu, "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -51,19 +51,20 @@ def _check_device(lay: runtime.EPLayer, x: Tensor) -> None:
 
 
 def _local_pairs(ids_RS: Tensor, w_RS: Tensor, slot_E: Tensor, w_dtype: torch.dtype
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(row r_P, local expert slot_P1, weight w_P1) of every valid slot; all must be local."""
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(row r_P, slot column s_P, local expert slot_P1, weight w_P1) of every valid slot; all
+    must be local."""
     r_P, s_P = (ids_RS >= 0).nonzero(as_tuple=True)
     slot_P = slot_E[ids_RS[r_P, s_P]]
     assert bool((slot_P >= 0).all()), "a row arrived at a rank that does not hold its expert"
-    return r_P, slot_P[:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
+    return r_P, s_P, slot_P[:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
 
 
 def _local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, slot_E: Tensor, weights: list[Tensor | None],
                    activation: str, w_dtype: torch.dtype) -> Tensor:
     """[R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots (each slot one
     ``hiermoe::experts`` token with K = 1)."""
-    r_P, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, slot_E, w_dtype)
+    r_P, _, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, slot_E, w_dtype)
     out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
     if r_P.numel():
         y_PH = torch.ops.hiermoe.experts(rows_RH[r_P], slot_P1, w_P1, *weights, activation)
@@ -76,7 +77,7 @@ def _local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tens
                     ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Grads of ``_local_forward``: rows [R, H], slot weights [R, S] float32, and the six weight
     tensors (zero-size for absent ones), through ``hiermoe::experts_backward``."""
-    r_P, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, slot_E, w_dtype)
+    r_P, s_P, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, slot_E, w_dtype)
     d_rows_RH = torch.zeros_like(rows_RH, dtype=torch.float32)
     d_w_RS = torch.zeros_like(w_RS, dtype=torch.float32)
     if not r_P.numel():
@@ -84,7 +85,6 @@ def _local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tens
     d_x_PH, d_w_P1, *d_weights = torch.ops.hiermoe.experts_backward(
         grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, *weights, activation)
     d_rows_RH.index_add_(0, r_P, d_x_PH.float())
-    s_P = (ids_RS >= 0).nonzero(as_tuple=True)[1]
     d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
     return d_rows_RH, d_w_RS, d_weights
 

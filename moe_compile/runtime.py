@@ -82,13 +82,14 @@ class EPLayer:
     step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
     num_steps: int = 0
 
-    @property
-    def local_slot_E(self) -> Any:
+    local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
+
+    def __post_init__(self) -> None:
         import torch
 
         slot = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.expert_pos_E.device)
         slot[list(self.local_experts)] = torch.arange(len(self.local_experts), device=slot.device)
-        return slot
+        self.local_slot_E = slot
 
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank

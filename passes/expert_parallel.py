@@ -113,12 +113,11 @@ def _root(n: fx.Node) -> fx.Node:
     return n
 
 
-def _stack_root(n: fx.Node, num_experts: int | None) -> fx.Node | None:
+def _stack_root(n: fx.Node, num_experts: int) -> fx.Node | None:
     """The ``torch.stack`` of per-expert module weights under a chain of views, if any."""
-    while n.op == "call_function" and n.target in _VIEWS and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
+    n = _root(n)
     if n.op == "call_function" and n.target is torch.stack:
         items = n.args[0]
-        if isinstance(items, list | tuple) and (num_experts is None or len(items) == num_experts):
+        if isinstance(items, list | tuple) and len(items) == num_experts:
             return n
     return None
