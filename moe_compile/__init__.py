@@ -21,9 +21,11 @@ from moe_compile.options import Options, parse_options
 from moe_compile.report import RegionReport, Report, SkipReport
 from moe_compile.runtime import counters, reset_counters
 from moe_compile.shard import ShardReport, shard_experts
+from moe_compile.swap import ExpertSwapper, SwapOptions, SwapRecord, expert_swapper
 
-__all__ = ["Options", "RegionReport", "Report", "ShardReport", "SkipReport", "counters", "explain", "hiermoe_backend",
-           "parse_options", "reset_counters", "shard_experts"]
+__all__ = ["ExpertSwapper", "Options", "RegionReport", "Report", "ShardReport", "SkipReport", "SwapOptions",
+           "SwapRecord", "counters", "expert_swapper", "explain", "hiermoe_backend", "parse_options",
+           "reset_counters", "shard_experts"]
 
 # Per-expert loops (`idx, pos = torch.where(mask[e])`) have data-dependent shapes; without this
 # Dynamo breaks the graph at each expert and no layer can be seen whole.

@@ -37,6 +37,10 @@ class Options:
     dedup: with a mesh, send each token once per destination group (HierMoE, default True);
         False sends one copy per (token, expert), the Megatron/HF flat all-to-all (dimension 1)
         and Tutel's 2DH (dimension 2) baselines.
+    expert_swap: with a mesh, True or a dict of ``moe_compile.swap.SwapOptions`` settings (every,
+        threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
+        experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
+        HierMoE Section IV).
     """
 
     inner_compiler: str = "inductor"
@@ -48,6 +52,7 @@ class Options:
     mesh: Any = None
     dimension: int | None = None
     dedup: bool = True
+    expert_swap: Any = None  # moe_compile.swap.SwapOptions
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -96,6 +101,13 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
     if kw.get("mesh") is None and (dim is not None or "dedup" in kw):
         raise ValueError("options 'dimension' and 'dedup' set how expert-parallel layers communicate; "
                          "they need options['mesh'] (a DeviceMesh)")
+    if "expert_swap" in kw:
+        from moe_compile.swap import parse_swap_options
+
+        kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
+        if kw["expert_swap"] is not None and kw.get("mesh") is None:
+            raise ValueError("option 'expert_swap' moves experts between the ranks of options['mesh']; give a mesh "
+                             "(expert parallelism) or leave expert_swap out")
     if kw.get("mesh") is not None:
         from moe_compile.parallel import check_mesh
 

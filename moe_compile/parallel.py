@@ -67,9 +67,13 @@ def mesh_comm(mesh: Any) -> Any:
 
 def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: int | None, dedup: bool,
                 num_experts: int, top_k: int, hidden_size: int, ffn_size: int, gated: bool,
-                dtype: torch.dtype, device: torch.device) -> runtime.EPLayer:
+                dtype: torch.dtype, device: torch.device, tensors: tuple[Any, ...] = ()) -> runtime.EPLayer:
     """The runtime state of one layer: contiguous placement (expert e on position e // (E/G),
-    HierMoE Fig. 6), the local experts, and the lambdified HD-d model when d is chosen per step."""
+    HierMoE Fig. 6), the local experts, and the lambdified HD-d model when d is chosen per step.
+
+    ``tensors`` are the weight tensors the layer's graph reads: a recompile of the same model
+    (the same tensors) gets the layer it had, with its current placement (expert swaps may have
+    moved experts since), and this compile's settings."""
     world = math.prod(int(s) for s in mesh.mesh.shape)
     if num_experts % world:
         raise ValueError(f"layer {name}: {num_experts} experts do not split evenly over {world} ranks; "
@@ -85,14 +89,30 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
     if dimension is None and topology is None:
         raise ValueError(NEED_TOPOLOGY)
     comm = mesh_comm(mesh)
-    per_rank = num_experts // world
-    expert_pos = torch.arange(num_experts, device=comm.device) // per_rank
-    local = tuple(range(comm.position * per_rank, (comm.position + 1) * per_rank))
     cost = None
     if topology is not None:
         work = Workload(num_tokens=1, hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
                         top_k=top_k, dtype_bytes=dtype.itemsize, gated=gated)
         cost = HDCostModel(topology, work)
-    return runtime.register_layer(name=name, num_experts=num_experts, top_k=top_k, comm=comm,
+    old = runtime.find_layer(name, comm, tensors)
+    if old is not None:
+        if (old.num_experts, old.top_k) != (num_experts, top_k):
+            raise ValueError(f"layer {name}: recompiled with {num_experts} experts top-{top_k} but its weights were "
+                             f"compiled before as {old.num_experts} experts top-{old.top_k}")
+        old_topology = old.cost.topology if old.cost is not None else None
+        if (old.dedup, old.dimension, old_topology) == (dedup, dimension, topology):
+            return old
+        if old.version:
+            raise ValueError(f"layer {name}: its experts were swapped under the expert-parallel options it was first "
+                             "compiled with; compile it again with the same mesh, topology, dimension and dedup")
+        blocker = ("two compiled graphs with different expert-parallel options read these weights; compile "
+                   "the model once (one set of options) to swap its experts")
+        old.swap_blocker = blocker
+    else:
+        blocker = None
+    per_rank = num_experts // world
+    expert_pos = torch.arange(num_experts, device=comm.device) // per_rank
+    local = tuple(range(comm.position * per_rank, (comm.position + 1) * per_rank))
+    return runtime.register_layer(tensors=tensors, name=name, num_experts=num_experts, top_k=top_k, comm=comm,
                                   expert_pos_E=expert_pos, local_experts=local, dedup=dedup, dimension=dimension,
-                                  cost=cost)
+                                  cost=cost, swap_blocker=blocker)

@@ -105,7 +105,8 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     if opts.mesh is None or ctx.canonical is None or not ctx.canonical.rewritten:
         return {}
     out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=opts.topology,
-                               dimension=opts.dimension, dedup=opts.dedup, example_inputs=ctx.example_inputs)
+                               dimension=opts.dimension, dedup=opts.dedup, example_inputs=ctx.example_inputs,
+                               expert_swap=opts.expert_swap)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     return out

@@ -40,14 +40,19 @@ class RegionReport:
 def parallel_summary(layer_id: int) -> dict[str, Any]:
     """What an expert-parallel layer did in its last step on this rank: the d it used, the
     predicted seconds of every d (HD-d, or H-d without dedup; empty when d is fixed), the payload
-    bytes it sent per level, and the experts this rank holds."""
+    bytes it sent per level, the experts this rank holds, the placement (mesh position of every
+    expert) and the expert swaps made so far (``moe_compile.swap.SwapRecord`` fields)."""
+    from dataclasses import asdict
+
     from moe_compile import runtime
 
     lay = runtime.layer(layer_id)
     return {"dimension": lay.last_dimension, "fixed": lay.dimension is not None, "dedup": lay.dedup,
             "predicted_s": {f"d{d}": t for d, t in enumerate(lay.last_times_s, start=1)},
             "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
-            "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position}
+            "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position,
+            "placement": lay.placement(), "swaps": [asdict(r) for r in lay.swaps],
+            "swappable": lay.swap_blocker is None}
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,25 @@ class Report:
                 pred = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["predicted_s"].items()) or "-"
                 sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
                 local = p["local_experts"]
-                table.add_row(escape(r.name), used, pred, sent, f"{local[0]}..{local[-1]} ({len(local)})")
+                contiguous = local == list(range(local[0], local[0] + len(local)))
+                table.add_row(escape(r.name), used, pred, sent,
+                              f"{local[0]}..{local[-1]} ({len(local)})" if contiguous else ", ".join(map(str, local)))
             console.print(table)
+            swapped = [r for r in parallel if r.parallel and r.parallel["swaps"]]
+            if swapped:
+                table = Table(title="expert swaps (HierD-ES): placement = mesh position of each expert")
+                for col in ("layer", "swaps", "last swaps: experts (positions) predicted ms before -> after",
+                            "placement"):
+                    table.add_column(col, overflow="fold")
+                for r in swapped:
+                    p = r.parallel
+                    assert p is not None
+                    last = "; ".join(f"step {w['step']}: {w['experts'][0]}<->{w['experts'][1]} "
+                                     f"({w['ranks'][0]}<->{w['ranks'][1]}) "
+                                     f"{w['predicted_before_s'] * 1e3:.3g} -> {w['predicted_after_s'] * 1e3:.3g}"
+                                     for w in p["swaps"][-3:])
+                    table.add_row(escape(r.name), str(len(p["swaps"])), last, " ".join(map(str, p["placement"])))
+                console.print(table)
         skipped = self.skipped
         if skipped:
             table = Table(title=f"left alone: {len(skipped)}")

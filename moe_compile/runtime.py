@@ -6,6 +6,11 @@ holding what the op needs between steps without recompiling: the mesh's process 
 placement table (logical expert -> mesh position), the dispatch settings and the cost model that
 picks d* per step, and what the last step chose and sent (read by ``explain``).
 
+The placement is mutable: an expert swap (``moe_compile.swap``, HierMoE Section IV) changes it
+between steps, and the compiled graphs route by it from the next forward on. A recompile of the
+same model (same weight tensors) finds the layer it had and keeps its placement, so a graph
+compiled after a swap reads the experts where they now are.
+
 Counters (``counters()``, ``reset_counters()``) hold, for this rank, the bytes and messages sent
 per mesh level, per phase (dispatch / combine) and direction (forward / backward), payload (token
 rows) apart from metadata (split sizes, expert ids, weights).
@@ -81,15 +86,63 @@ class EPLayer:
     last_times_s: list[float] = field(default_factory=list)
     step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
     num_steps: int = 0
+    # identity of the layer across recompiles: the weight tensors its graphs read (graph inputs)
+    tensors: tuple[Any, ...] = ()
+    # why experts of this layer cannot be swapped (None: they can), e.g. a graph that stacks only
+    # this rank's expert modules
+    swap_blocker: str | None = None
+    version: int = 0  # placement version: +1 per swap that moved an expert to another rank or slot
+    swaps: list[Any] = field(default_factory=list)  # moe_compile.swap.SwapRecord, oldest first
+    last_topk: Any = None  # this rank's [T, K] routing of the last forward (expert swap reads it)
+    # this rank's shard parameters (moe_compile.shard_experts) whose rows are its local slots: what
+    # an expert swap moves; empty when every rank holds every expert
+    slot_params: tuple[Any, ...] = ()
+    swap_options: Any = None  # moe_compile.swap.SwapOptions from options["expert_swap"]
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
+    expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
 
     def __post_init__(self) -> None:
+        import torch
+
+        self.expert_row_E = torch.arange(self.num_experts, device=self.expert_pos_E.device)
+        self._update_slots()
+
+    def _update_slots(self) -> None:
         import torch
 
         slot = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.expert_pos_E.device)
         slot[list(self.local_experts)] = torch.arange(len(self.local_experts), device=slot.device)
         self.local_slot_E = slot
+
+    def rows(self, by_expert: bool) -> Any:
+        """[E] the row of each expert in the weight tensors the op receives: its id when they hold
+        every expert (replicated stacked weights), its local slot when they hold only this rank's
+        (shards, stacks of the local expert modules)."""
+        return self.expert_row_E if by_expert else self.local_slot_E
+
+    def placement(self) -> list[int]:
+        """The mesh position (rank) of every logical expert."""
+        return [int(p) for p in self.expert_pos_E.tolist()]
+
+    def move_experts(self, a: int, b: int) -> None:
+        """Record that experts ``a`` and ``b`` swapped places (ranks, and slots inside them); the
+        caller has moved their weights. Every rank applies it to its copy of the table."""
+        with _lock:
+            pos = self.expert_pos_E
+            pa, pb = int(pos[a]), int(pos[b])
+            pos[a], pos[b] = pb, pa
+            local = list(self.local_experts)
+            if a in local or b in local:
+                ia = local.index(a) if a in local else None
+                ib = local.index(b) if b in local else None
+                if ia is not None:
+                    local[ia] = b
+                if ib is not None:
+                    local[ib] = a
+                self.local_experts = tuple(local)
+                self._update_slots()
+            self.version += 1
 
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
@@ -130,6 +183,18 @@ class EPLayer:
 
 
 _layers: list[EPLayer] = []
+
+
+def find_layer(name: str, comm: Any, tensors: tuple[Any, ...]) -> EPLayer | None:
+    """The layer a previous compile built for the same weights (a recompile of the same model)."""
+    if not tensors:
+        return None
+    with _lock:
+        for lay in _layers:
+            if lay.name == name and lay.comm is comm and len(lay.tensors) == len(tensors) \
+                    and all(a is b for a, b in zip(lay.tensors, tensors, strict=True)):
+                return lay
+    return None
 
 
 def register_layer(**kw: Any) -> EPLayer:

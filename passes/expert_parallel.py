@@ -4,24 +4,30 @@ Contract:
     needs     the ``hiermoe::experts`` nodes that canonicalize emitted (one per layer), a mesh
               that ``moe_compile.parallel.check_mesh`` accepted, and either a topology (d* per
               step) or a fixed dimension.
-    does      replaces each by ``hiermoe::ep_experts`` reading only this rank's experts: a
-              ``narrow`` view of stacked [E, ...] weights (no copy), or a stack of only the local
-              modules' weights for experts kept as E modules, or, for weights sharded by
+    does      replaces each by ``hiermoe::ep_experts``, which reads only this rank's experts
+              through the layer's placement table at run time (so an expert swap needs no
+              recompile). Its weights are either indexed by expert id (``by_expert``): stacked
+              [E, ...] weights as they are (no copy), or, with options['expert_swap'], a stack of
+              every expert module; or indexed by local slot: for weights sharded by
               ``moe_compile.shard_experts``, this rank's ``_shard`` parameter in place of the
               full-shape placeholder input (returned in "input_swaps": the backend feeds the
               shard at that input position on every call, after Dynamo's guards have checked the
-              placeholder, so autograd reaches the parameter); registers the layer's runtime state
-              (placement, process groups, cost model) and passes its id to the op.
+              placeholder, so autograd reaches the parameter), and for experts kept as E modules
+              without expert swap, a stack of only the local modules. Registers the layer's
+              runtime state (placement, process groups, cost model), or finds the one an earlier
+              compile of the same weights built, and passes its id to the op.
     refuses   (ValueError, at compile time, before any collective of the step) E not divisible
               by the number of ranks, a mesh on another device than the tokens, a dimension
               outside 1..D.
 
 Pseudo-code:
     for each rewritten layer:
-        Step 1: build its runtime state (moe_compile.parallel.build_layer)
-        Step 2: give each weight argument its local experts: E modules -> stack the local
-                ones; stacked tensor -> narrow(0, first local expert, E/G)
-        Step 3: call ep_experts with the layer id, read its output, erase the old op
+        Step 1: build (or find) its runtime state (moe_compile.parallel.build_layer), keyed by
+                the weight tensors the graph reads
+        Step 2: sharded weight -> feed the shard (rows = local slots); E modules -> stack every
+                module with expert swap (rows = ids), else only the local ones (rows = slots);
+                stacked tensor -> as it is (rows = ids)
+        Step 3: call ep_experts with the layer id and the row mode, read its output, erase the old op
 """
 
 from __future__ import annotations
@@ -47,50 +53,67 @@ _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 
 def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, mesh: Any,
                          topology: Topology | None, dimension: int | None, dedup: bool,
-                         example_inputs: Sequence[object] = ()) -> dict[str, Any]:
+                         example_inputs: Sequence[object] = (), expert_swap: Any = None) -> dict[str, Any]:
     """Returns counters, under "layers" the runtime layer id of every layer by name, and under
-    "input_swaps" {input position: shard parameter} for the backend to feed."""
+    "input_swaps" {input position: shard parameter} for the backend to feed. ``expert_swap`` is
+    the ``moe_compile.swap.SwapOptions`` of options["expert_swap"] (None: off)."""
     ids: dict[str, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    shards = {n: s for n, ex in zip(placeholders, example_inputs) if (s := shard.lookup(ex)) is not None}
+    value = dict(zip(placeholders, example_inputs))
+    shards = {n: s for n, ex in value.items() if (s := shard.lookup(ex)) is not None}
     swaps: dict[int, torch.Tensor] = {}  # graph input position -> the shard parameter fed there
     for r in rewritten:
         op, reg, name = r.op_node, r.region, r.region.name
         x_meta = tensor_meta(reg.tokens)
         assert x_meta is not None
         num_experts = reg.num_experts
+        args = list(op.args)
+        weight_nodes: list[fx.Node] = [a for i in _WEIGHT_ARGS if isinstance(a := args[i], fx.Node)]
         # Step 1
         lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=dimension, dedup=dedup,
                           num_experts=num_experts, top_k=reg.top_k, hidden_size=reg.hidden_size,
                           ffn_size=r.layout.ffn_size, gated=r.layout.gated, dtype=getattr(torch, reg.dtype),
-                          device=x_meta.device)
-        first, count = lay.local_experts[0], len(lay.local_experts)
+                          device=x_meta.device, tensors=_weight_tensors(weight_nodes, value, num_experts))
+        if expert_swap is not None:
+            lay.swap_options = expert_swap
+        per = len(lay.local_experts)
+        first = lay.comm.position * per  # the rows shard_experts kept: the contiguous placement's
         # Step 2
-        args = list(op.args)
+        by_expert: bool | None = None
         restacked: set[fx.Node] = set()
+        for root, stack in [(_root(a), _stack_root(a, num_experts)) for a in weight_nodes]:
+            if root in shards:  # sharded by shard_experts: this input will carry the rank's shard
+                sh = shards[root]
+                if sh.local is None or (sh.first, sh.num_local) != (first, per):
+                    raise ValueError(f"layer {name}: {sh.name} was sharded for experts {sh.first}.."
+                                     f"{sh.first + sh.num_local - 1} but this rank runs experts {first}.."
+                                     f"{first + per - 1}; shard with the same mesh you compile with")
+                swaps[placeholders.index(root)] = sh.local
+                if not any(sh.local is q for q in lay.slot_params):
+                    lay.slot_params = (*lay.slot_params, sh.local)
+                mode = False
+            elif stack is not None:
+                items = list(stack.args[0])  # type: ignore[arg-type]
+                sharded_modules = any(isinstance(i, fx.Node) and _root(i) in shards for i in items)
+                mode = expert_swap is not None and not sharded_modules
+                if not mode and stack not in restacked:  # only this rank's modules, in slot order
+                    stack.args = ([items[e] for e in lay.local_experts], *stack.args[1:])
+                    restacked.add(stack)
+                    lay.swap_blocker = lay.swap_blocker or (
+                        "its expert modules are sharded (moe_compile.shard_experts keeps E modules in place); "
+                        "stack the experts into [E, ...] parameters to swap them" if sharded_modules else
+                        "its experts are E modules and the graph stacks only this rank's; compile with "
+                        "options['expert_swap'] to stack them all and make them swappable")
+            else:
+                mode = True
+            if by_expert is not None and mode != by_expert:
+                raise ValueError(f"layer {name}: some expert weights are sharded (moe_compile.shard_experts) and "
+                                 "others are not; shard the whole model or none of it")
+            by_expert = mode
+        # Step 3
         with gm.graph.inserting_before(op):
-            for i in _WEIGHT_ARGS:
-                a = args[i]
-                if not isinstance(a, fx.Node):
-                    continue
-                root = _root(a)
-                if root in shards:  # sharded by shard_experts: this input will carry the rank's shard
-                    sh = shards[root]
-                    if sh.local is None or (sh.first, sh.num_local) != (first, count):
-                        raise ValueError(f"layer {name}: {sh.name} was sharded for experts {sh.first}.."
-                                         f"{sh.first + sh.num_local - 1} but this rank runs experts {first}.."
-                                         f"{first + count - 1}; shard with the same mesh you compile with")
-                    swaps[placeholders.index(root)] = sh.local
-                    continue
-                stack = _stack_root(a, num_experts)
-                if stack is not None:
-                    if stack not in restacked:
-                        stack.args = (list(stack.args[0])[first:first + count], *stack.args[1:])  # type: ignore[arg-type]
-                        restacked.add(stack)
-                    continue
-                args[i] = gm.graph.call_function(torch.narrow, (a, 0, first, count))
-            # Step 3
-            ep = gm.graph.call_function(torch.ops.hiermoe.ep_experts.default, (*args, lay.layer_id))
+            ep = gm.graph.call_function(torch.ops.hiermoe.ep_experts.default,
+                                        (*args, lay.layer_id, bool(by_expert)))
             y = gm.graph.call_function(operator.getitem, (ep, 0))
         op.replace_all_uses_with(y)
         gm.graph.erase_node(op)
@@ -104,6 +127,21 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
     gm.recompile()
     return {"expert_parallel": len(ids), "sharded_weights": len(swaps), "layers": ids,
             "input_swaps": swaps}
+
+
+def _weight_tensors(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[Any, ...]:
+    """The tensors (graph inputs) a layer's weights come from, in argument order: what identifies
+    the layer across recompiles. Empty if one is not a graph input (then nothing is reused)."""
+    out: list[object] = []
+    for a in nodes:
+        stack = _stack_root(a, num_experts)
+        items = list(stack.args[0]) if stack is not None else [a]  # type: ignore[arg-type]
+        for i in items:
+            n = _root(i) if isinstance(i, fx.Node) else None
+            if n is None or n not in value:
+                return ()
+            out.append(value[n])
+    return tuple(out)
 
 
 def _root(n: fx.Node) -> fx.Node:

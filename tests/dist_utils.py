@@ -1,6 +1,7 @@
 """Spawn real gloo ranks on this machine: one Python process per rank, rendezvous over localhost.
 
-``run_ranks(world, case, **params)`` runs ``tests/ep_worker.py <case>`` in ``world`` processes
+``run_ranks(world, case, **params)`` runs ``tests/ep_worker.py <case>`` (or another worker
+script of tests/, ``worker=``) in ``world`` processes
 and returns each rank's JSON result (what the worker wrote); a rank that fails raises with its
 output. Processes that outlive ``timeout_s`` are killed (no test hangs).
 """
@@ -26,15 +27,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(world: int, case: str, params: dict[str, Any], timeout_s: float, out_dir: str
-           ) -> list[subprocess.CompletedProcess[str]]:
+def launch(world: int, case: str, params: dict[str, Any], timeout_s: float, out_dir: str,
+           worker: Path = WORKER) -> list[subprocess.CompletedProcess[str]]:
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    HIERMOE_TEST_OUT=out_dir, HIERMOE_TEST_PARAMS=json.dumps(params))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), case], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(worker), case], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout_s
     results = []
@@ -50,9 +51,10 @@ def launch(world: int, case: str, params: dict[str, Any], timeout_s: float, out_
     return results
 
 
-def run_ranks(world: int, case: str, timeout_s: float = 240.0, **params: Any) -> list[dict[str, Any]]:
+def run_ranks(world: int, case: str, timeout_s: float = 240.0, worker: str = "ep_worker.py",
+              **params: Any) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="hiermoe_ranks_") as out_dir:
-        done = launch(world, case, params, timeout_s, out_dir)
+        done = launch(world, case, params, timeout_s, out_dir, WORKER.with_name(worker))
         failed = [(r, p) for r, p in enumerate(done) if p.returncode != 0]
         # show the root cause first: ranks that failed because a peer died say so
         failed.sort(key=lambda rp: "closed by peer" in rp[1].stdout or "killed after" in rp[1].stdout)

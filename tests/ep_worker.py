@@ -111,10 +111,11 @@ def case_op_matrix() -> dict[str, Any]:
                                            gated=True, dtype=torch.float32, device=torch.device("cpu"))
                 first, n = lay.local_experts[0], len(lay.local_experts)
                 ws = [None if w is None else w.clone().requires_grad_() for w in full]
-                local = [None if w is None else w.narrow(0, first, n) for w in ws]
+                by_expert = d % 2 == 1  # both row modes: every expert's rows, or only the local slots
+                local = [None if w is None else w if by_expert else w.narrow(0, first, n) for w in ws]
                 xe, twe = x.clone().requires_grad_(), tw.clone().requires_grad_()
                 runtime.reset_counters()
-                y, used = torch.ops.hiermoe.ep_experts(xe, idx, twe, *local, "silu", lay.layer_id)
+                y, used = torch.ops.hiermoe.ep_experts(xe, idx, twe, *local, "silu", lay.layer_id, by_expert)
                 grads = torch.autograd.grad(y, [xe, twe, *(w for w in ws if w is not None)], g)
                 errs = {"y": rel_err(y, y_ref), "x": rel_err(grads[0], grads_ref[0]),
                         "topk_weights": rel_err(grads[1], grads_ref[1])}
@@ -129,7 +130,7 @@ def case_op_matrix() -> dict[str, Any]:
                 p_inter1 = stats.p_inter[0] if len(shape) > 1 else None
                 p_flat = stats.p_intra[0]
                 records.append({
-                    "kind": kind, "dedup": dedup, "d": d, "used": int(used.item()), "errs": errs,
+                    "kind": kind, "dedup": dedup, "d": d, "used": int(used[0]), "errs": errs,
                     "sent": {lv: {ph: {dr: c[name][ph][dr]["payload_bytes"] for dr in ("forward", "backward")}
                                   for ph in ("dispatch", "combine")} for lv, name in enumerate(mesh.mesh_dim_names)},
                     "meta": sum(c[name][ph][dr]["meta_bytes"] for name in mesh.mesh_dim_names

@@ -1,0 +1,291 @@
+"""One rank of the expert-swap tests (launched by tests/dist_utils.py with worker="swap_worker.py").
+
+Each case writes this rank's measurements to $HIERMOE_TEST_OUT/rank<r>.json; tests/test_expert_swap.py
+asserts on them. References: the eager model trained with DDP-style gradient averaging (every
+expert on every rank), and the same compiled model before a swap.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers)
+from ep_worker import PARAMS, make_mesh, rel_err, tiny, topology_for  # noqa: E402
+
+import moe_compile  # noqa: E402
+from moe_compile import parallel, runtime, swap  # noqa: E402
+
+
+def average_grads(model: torch.nn.Module, shard_report: Any) -> None:
+    """What DDP does: average every gradient over ranks; an expert shard's gradient already sums
+    every rank's tokens (its owner is the only holder), so it is only divided."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if shard_report is not None and shard_report.owns(p):
+            if p.grad is not None:
+                p.grad /= world
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def build(mode: str, kind: str, mesh: Any, seed: int = 0) -> tuple[Any, Any, Any]:
+    """(model, compiled, shard report or None): the tiny LM, sharded (``mode == "shard"``) or
+    with every expert on every rank, compiled over the mesh with expert swap on."""
+    torch._dynamo.reset()
+    model = tiny(kind, PARAMS.get("E", 8), seed)
+    report = None
+    if mode == "shard":
+        ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+        report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+    options = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 100.0), "inner_compiler": "aot_eager",
+               "expert_swap": {"every": 1}}
+    return model, torch.compile(model, backend="hiermoe", options=options), report
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    return [torch.randint(0, 32, (2, 9), generator=gen) for _ in range(steps)]
+
+
+def train_step(module: Any, model: Any, opt: torch.optim.Optimizer, batch: torch.Tensor, report: Any) -> float:
+    loss = module(batch[:, :-1], batch[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    average_grads(model, report)
+    opt.step()
+    return float(loss)
+
+
+def expert_checksums(swapper: swap.ExpertSwapper, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """{"layer/expert": sha256 of the expert's weight rows, gradient rows and optimizer-state rows}
+    over every rank (each expert held by exactly one rank: checked)."""
+    mine: dict[str, str] = {}
+    for lay in swapper.layers():
+        for slot, e in enumerate(lay.local_experts):
+            h = hashlib.sha256()
+            for p in lay.slot_params:
+                h.update(p.detach()[slot].numpy().tobytes())
+                if p.grad is not None:
+                    h.update(p.grad[slot].numpy().tobytes())
+                for key, v in sorted(optimizer.state.get(p, {}).items()):
+                    h.update(key.encode())
+                    h.update((v[slot] if v.shape == p.shape else v).numpy().tobytes())
+            mine[f"{lay.name}/{e}"] = h.hexdigest()
+    every: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    out: dict[str, str] = {}
+    for part in every:
+        dup = set(part) & set(out)
+        assert not dup, f"experts held twice: {dup}"
+        out.update(part)
+    return out
+
+
+def placements(swapper: swap.ExpertSwapper) -> dict[str, list[int]]:
+    return {lay.name: lay.placement() for lay in swapper.layers()}
+
+
+def case_invariants() -> dict[str, Any]:
+    """Explicit swaps on a sharded, Adam-trained model: outputs, the expert -> checksum map and
+    the placement table after cross-node, same-node and same-rank swaps; interrupted swaps."""
+    mesh = make_mesh(PARAMS["shape"])
+    world = dist.get_world_size()
+    model, compiled, report = build("shard", "grouped_gemm", mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    swapper = moe_compile.expert_swapper(compiled, opt)
+    data = batches(3)
+    for b in data[:2]:
+        train_step(compiled, model, opt, b, report)
+    probe = data[2]
+    with torch.no_grad():
+        y0 = compiled(probe[:, :-1], probe[:, 1:])
+    layer = swapper.layers()[0].name
+    E = PARAMS.get("E", 8)  # noqa: N806
+    per = E // world
+    out: dict[str, Any] = {"layer": layer, "checks": []}
+
+    def check(label: str) -> None:
+        with torch.no_grad():
+            y = compiled(probe[:, :-1], probe[:, 1:])
+        out["checks"].append({"label": label, "err": rel_err(y, y0), "sums": expert_checksums(swapper, opt),
+                              "placement": placements(swapper)})
+
+    check("before")
+    # cross-node (first expert of rank 0 <-> last expert of the last rank), same node (rank 0 <->
+    # rank 1), same rank (the two experts of rank 1)
+    pairs = [(0, E - 1), (1, per), (2 * per, 2 * per + 1)]
+    for a, b in pairs:
+        rec = swapper.swap(layer, a, b)
+        assert rec.experts == (a, b)
+        check(f"swap {a}<->{b}")
+    # an exception after the rows crossed the wire but before anything was written, on one rank
+    lay = swapper.layers()[0]
+    a, b = 2, E - 2
+    holder = lay.placement()[a]
+    real_exchange = swap._exchange
+    calls = {"n": 0}
+
+    def failing_exchange(send: torch.Tensor, peer: int, recv_like: torch.Tensor) -> torch.Tensor:
+        got = real_exchange(send, peer, recv_like)
+        calls["n"] += 1
+        if calls["n"] == 3:  # count, signature, then the rows: fail after the rows arrived
+            raise ConnectionError("injected: link failed after the transfer")
+        return got
+
+    if lay.comm.position == holder:
+        swap._exchange = failing_exchange  # type: ignore[assignment]
+    errors = []
+    try:
+        swapper.swap(layer, a, b)
+    except (ConnectionError, RuntimeError) as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        swap._exchange = real_exchange  # type: ignore[assignment]
+    out["interrupted"] = errors
+    check("after interrupted swap")
+    # scalar optimizer state that differs between the two ranks: refused on both, nothing moved
+    shard_param = lay.slot_params[0]
+    step_before = opt.state[shard_param]["step"].clone()
+    if lay.comm.position == holder:
+        opt.state[shard_param]["step"] += 1
+    errors = []
+    try:
+        swapper.swap(layer, a, b)
+    except (ValueError, RuntimeError) as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    opt.state[shard_param]["step"].copy_(step_before)
+    out["mismatch"] = errors
+    check("after refused swap")
+    # a recompile of the same model (explain compiles it again) keeps the swapped placement
+    report_text = moe_compile.explain(compiled._orig_mod, probe[:, :-1], probe[:, 1:], options={
+        "mesh": mesh, "topology": topology_for(mesh, 1.0, 100.0), "inner_compiler": "aot_eager",
+        "expert_swap": {"every": 1}})
+    out["explain"] = str(report_text)
+    out["explain_parallel"] = [r.parallel for r in report_text.regions]
+    check("after recompile")
+    out["records"] = [r.__dict__ for lay in swapper.layers() for r in lay.swaps]
+    return out
+
+
+def case_losses() -> dict[str, Any]:
+    """Training with swaps (HierD-ES every step, plus explicit cross-node swaps) gives the losses
+    and the final expert weights of training without, for SGD with momentum and Adam, sharded
+    (rows migrate) and with every expert on every rank (only the placement changes)."""
+    mesh = make_mesh(PARAMS["shape"])
+    steps = PARAMS["steps"]
+    E = PARAMS.get("E", 8)  # noqa: N806
+    out: dict[str, Any] = {}
+    for opt_name in PARAMS["optimizers"]:
+        torch._dynamo.reset()
+        eager = tiny(PARAMS["kind"], E)
+        opt_e = make_optimizer(opt_name, eager.parameters())
+        data = batches(steps)
+        ref = [train_step(eager, eager, opt_e, b, None) for b in data]
+        for mode in PARAMS["modes"]:
+            model, compiled, report = build(mode, PARAMS["kind"], mesh)
+            opt = make_optimizer(opt_name, model.parameters())
+            swapper = moe_compile.expert_swapper(compiled, opt)
+            losses, decided = [], 0
+            for step, b in enumerate(data):
+                losses.append(train_step(compiled, model, opt, b, report))
+                decided += len(swapper.step())
+                if step % 2 == 0:  # and a forced cross-node swap, whatever the cost model says
+                    swapper.swap(swapper.layers()[step % len(swapper.layers())].name, step % E, E - 1 - step % E)
+            # every expert's final weights equal the eager model's, wherever it ended up
+            eager_params = dict(eager.named_parameters())
+            werr = 0.0
+            if report is not None:
+                for lay in swapper.layers():
+                    for sh in report.shards:
+                        if sh.local is not None and any(sh.local is q for q in lay.slot_params):
+                            ref_rows = eager_params[sh.name].detach()[list(lay.local_experts)]
+                            werr = max(werr, rel_err(sh.local.detach(), ref_rows))
+            else:
+                for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+                    werr = max(werr, rel_err(p.detach(), q.detach()))
+            out[f"{opt_name}/{mode}"] = {"losses": losses, "ref": ref, "weight_err": werr, "decided": decided,
+                                         "swaps": sum(len(lay.swaps) for lay in swapper.layers()),
+                                         "placement": placements(swapper)}
+    return out
+
+
+def case_skewed() -> dict[str, Any]:
+    """Skewed routing whose hot experts sit on the other node: the tokens of node n pick mostly
+    experts held by node 1-n. HierD-ES swaps must lower the counted inter-node bytes; the op's
+    output must stay the single-process op's."""
+    mesh = make_mesh(PARAMS["shape"])
+    rank = dist.get_rank()
+    E, K, H, F, T = (PARAMS[k] for k in ("E", "K", "H", "F", "T"))  # noqa: N806
+    torch.manual_seed(0)  # same weights on every rank
+    weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(E, F, H) * 0.1),
+                                      torch.nn.Parameter(torch.randn(E, F, H) * 0.1),
+                                      torch.nn.Parameter(torch.randn(E, H, F) * 0.1)])
+    holder = torch.nn.Module()
+    holder.weights = weights
+    lay = parallel.build_layer(
+        name="skewed", mesh=mesh, topology=topology_for(mesh, 0.1, 100.0), dimension=None, dedup=True,
+        num_experts=E, top_k=K, hidden_size=H, ffn_size=F, gated=True, dtype=torch.float32,
+        device=torch.device("cpu"), tensors=tuple(weights))
+    node = mesh.get_coordinate()[0]
+    nodes = mesh.mesh.shape[0]
+    per_node = E // nodes
+    other = [e for e in range(E) if e // per_node != node]
+    hot = other[: per_node // 2 + 1]  # a few experts of the other node
+    gen = torch.Generator().manual_seed(300 + rank)
+    swapper = moe_compile.expert_swapper(holder, None, policy=PARAMS.get("policy", "hierd"))
+
+    def run(step: int) -> dict[str, Any]:
+        probs = torch.full((E,), 0.2 / (E - len(hot)))
+        probs[hot] = 0.8 / len(hot)
+        idx = torch.multinomial(probs.expand(T, E), K, replacement=False, generator=gen)
+        x = torch.randn(T, H, generator=gen)
+        tw = torch.rand(T, K, generator=gen)
+        runtime.reset_counters()
+        y, _ = torch.ops.hiermoe.ep_experts(x, idx, tw, weights[0], weights[1], weights[2], None, None, None,
+                                            "silu", lay.layer_id, True)
+        y_ref = torch.ops.hiermoe.experts(x, idx, tw, weights[0], weights[1], weights[2], None, None, None, "silu")
+        sent = runtime.counters()[mesh.mesh_dim_names[0]]["dispatch"]["forward"]["payload_bytes"]
+        return {"err": rel_err(y, y_ref), "inter_bytes": sent, "d": lay.last_dimension}
+
+    history = []
+    for step in range(PARAMS["steps"]):
+        rec = run(step)
+        rec["swaps"] = [r.experts for r in swapper.step()]
+        history.append(rec)
+    history.append(run(PARAMS["steps"]))
+    return {"history": history, "placement": lay.placement(), "hot": hot,
+            "timing": [t.__dict__ for t in swapper.history]}
+
+
+def main() -> None:
+    ep_worker.PARAMS.update(PARAMS)
+    case = sys.argv[1]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(PARAMS.get("pg_timeout_s", 60))))
+    result = globals()[f"case_{case}"]()
+    Path(os.environ["HIERMOE_TEST_OUT"], f"rank{dist.get_rank()}.json").write_text(json.dumps(result, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
