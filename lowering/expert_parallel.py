@@ -29,6 +29,7 @@ P (row, slot) pairs bound for local experts, E_l local experts.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -105,11 +106,15 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     d = lay.choose_dimension(topk_idx)
     lay.begin_step(d)
     phases = lay.comm.phases(d)
+    t0 = time.perf_counter()
     rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E, phases,
                                                      lay.dedup, "forward", layer)
+    t1 = time.perf_counter()
     out_RH = _local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
                             activation, topk_weights.dtype)
+    t2 = time.perf_counter()
     y_TH, _ = hier_a2a.combine(out_RH.to(x.dtype), route, "forward")
+    lay.add_comm_time("forward", (t1 - t0) + (time.perf_counter() - t2))
     return y_TH, torch.tensor([d, lay.version], dtype=torch.long)
 
 
@@ -135,12 +140,16 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
                            "of the training step)")
     phases = lay.comm.phases(d)
     xg_TC = torch.cat([x, grad_out.to(x.dtype)], dim=1)
+    t0 = time.perf_counter()
     rows_RC, ids_RS, w_RS, route = hier_a2a.dispatch(xg_TC, topk_idx, topk_weights, lay.expert_pos_E, phases,
                                                      lay.dedup, "backward", layer)
+    t1 = time.perf_counter()
     weights = [w_up, w_gate, w_down, b_up, b_gate, b_down]
     d_rows_RH, d_w_RS, d_weights = _local_backward(rows_RC[:, hidden:], rows_RC[:, :hidden], ids_RS, w_RS,
                                                    lay, by_expert, weights, activation, topk_weights.dtype)
+    t2 = time.perf_counter()
     d_x_TH, d_tw_TK = hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward", meta_RS=d_w_RS.float())
+    lay.add_comm_time("backward", (t1 - t0) + (time.perf_counter() - t2))
     assert d_tw_TK is not None
     return (d_x_TH, d_tw_TK.to(topk_weights.dtype), *d_weights)  # type: ignore[return-value]
 

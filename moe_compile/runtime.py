@@ -85,6 +85,8 @@ class EPLayer:
     last_dimension: int | None = None
     last_times_s: list[float] = field(default_factory=list)
     step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
+    # wall seconds this rank spent in dispatch + combine since the last forward, per direction
+    step_comm_s: dict[str, float] = field(default_factory=dict)
     num_steps: int = 0
     # identity of the layer across recompiles: the weight tensors its graphs read (graph inputs)
     tensors: tuple[Any, ...] = ()
@@ -170,7 +172,12 @@ class EPLayer:
         with _lock:
             self.last_dimension = d
             self.step_bytes = {}
+            self.step_comm_s = {}
             self.num_steps += 1
+
+    def add_comm_time(self, direction: str, seconds: float) -> None:
+        with _lock:
+            self.step_comm_s[direction] = self.step_comm_s.get(direction, 0.0) + seconds
 
     def last_step_bytes(self) -> dict[str, int]:
         """Payload bytes this rank sent per level in the last step (its forward and, once run, its

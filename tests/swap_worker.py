@@ -184,6 +184,14 @@ def case_invariants() -> dict[str, Any]:
     out["explain_parallel"] = [r.parallel for r in report_text.regions]
     check("after recompile")
     out["records"] = [r.__dict__ for lay in swapper.layers() for r in lay.swaps]
+    # a swap between a forward and its backward: the backward refuses (its tokens' experts moved)
+    loss = compiled(probe[:, :-1], probe[:, 1:])
+    swapper.swap(layer, 0, 1)
+    try:
+        loss.backward()
+        out["stale_backward"] = None
+    except RuntimeError as e:
+        out["stale_backward"] = str(e)
     return out
 
 

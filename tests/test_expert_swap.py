@@ -66,6 +66,11 @@ def test_interrupted_and_refused_swaps_raise_on_every_rank(invariants: list[dict
     assert any("injected" in res["interrupted"][0] for res in invariants)
 
 
+def test_backward_refuses_a_placement_swapped_after_its_forward(invariants: list[dict]) -> None:
+    for res in invariants:
+        assert res["stale_backward"] and "swapped between this forward and its backward" in res["stale_backward"]
+
+
 def test_explain_shows_swaps_and_placement(invariants: list[dict]) -> None:
     res = invariants[0]
     text = res["explain"]
@@ -105,3 +110,49 @@ def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(policy: str) -> None
     assert swaps, "HierD-ES made no swap on a routing whose hot experts sit on the other node"
     assert max(last) < max(first), f"busiest rank's inter-node bytes {max(first)} -> {max(last)}"
     assert sum(last) < sum(first), f"total inter-node bytes {sum(first)} -> {sum(last)}"
+
+
+def test_smart_matrix_matches_brute_force() -> None:
+    """SmartMoE-style objective: the busiest rank's raw (not deduplicated) token count after
+    each swap, against recounting every swapped placement."""
+    import numpy as np
+
+    from moe_compile.swap import smart_matrix
+
+    rng = np.random.default_rng(0)
+    num_experts, world = 12, 4
+    for _ in range(3):
+        topk = np.stack([rng.choice(num_experts, 3, replace=False, p=rng.dirichlet(np.ones(num_experts)))
+                         for _ in range(200)])
+        placement = rng.permutation(np.arange(num_experts) % world)
+        q = smart_matrix(topk, num_experts, placement, world)
+        for a in range(num_experts):
+            for b in range(num_experts):
+                swapped = placement.copy()
+                swapped[[a, b]] = swapped[[b, a]]
+                want = np.bincount(swapped[topk.ravel()], minlength=world).max()
+                assert q[a, b] == want, (a, b)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"every": 0}, "'every' must be a positive int"),
+    ({"threshold": 1.5}, "'threshold' must be a fraction"),
+    ({"kind": "mean"}, "'kind' must be one of"),
+    ({"gamma": -1}, "'gamma' must be a positive number"),
+    ({"policy": "random"}, "'policy' must be one of"),
+    ({"evry": 1}, "unknown expert_swap setting"),
+    ("yes", "must be True or a dict"),
+])
+def test_bad_swap_options_say_what_to_change(raw: object, message: str) -> None:
+    from moe_compile.swap import parse_swap_options
+
+    with pytest.raises(ValueError, match=message):
+        parse_swap_options(raw)
+
+
+def test_expert_swap_needs_a_mesh() -> None:
+    from moe_compile.options import parse_options
+
+    with pytest.raises(ValueError, match="give a mesh"):
+        parse_options({"expert_swap": {"every": 1}})
+    assert parse_options({"expert_swap": False}).expert_swap is None
