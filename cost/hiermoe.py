@@ -246,8 +246,10 @@ class HDCostModel:
                                                      token_rank=token_rank))
         if not 1 <= d <= self.num_levels:
             raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
+        # t_d reads Inter-level-1..d-1 and Intra-level-(d-1) only (values() order: inter, then intra)
+        used = [*range(d - 1), self.num_levels - 1 + d - 1]
         swap = swap_statistics(topk_idx, num_experts, sizes, kind=kind, gamma=gamma, placement=placement,
-                               token_rank=token_rank, method=method)
+                               token_rank=token_rank, method=method, phases=used)
         q = self._hd(*swap.values())[d - 1]
         return np.broadcast_to(q, (num_experts, num_experts)).copy(), d
 

@@ -146,8 +146,11 @@ class SwapStatistics:
 
 def swap_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, kind: Kind = "max",
                     gamma: float = 10.0, placement: Any = None, token_rank: Any = None,
-                    method: Literal["incremental", "brute_force"] = "incremental") -> SwapStatistics:
+                    method: Literal["incremental", "brute_force"] = "incremental",
+                    phases: Sequence[int] | None = None) -> SwapStatistics:
     """Every phase's aggregated statistic after each possible swap of two experts' places.
+    ``phases`` (indices in ``values()`` order) limits the incremental method to the phases an
+    HD-d time reads; the others are returned as zeros.
 
     ``brute_force`` recomputes ``hd_statistics`` for each of the E(E-1)/2 placements
     (O(E^2*D*T*K)); ``incremental`` adjusts the unswapped counts with Fig. 8's four cases
@@ -157,7 +160,9 @@ def swap_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int],
     # (group level, relay split) of Inter-level-1..D-1, then of Intra-level-0..D-1
     phase_keys = [(lv, lv) for lv in range(1, num_levels)] + [(num_levels, i + 1) for i in range(num_levels)]
     if method == "incremental":
-        mats = [_swap_phase(r, level, split, kind, gamma) for level, split in phase_keys]
+        wanted = range(len(phase_keys)) if phases is None else set(phases)
+        mats = [_swap_phase(r, level, split, kind, gamma) if i in wanted else np.zeros((num_experts, num_experts))
+                for i, (level, split) in enumerate(phase_keys)]
     elif method == "brute_force":
         mats = [np.empty((num_experts, num_experts)) for _ in phase_keys]
         for m, v in zip(mats, hd_statistics(topk_idx, num_experts, r.sizes, placement=r.placement,

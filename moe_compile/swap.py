@@ -20,7 +20,10 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
     swap r*, c* if Q*[r*, c*] < (1 - threshold) * Q*[r*, r*]  (the diagonal is the placement as is)
 
 One rank per layer computes Q* (rank = layer index mod world size; they work in parallel) and a
-sum all-reduce hands every rank every decision, so all ranks apply the same swaps. With
+sum all-reduce hands every rank every decision, so all ranks apply the same swaps. A deciding
+step costs one all-gather of the routing (of all layers together), that all-reduce, and, when a
+sharded layer swaps, two messages each way between the two ranks per swap and one all-reduce
+for all swaps together (the agreement below). With
 ``policy="smart"`` the pair instead minimizes the largest raw (not deduplicated) token count
 of any rank: the SmartMoE-style balancing that HierMoE's HD2-MoE-Smart baseline uses (Section
 V-B), for comparison.
@@ -154,6 +157,7 @@ class ExpertSwapper:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     calls: int = 0
     history: list[StepTiming] = field(default_factory=list)
+    capacity: int = 0  # routing ids per rank the gather has room for (grown when a step needs more)
 
     def layers(self) -> list[runtime.EPLayer]:
         """The expert-parallel layers of this model that have been compiled, in layer-id order."""
@@ -178,10 +182,7 @@ class ExpertSwapper:
         t0 = time.perf_counter()
         decisions = self._decide(layers)
         t1 = time.perf_counter()
-        records = []
-        for lay, dec in zip(layers, decisions, strict=True):
-            if dec is not None:
-                records.append(self._apply(lay, *dec))
+        records = self._apply([(lay, dec) for lay, dec in zip(layers, decisions, strict=True) if dec is not None])
         t2 = time.perf_counter()
         self.history.append(StepTiming(self.calls, t1 - t0, t2 - t1, len(records)))
         return records
@@ -196,7 +197,7 @@ class ExpertSwapper:
         if lay.swap_blocker:
             raise ValueError(f"layer {lay.name}: cannot swap its experts: {lay.swap_blocker}")
         nan = float("nan")
-        return self._apply(lay, a, b, lay.last_dimension or 0, nan, nan, nan, nan)
+        return self._apply([(lay, (a, b, lay.last_dimension or 0, nan, nan, nan, nan))])[0]
 
     # internals ------------------------------------------------------------------------------
 
@@ -232,7 +233,7 @@ class ExpertSwapper:
     def _decide(self, layers: list[runtime.EPLayer]) -> list[tuple[Any, ...] | None]:
         comm = layers[0].comm
         world, me = comm.world, comm.position
-        routings = _gather_routing([lay.last_topk for lay in layers], comm)
+        routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], comm, self.capacity)
         # one row per layer: (swap?, a, b, d, objective before/after, predicted before/after)
         table = torch.zeros(len(layers), 8, dtype=torch.float64)
         for i, lay in enumerate(layers):
@@ -271,34 +272,45 @@ class ExpertSwapper:
         stats = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=placement, token_rank=token_rank)
         return float(lay.cost.times_s(stats)[d - 1])
 
-    def _apply(self, lay: runtime.EPLayer, a: int, b: int, d: int, obj_before: float, obj_after: float,
-               pred_before: float, pred_after: float) -> SwapRecord:
-        """Move the two experts (sharded weights), agree that every rank succeeded, then write the
-        received rows and update the placement; on any rank's failure every rank raises and
-        nothing of this swap is written."""
-        pa, pb = int(lay.expert_pos_E[a]), int(lay.expert_pos_E[b])
-        moved = 0
-        if lay.slot_params:
-            pending: list[tuple[Tensor, Tensor]] = []
-            error: BaseException | None = None
-            try:
-                pending, moved = _migrate(lay, a, b, pa, pb, self.optimizer)
-            except Exception as e:  # reported to every rank below, then raised here
-                error = e
+    def _apply(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]]) -> list[SwapRecord]:
+        """Apply swaps (one per layer at most): move the experts of sharded layers, agree in one
+        all-reduce that every rank succeeded, then write the received rows and update the
+        placements. On any rank's failure every rank raises and nothing of these swaps is
+        written. A rank whose transfer failed still takes part in the later layers' transfers, so
+        no peer waits for it."""
+        moves: list[tuple[list[tuple[Tensor, Tensor]], int]] = []
+        error: BaseException | None = None
+        for lay, (a, b, *_) in swaps:
+            if lay.slot_params:
+                pa, pb = int(lay.expert_pos_E[a]), int(lay.expert_pos_E[b])
+                try:
+                    moves.append(_migrate(lay, a, b, pa, pb, self.optimizer))
+                except Exception as e:  # reported to every rank below, then raised here
+                    error = error or e
+                    moves.append(([], 0))
+            else:
+                moves.append(([], 0))
+        if any(lay.slot_params for lay, _ in swaps):
             ok = torch.tensor([0 if error else 1], dtype=torch.int64)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             if error is not None:
                 raise error
             if not int(ok):
-                raise RuntimeError(f"layer {lay.name}: the swap of experts {a} and {b} failed on another rank (see "
-                                   "its error); the placement and every expert weight stay as they were")
+                pairs = ", ".join(f"{lay.name}: {dec[0]}<->{dec[1]}" for lay, dec in swaps)
+                raise RuntimeError(f"expert swap ({pairs}) failed on another rank (see its error); the placements "
+                                   "and every expert weight stay as they were")
+        records = []
+        for (lay, (a, b, d, obj_before, obj_after, pred_before, pred_after)), (pending, moved) in zip(
+                swaps, moves, strict=True):
             with torch.no_grad():
                 _commit([dst for dst, _ in pending], [src for _, src in pending])
-        lay.move_experts(a, b)
-        rec = SwapRecord(self.calls, lay.name, (a, b), (pa, pb), d, obj_before, obj_after, pred_before, pred_after,
-                         moved)
-        lay.swaps.append(rec)
-        return rec
+            pa, pb = int(lay.expert_pos_E[a]), int(lay.expert_pos_E[b])
+            lay.move_experts(a, b)
+            rec = SwapRecord(self.calls, lay.name, (a, b), (pa, pb), d, obj_before, obj_after, pred_before,
+                             pred_after, moved)
+            lay.swaps.append(rec)
+            records.append(rec)
+        return records
 
 
 def expert_swapper(model: nn.Module, optimizer: torch.optim.Optimizer | None, **options: Any) -> ExpertSwapper:
@@ -328,36 +340,43 @@ def smart_matrix(topk: np.ndarray, num_experts: int, placement: np.ndarray, worl
     return q
 
 
-def _gather_routing(topks: Sequence[Tensor], comm: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+def _gather_routing(topks: Sequence[Tensor], comm: Any, capacity: int
+                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Every rank's routing of each layer: ([sum of T, K] expert ids, [sum of T] source mesh
-    position), identical on every rank. Two all-gathers for all layers together."""
-    world = comm.world
+    position), identical on every rank, and the capacity to use next time.
+
+    One all-gather of [per-layer sizes | ids padded to ``capacity``] (the same on every rank);
+    when some rank's ids do not fit (every rank sees it in the sizes), a second one with room
+    for twice the largest. The first call passes capacity 0 and so always takes two."""
+    world, num_layers = comm.world, len(topks)
     flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
-    sizes = torch.tensor([f.numel() for f in flat], dtype=torch.int64)
-    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
-    longest = max(int(s.sum()) for s in all_sizes)
-    mine = torch.zeros(longest, dtype=torch.int32)
-    if flat:
-        cat = torch.cat(flat)
-        mine[: cat.numel()] = cat
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    sizes = [f.numel() for f in flat]
+    for attempt in range(2):
+        buf = torch.zeros(num_layers + capacity, dtype=torch.int32)
+        buf[:num_layers] = torch.tensor(sizes, dtype=torch.int32)
+        if sum(sizes) <= capacity and flat:
+            buf[num_layers: num_layers + sum(sizes)] = torch.cat(flat)
+        gathered = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(gathered, buf)
+        longest = max(int(g[:num_layers].sum()) for g in gathered)
+        if longest <= capacity:
+            break
+        assert attempt == 0
+        capacity = 2 * longest
     # dist.all_gather orders by global rank; mesh positions map to ranks through comm.ranks
-    rank_of_pos = list(comm.ranks)
     out = []
-    offsets = [0] * world
+    offsets = [num_layers] * world
     for i, t in enumerate(topks):
         k = t.shape[1]
         parts, sources = [], []
         for pos in range(world):
-            r = rank_of_pos[pos]
-            n = int(all_sizes[r][i])
-            parts.append(gathered[r][offsets[r]: offsets[r] + n].numpy().reshape(-1, k))
+            g = gathered[comm.ranks[pos]]
+            n = int(g[i])
+            parts.append(g[offsets[pos]: offsets[pos] + n].numpy().reshape(-1, k))
             sources.append(np.full(n // k if k else 0, pos, dtype=np.int64))
-            offsets[r] += n
+            offsets[pos] += n
         out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
-    return out
+    return out, capacity
 
 
 # migration --------------------------------------------------------------------------------------
@@ -393,14 +412,24 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int8, torch.int16, torch.bool]
 
 
-def _signature(rows: Sequence[Tensor], scalars: Sequence[float], error: str | None) -> Tensor:
+_SIGNATURE_LEN = 256  # float64 values: one fixed-size message, so no message announces its size
+
+
+def _signature(rows: Sequence[Tensor], scalars: Sequence[float], error: str | None) -> tuple[Tensor, str | None]:
     """What a side will send, to check that both sides agree: [ok, #rows, #scalars,
-    (dtype, numel) per row..., scalars...], float64."""
-    vals = [0.0 if error else 1.0, float(len(rows)), float(len(scalars))]
+    (dtype, numel) per row..., scalars..., zeros], float64, and the error (also one when there
+    are too many pieces to describe)."""
+    vals = [float(len(rows)), float(len(scalars))]
     for r in rows:
         vals += [float(_DTYPES.index(r.dtype)), float(r.numel())]
     vals += list(scalars)
-    return torch.tensor(vals, dtype=torch.float64)
+    if len(vals) >= _SIGNATURE_LEN:
+        error = error or f"an expert has {len(rows)} tensors to move, more than a swap describes ({_SIGNATURE_LEN})"
+    out = torch.zeros(_SIGNATURE_LEN, dtype=torch.float64)
+    if not error:
+        out[0] = 1.0
+        out[1: 1 + len(vals)] = torch.tensor(vals, dtype=torch.float64)
+    return out, error
 
 
 def _exchange(send: Tensor, peer: int, recv_like: Tensor) -> Tensor:
@@ -431,9 +460,8 @@ def _migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: 
     mine, theirs = (a, b) if me == pa else (b, a)
     peer = comm.ranks[pb if me == pa else pa]
     rows, scalars, err = _pieces(lay, local.index(mine), optimizer)
-    sig = _signature(rows, scalars, err)
-    n = _exchange(torch.tensor([sig.numel()], dtype=torch.int64), peer, torch.empty(1, dtype=torch.int64))
-    peer_sig = _exchange(sig, peer, torch.empty(int(n[0]), dtype=torch.float64))
+    sig, err = _signature(rows, scalars, err)
+    peer_sig = _exchange(sig, peer, sig)
     if err or peer_sig[0] != 1:
         raise ValueError(f"layer {lay.name}: cannot swap experts {a} and {b}: "
                          + (err or f"rank {peer} could not pack expert {theirs} (see its error)"))
@@ -449,7 +477,7 @@ def _migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: 
         nbytes = r.numel() * r.element_size()
         pending.append((r, received[offset: offset + nbytes].clone().view(r.dtype).view(r.shape)))
         offset += nbytes
-    return pending, int(payload.numel()) + int(sig.numel()) * 8 + 8
+    return pending, int(payload.numel()) + int(sig.numel()) * 8
 
 
 def _commit(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
