@@ -19,9 +19,10 @@ differentiates the local experts (``hiermoe::experts_backward``), and combines `
 gradients, as float32 per-slot metadata) back. Local weight gradients stay on the rank that
 owns the experts: summed over ranks they equal the eager gradients summed over ranks.
 
-The op returns (y_TH, d_2): d_2 is the dimension used and the placement version, saved so
-backward uses the same route shape without another statistics all-reduce, and refuses to run
-on a placement that changed after the forward (the tokens' experts may have moved).
+The op returns (y_TH, d_3): the dimension used, the placement version and the runtime layer
+(the graph's, or the one of another model's weights the backend mapped it to for this call),
+saved so backward uses the same route shape without another statistics all-reduce, and refuses
+to run on a placement that changed after the forward (the tokens' experts may have moved).
 
 Legend: T tokens, K top-k, H hidden, R rows at this rank after dispatch, S slots per row,
 P (row, slot) pairs bound for local experts, E_l local experts.
@@ -100,7 +101,7 @@ def _local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tens
 def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
                w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
                activation: str, layer: int, by_expert: bool) -> tuple[Tensor, Tensor]:
-    lay = runtime.layer(layer)
+    lay = runtime.resolve(layer)
     _check_device(lay, x)
     lay.last_topk = topk_idx.detach()
     d = lay.choose_dimension(topk_idx)
@@ -115,7 +116,7 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     t2 = time.perf_counter()
     y_TH, _ = hier_a2a.combine(out_RH.to(x.dtype), route, "forward")
     lay.add_comm_time("forward", (t1 - t0) + (time.perf_counter() - t2))
-    return y_TH, torch.tensor([d, lay.version], dtype=torch.long)
+    return y_TH, torch.tensor([d, lay.version, lay.layer_id], dtype=torch.long)
 
 
 @ep_experts.register_fake
@@ -123,7 +124,7 @@ def _ep_experts_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Te
                      w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
                      activation: str, layer: int, by_expert: bool) -> tuple[Tensor, Tensor]:
     check_activation(activation)
-    return x.new_empty(x.shape), x.new_empty((2,), dtype=torch.long, device="cpu")
+    return x.new_empty(x.shape), x.new_empty((3,), dtype=torch.long, device="cpu")
 
 
 @torch.library.custom_op("hiermoe::ep_experts_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
@@ -131,9 +132,9 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
                         w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
                         b_down: Tensor | None, activation: str, layer: int, by_expert: bool, dim: Tensor
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    lay = runtime.layer(layer)
+    d, version, actual = (int(v) for v in dim.tolist())
+    lay = runtime.layer(actual)  # the layer the forward ran on (the graph's, or another model's weights')
     hidden = x.shape[1]
-    d, version = (int(v) for v in dim.tolist())
     if version != lay.version:
         raise RuntimeError(f"layer {lay.name}: its experts were swapped between this forward and its backward; "
                            "swap experts only after backward and the optimizer step (swapper.step() at the end "

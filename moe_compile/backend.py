@@ -40,19 +40,39 @@ def hiermoe_backend(gm: fx.GraphModule, example_inputs: Sequence[object], *,
     for pos, t in ctx.input_swaps.items():
         inputs[pos] = t
     compiled = _inner_compile(gm, inputs, opts, mode)
-    return _with_swapped_inputs(compiled, ctx.input_swaps) if ctx.input_swaps else compiled
+    return _with_expert_inputs(compiled, tuple(ctx.input_swaps), ctx.layer_inputs) if ctx.layer_inputs else compiled
 
 
-def _with_swapped_inputs(fn: Callable[..., object], swaps: Mapping[int, object]) -> Callable[..., object]:
-    """Feed the expert shard parameters where Dynamo passes their full-shape placeholders
-    (after Dynamo's guards checked those). Dynamo calls compiled functions with positional
-    arguments, so this does too."""
+def _with_expert_inputs(fn: Callable[..., object], shard_positions: Sequence[int],
+                        layer_inputs: Mapping[int, tuple[int, ...]]) -> Callable[..., object]:
+    """Run an expert-parallel graph on the weights it is called with.
+
+    Dynamo reuses a compiled graph for another model of the same class (weights are graph
+    inputs, not guarded by identity), so at each call: the expert shard parameters of the
+    placeholders actually passed are fed where Dynamo passes those full-shape placeholders
+    (after its guards checked them), and a layer whose weights are not the ones it was compiled
+    for runs on the runtime layer of those weights (placement, shards; made on first use).
+    Dynamo calls compiled functions with positional arguments, so this does too."""
+    from moe_compile import runtime, shard
 
     def call(*args: object) -> object:
         given = list(args)
-        for pos, t in swaps.items():
-            given[pos] = t
-        return fn(*given)
+        for pos in shard_positions:
+            sh = shard.lookup(args[pos])
+            if sh is None or sh.local is None:
+                raise ValueError("an expert-parallel graph compiled for sharded experts was called with weights that "
+                                 "are not this rank's shards (moe_compile.shard_experts); shard every model compiled "
+                                 "with the same options alike")
+            given[pos] = sh.local
+        remap = {}
+        for lid, positions in layer_inputs.items():
+            lay = runtime.layer(lid)
+            if positions and any(args[p] is not t for p, t in zip(positions, lay.tensors, strict=True)):
+                remap[lid] = runtime.layer_for(lay, tuple(args[p] for p in positions)).layer_id
+        if not remap:
+            return fn(*given)
+        with runtime.remapped(remap):
+            return fn(*given)
 
     return call
 

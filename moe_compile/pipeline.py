@@ -46,6 +46,7 @@ class PassContext:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     ep_layers: dict[str, int] = field(default_factory=dict)  # layer name -> runtime.EPLayer id
     input_swaps: dict[int, torch.Tensor] = field(default_factory=dict)  # input position -> shard parameter
+    layer_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # EP layer id -> its weights' inputs
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
@@ -109,6 +110,7 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
                                expert_swap=opts.expert_swap)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
+    ctx.layer_inputs.update(out.pop("layer_inputs"))
     return out
 
 

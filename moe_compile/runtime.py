@@ -218,5 +218,51 @@ def layer(layer_id: int) -> EPLayer:
     return _layers[layer_id]
 
 
+_remap = threading.local()
+
+
+class remapped:
+    """Within this context (one call of a compiled graph), ``resolve`` maps the layer ids baked
+    into the graph to the layers of the weights the graph was called with."""
+
+    def __init__(self, ids: dict[int, int]) -> None:
+        self.ids = ids
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_remap, "ids", None)
+        _remap.ids = self.ids
+
+    def __exit__(self, *exc: object) -> None:
+        _remap.ids = self.saved
+
+
+def resolve(layer_id: int) -> EPLayer:
+    """The layer a graph's ``layer`` argument stands for in the current call (see ``remapped``)."""
+    ids = getattr(_remap, "ids", None)
+    return _layers[ids.get(layer_id, layer_id) if ids else layer_id]
+
+
+def layer_for(template: EPLayer, tensors: tuple[Any, ...]) -> EPLayer:
+    """The layer of ``tensors`` (another model's weights run by ``template``'s graph): found, or
+    made with ``template``'s settings and the contiguous placement (the one its shards, if any,
+    were cut for)."""
+    import torch
+
+    from moe_compile import shard
+
+    found = find_layer(template.name, template.comm, tensors)
+    if found is not None:
+        return found
+    world, position = template.comm.world, template.comm.position
+    per = template.num_experts // world
+    slot_params = tuple(sh.local for t in tensors if (sh := shard.lookup(t)) is not None and sh.local is not None)
+    return register_layer(
+        name=template.name, num_experts=template.num_experts, top_k=template.top_k, comm=template.comm,
+        expert_pos_E=torch.arange(template.num_experts, device=template.expert_pos_E.device) // per,
+        local_experts=tuple(range(position * per, (position + 1) * per)), dedup=template.dedup,
+        dimension=template.dimension, cost=template.cost, tensors=tensors, swap_blocker=template.swap_blocker,
+        slot_params=slot_params, swap_options=template.swap_options)
+
+
 def layers() -> list[EPLayer]:
     return list(_layers)

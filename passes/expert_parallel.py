@@ -54,14 +54,16 @@ _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, mesh: Any,
                          topology: Topology | None, dimension: int | None, dedup: bool,
                          example_inputs: Sequence[object] = (), expert_swap: Any = None) -> dict[str, Any]:
-    """Returns counters, under "layers" the runtime layer id of every layer by name, and under
-    "input_swaps" {input position: shard parameter} for the backend to feed. ``expert_swap`` is
+    """Returns counters, under "layers" the runtime layer id of every layer by name, under
+    "input_swaps" {input position: shard parameter} for the backend to feed, and under
+    "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
     the ``moe_compile.swap.SwapOptions`` of options["expert_swap"] (None: off)."""
     ids: dict[str, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))
     shards = {n: s for n, ex in value.items() if (s := shard.lookup(ex)) is not None}
     swaps: dict[int, torch.Tensor] = {}  # graph input position -> the shard parameter fed there
+    inputs: dict[int, tuple[int, ...]] = {}  # layer id -> input positions of the weights it reads
     for r in rewritten:
         op, reg, name = r.op_node, r.region, r.region.name
         x_meta = tensor_meta(reg.tokens)
@@ -69,11 +71,13 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
         num_experts = reg.num_experts
         args = list(op.args)
         weight_nodes: list[fx.Node] = [a for i in _WEIGHT_ARGS if isinstance(a := args[i], fx.Node)]
+        weight_inputs = _weight_inputs(weight_nodes, value, num_experts)
         # Step 1
         lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=dimension, dedup=dedup,
                           num_experts=num_experts, top_k=reg.top_k, hidden_size=reg.hidden_size,
                           ffn_size=r.layout.ffn_size, gated=r.layout.gated, dtype=getattr(torch, reg.dtype),
-                          device=x_meta.device, tensors=_weight_tensors(weight_nodes, value, num_experts))
+                          device=x_meta.device, tensors=tuple(value[n] for n in weight_inputs))
+        inputs[lay.layer_id] = tuple(placeholders.index(n) for n in weight_inputs)
         if expert_swap is not None:
             lay.swap_options = expert_swap
         per = len(lay.local_experts)
@@ -126,13 +130,14 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
     gm.graph.lint()
     gm.recompile()
     return {"expert_parallel": len(ids), "sharded_weights": len(swaps), "layers": ids,
-            "input_swaps": swaps}
+            "input_swaps": swaps, "layer_inputs": inputs}
 
 
-def _weight_tensors(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[Any, ...]:
-    """The tensors (graph inputs) a layer's weights come from, in argument order: what identifies
-    the layer across recompiles. Empty if one is not a graph input (then nothing is reused)."""
-    out: list[object] = []
+def _weight_inputs(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[fx.Node, ...]:
+    """The graph inputs a layer's weights come from, in argument order: their tensors identify
+    the layer across recompiles and tell the backend, at each call, whose weights the graph runs
+    on. Empty if one is not a graph input (then nothing is reused)."""
+    out: list[fx.Node] = []
     for a in nodes:
         stack = _stack_root(a, num_experts)
         items = list(stack.args[0]) if stack is not None else [a]  # type: ignore[arg-type]
@@ -140,7 +145,7 @@ def _weight_tensors(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_
             n = _root(i) if isinstance(i, fx.Node) else None
             if n is None or n not in value:
                 return ()
-            out.append(value[n])
+            out.append(n)
     return tuple(out)
 
 

@@ -195,6 +195,52 @@ def case_invariants() -> dict[str, Any]:
     return out
 
 
+def case_two_models() -> dict[str, Any]:
+    """Two models of one class compiled with equal options in one process: Dynamo runs both on
+    one compiled graph; each must still run on its own shards and placement (a swap in one
+    leaves the other alone), with its own eager model's loss and gradients."""
+    import copy
+
+    mesh = make_mesh(PARAMS["shape"])
+    E = PARAMS.get("E", 8)  # noqa: N806
+    torch._dynamo.reset()
+    a, b = tiny("grouped_gemm", E, 0), tiny("grouped_gemm", E, 1)
+    eager_a, eager_b = copy.deepcopy(a), copy.deepcopy(b)
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    reports = [moe_compile.shard_experts(m, mesh, ids[:, :-1], ids[:, 1:]) for m in (a, b)]
+    options = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 100.0), "inner_compiler": "aot_eager",
+               "expert_swap": {"every": 1}}
+    ca, cb = (torch.compile(m, backend="hiermoe", options=options) for m in (a, b))
+    sa, sb = moe_compile.expert_swapper(ca, None), moe_compile.expert_swapper(cb, None)
+    out: dict[str, Any] = {"loss_err": [], "grad_err": []}
+    world = dist.get_world_size()
+    for step, batch in enumerate(batches(3)):
+        for model, compiled, eager, report in ((a, ca, eager_a, reports[0]), (b, cb, eager_b, reports[1])):
+            for m in (model, eager):
+                m.zero_grad(set_to_none=True)
+            loss, ref = compiled(batch[:, :-1], batch[:, 1:]), eager(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            ref.backward()
+            out["loss_err"].append(abs(float(loss) - float(ref)) / abs(float(ref)))
+            eager_grads = dict(eager.named_parameters())
+            for sh in report.shards:
+                if sh.local is None:
+                    continue
+                lay = next(lay for lay in runtime.layers() if any(sh.local is q for q in lay.slot_params))
+                got = sh.local.grad.clone()
+                want = eager_grads[sh.name].grad.clone()
+                dist.all_reduce(want)  # the owner's gradient sums every rank's tokens
+                out["grad_err"].append(rel_err(got, want[list(lay.local_experts)]))
+        if step == 0:  # move experts of model a only
+            sa.swap(sa.layers()[0].name, 0, E - 1)
+    out["layers_a"] = [lay.layer_id for lay in sa.layers()]
+    out["layers_b"] = [lay.layer_id for lay in sb.layers()]
+    out["placement_a"] = placements(sa)
+    out["placement_b"] = placements(sb)
+    out["world"] = world
+    return out
+
+
 def case_losses() -> dict[str, Any]:
     """Training with swaps (HierD-ES every step, plus explicit cross-node swaps) gives the losses
     and the final expert weights of training without, for SGD with momentum and Adam, sharded

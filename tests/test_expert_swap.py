@@ -81,6 +81,19 @@ def test_explain_shows_swaps_and_placement(invariants: list[dict]) -> None:
     assert par["swappable"]
 
 
+def test_two_models_of_one_class_keep_their_own_experts() -> None:
+    """Dynamo runs both models on one compiled graph; the backend must map it to each model's
+    own shards and placement."""
+    results = run_ranks(4, "two_models", timeout_s=300, worker="swap_worker.py", shape=[2, 2], E=8)
+    for rank, res in enumerate(results):
+        assert max(res["loss_err"]) < TOL, f"rank {rank}: loss differs from the model's own eager loss"
+        assert max(res["grad_err"]) < TOL, f"rank {rank}: expert gradients differ from the model's own"
+        assert res["layers_a"] and res["layers_b"] and not set(res["layers_a"]) & set(res["layers_b"])
+        first_a = next(iter(res["placement_a"].values()))
+        assert first_a[0] == 3 and first_a[7] == 0, "model a's swap did not take"
+        assert all(p == [0, 0, 1, 1, 2, 2, 3, 3] for p in res["placement_b"].values()), "model b's placement moved"
+
+
 @pytest.mark.parametrize("kind", ["grouped_gemm", "expert_loop"])
 def test_training_with_swaps_equals_training_without(kind: str) -> None:
     modes = ["shard", "replicated"] if kind == "grouped_gemm" else ["replicated"]
