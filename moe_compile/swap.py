@@ -18,6 +18,8 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                destinations replaced by Eq. 11's smooth-max (gamma = 10) unless told otherwise
     (r*, c*) = argmin Q*[r, c]  (Eq. 10, Theorem 1)
     swap r*, c* if Q*[r*, c*] < (1 - threshold) * Q*[r*, r*]  (the diagonal is the placement as is)
+               and the plain-max t_d (Eq. 3) after the swap is not above t_d before it (the
+               smooth-max can improve while the busiest destination gets busier)
 
 One rank per layer computes Q* (rank = layer index mod world size; they work in parallel) and a
 sum all-reduce hands every rank every decision, so all ranks apply the same swaps. A deciding
@@ -262,6 +264,8 @@ class ExpertSwapper:
         swapped = placement.copy()
         swapped[[a, b]] = swapped[[b, a]]
         pred = [self._predicted(lay, topk, token_rank, p, d) for p in (placement, swapped)]
+        if opts.policy == "hierd" and opts.kind != "max" and pred[1] > pred[0]:
+            return [0.0] * 8  # the smooth objective improved but the time it stands for would not
         return [1.0, a, b, d, before, after, *pred]
 
     @staticmethod
