@@ -1,0 +1,799 @@
+"""Expert swap during training: HierD-ES against SmartMoE-style balancing and no swap, side by side.
+
+    python bench/bench_swap.py            # 8 local gloo ranks; writes bench/results/swap.{md,json,png}
+    python bench/bench_swap.py --quick    # 6 steps of a smaller model; prints only (unless --out)
+    python bench/bench_swap.py --topology cluster.toml --steps 50 --out /tmp/swap
+    moe-cluster run --config bench/clusters/two_node_two_socket.toml -- python bench/bench_swap.py \
+        --out bench/results/swap_cluster
+    python bench/bench_swap.py --report bench/results/swap.json   # rewrite swap.md / swap.png from the JSON
+
+The script starts its own ranks like bench/bench_hier_a2a.py (forked after the imports, env RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT, one torch thread each, gloo over localhost; mesh
+node=2,socket=2,gpu=2 for 8 ranks); under torchrun it is the rank torchrun made, the mesh --mesh or
+else moe-cluster's MOE_CLUSTER_MESH. Rank 0 alone prints and writes.
+
+What runs, per data distribution (``uniform``: token ids uniform over the vocabulary; ``zipf``:
+Zipf(ZIPF_EXPONENT) over a permutation of the vocabulary that differs per node, so each node's
+frequent tokens, and hence its hot experts, differ): the tiny LM (moe_compile.samples.tiny_lm,
+``grouped_gemm`` MoE layers) with experts sharded by ``moe_compile.shard_experts``, compiled with
+options {"mesh", "topology", "expert_swap", "inner_compiler": "aot_eager"} and trained with Adam and
+DDP-style gradient averaging, in three variants built from the same weights and fed the same batches:
+
+    HD-d* no swap   d* per layer and step (HierMoE Eq. 6), placement contiguous, no swapper.step()
+    HierD-ES        swapper.step() after every optimizer step, policy "hierd" (HierMoE Section IV)
+    Smart           swapper.step() after every optimizer step, policy "smart" (raw-token balancing,
+                    the paper's HD2-MoE-Smart baseline)
+
+The variants alternate every step (order rotated by one per step, so drift hits all alike). A swap
+never changes what the model computes, so the three must see the same losses: the run stops with
+the losses if they differ by more than --loss-rtol (relative) on any rank at any step.
+
+Per step and variant: the predicted HD-d time of every layer (``EPLayer.last_times_s[d - 1]``, the
+forward's max-reduced statistics under the placement of that step: one dispatch all-to-all), the
+payload bytes per mesh level the layers sent in the step (``EPLayer.last_step_bytes()``: dispatch
+and combine, forward and backward), the measured dispatch + combine wall seconds
+(``EPLayer.step_comm_s``, both directions), the training step's wall time (zero_grad, forward,
+backward, gradient averaging, Adam step; after a barrier), and for the swapping variants the
+swapper's ``decision_s`` / ``migration_s`` (``ExpertSwapper.history``, after a barrier) and swaps.
+Where the swap time goes is measured from outside by wrapping moe_compile.swap's internals in
+timers at run time (nothing in moe_compile is edited): the routing all-gathers, Q (the cost
+model's swap matrix, or Smart's), the predicted times of a chosen swap, the rest of the decision
+(the all-reduce that hands out the decisions, waiting for the ranks computing Q), the row
+exchange (p2p), the commit and the rest of the migration (the agreement all-reduce).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from bench_hier_a2a import CLUSTER_ALPHA_S, CLUSTER_GBPS, calibrate_local, emulated_cluster_info
+from machine import cpu_name
+from torch import Tensor, nn
+
+import moe_compile
+from moe_compile import calibrate, swap
+from moe_compile.cost import hiermoe as cost_hiermoe
+from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.topology import Topology
+from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
+
+# Shape legend: B batch, S sequence, V vocabulary.
+ZIPF_EXPONENT = 1.2
+VARIANTS = (("HD-d* no swap", None), ("HierD-ES", "hierd"), ("Smart", "smart"))
+BASE = VARIANTS[0][0]
+DISTRIBUTIONS = ("uniform", "zipf")
+PART_NAMES = ("gather_s", "q_s", "predicted_s", "decide_layer_s", "migrate_s", "commit_s")
+
+
+# ---- timing moe_compile.swap's parts from outside -------------------------------------------------
+
+PARTS: dict[str, float] = {}
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PARTS[name] = PARTS.get(name, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+def instrument_swap() -> None:
+    """Wrap the functions ``ExpertSwapper.step`` calls in timers (run time only; the wrapped
+    functions are called as before). Each part sums into PARTS while a step runs."""
+    swap._gather_routing = _timed("gather_s", swap._gather_routing)  # type: ignore[assignment]
+    swap.smart_matrix = _timed("q_s", swap.smart_matrix)  # type: ignore[assignment]
+    cost_hiermoe.HDCostModel.swap_matrix = _timed("q_s", cost_hiermoe.HDCostModel.swap_matrix)  # type: ignore[method-assign]
+    swap.ExpertSwapper._decide_layer = _timed("decide_layer_s", swap.ExpertSwapper._decide_layer)  # type: ignore[method-assign]
+    swap.ExpertSwapper._predicted = staticmethod(_timed("predicted_s", swap.ExpertSwapper._predicted))  # type: ignore[method-assign]
+    swap._migrate = _timed("migrate_s", swap._migrate)  # type: ignore[assignment]
+    swap._commit = _timed("commit_s", swap._commit)  # type: ignore[assignment]
+
+
+# ---- data and model -------------------------------------------------------------------------------
+
+
+def make_batches(kind: str, args: argparse.Namespace, rank: int, node: int) -> list[Tensor]:
+    """[steps + 1] x [B, S + 1] token ids of this rank (the first batch is the warm-up's)."""
+    if kind == "uniform":
+        probs_V = torch.ones(args.vocab)
+    else:  # Zipf over a permutation of the vocabulary that is the same on a node, different across nodes
+        order_V = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(7000 + node))
+        probs_V = torch.empty(args.vocab)
+        probs_V[order_V] = torch.arange(1, args.vocab + 1, dtype=torch.float32) ** -ZIPF_EXPONENT
+    gen = torch.Generator().manual_seed(9000 + rank)
+    count = (args.steps + 1) * args.batch * (args.seq + 1)
+    ids = torch.multinomial(probs_V, count, replacement=True, generator=gen)
+    return list(ids.view(args.steps + 1, args.batch, args.seq + 1))
+
+
+def build_model(args: argparse.Namespace) -> TinyMoELM:
+    torch.manual_seed(0)  # the same weights on every rank and in every variant
+    return TinyMoELM(TinyLMConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                                  num_heads=args.heads, num_experts=args.experts, top_k=args.top_k,
+                                  ffn_size=args.ffn, moe_kind="grouped_gemm", max_seq_len=args.seq))
+
+
+class Runner:
+    """One variant: its model copy (sharded), the compiled module, Adam and the swapper."""
+
+    def __init__(self, name: str, policy: str | None, base: nn.Module, mesh: Any, topology: Topology,
+                 args: argparse.Namespace, first_BS: Tensor) -> None:
+        self.name, self.policy = name, policy
+        self.model = copy.deepcopy(base)
+        self.shards = moe_compile.shard_experts(self.model, mesh, first_BS[:, :-1], first_BS[:, 1:])
+        # No swap: no expert_swap option. Besides being what a user without swap compiles, it keeps
+        # the three variants' options distinct: Dynamo reuses one compiled graph for two instances of
+        # the same model class compiled with equal options, and the second would then run on the
+        # first's expert-parallel layers and shards (checked after the warm-up).
+        self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager"}
+        if policy is not None:
+            self.options["expert_swap"] = {"every": 1, "policy": policy}
+        self.module: Any = None
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.swapper: swap.ExpertSwapper | None = None
+
+    def compile(self) -> None:
+        self.module = torch.compile(self.model, backend="hiermoe", options=self.options)
+        self.swapper = moe_compile.expert_swapper(self.module, self.opt)
+
+    def layers(self) -> list[Any]:
+        assert self.swapper is not None
+        return self.swapper.layers()
+
+    def train_step(self, ids_BS: Tensor, world: int) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.module(ids_BS[:, :-1], ids_BS[:, 1:])
+        loss.backward()
+        average_gradients(self.model, self.shards, world)
+        self.opt.step()
+        return float(loss.detach())
+
+
+def average_gradients(model: nn.Module, shards: Any, world: int) -> None:
+    """DDP-style: one all-reduce of every replicated gradient, / world; expert shards (their owner
+    already holds the sum over every rank's tokens) only / world."""
+    shared: list[Tensor] = []
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if shards.owns(p):
+            p.grad.div_(world)
+        else:
+            shared.append(p.grad)
+    flat = torch._utils._flatten_dense_tensors(shared)
+    dist.all_reduce(flat)
+    flat.div_(world)
+    for g, avg in zip(shared, torch._utils._unflatten_dense_tensors(flat, shared)):
+        g.copy_(avg)
+
+
+# ---- one distribution on one rank -----------------------------------------------------------------
+
+
+def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: Topology) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    load_start = os.getloadavg()[0]
+    node = mesh.get_coordinate()[0]
+    batches = make_batches(kind, args, rank, node)
+    base = build_model(args)
+    # shard every copy before compiling any: shard_experts resets Dynamo, dropping earlier compiles
+    runners = [Runner(name, policy, base, mesh, topology, args, batches[0]) for name, policy in VARIANTS]
+    for r in runners:
+        r.compile()
+
+    # Step 1: warm-up (compiles forward and backward); its gradients are dropped, nothing steps.
+    for r in runners:
+        loss = r.module(batches[0][:, :-1], batches[0][:, 1:])
+        loss.backward()
+        r.opt.zero_grad(set_to_none=True)
+    ids = [[lay.layer_id for lay in r.layers()] for r in runners]
+    if any(len(i) != args.layers for i in ids) or len({x for i in ids for x in i}) != args.layers * len(runners):
+        raise RuntimeError(f"expected {args.layers} expert-parallel layers of its own per variant, got layer ids "
+                           f"{ids}: the variants must not share compiled graphs")
+
+    # Step 2: training, the variants alternating every step.
+    names = mesh.mesh_dim_names
+    records: dict[str, list[dict[str, Any]]] = {r.name: [] for r in runners}
+    routing_diffs = 0
+    routing_log: dict[str, list[list[Any]]] = {r.name: [] for r in runners}  # [step][layer] this rank's [T, K]
+    for step in range(1, args.steps + 1):
+        ids_BS = batches[step]
+        order = runners[step % len(runners):] + runners[: step % len(runners)]
+        topk: dict[str, list[Tensor]] = {}
+        for r in order:
+            placement = [lay.placement() for lay in r.layers()]  # what this step's forward routes by
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = r.train_step(ids_BS, world)
+            step_s = time.perf_counter() - t0
+            lays = r.layers()
+            topk[r.name] = [lay.last_topk.clone() for lay in lays]
+            routing_log[r.name].append([t.to(torch.int16).numpy() for t in topk[r.name]])
+            rec: dict[str, Any] = {
+                "step": step, "loss": loss, "step_s": step_s, "layers": [lay.name for lay in lays],
+                "placement": placement,
+                "d": [lay.last_dimension for lay in lays],
+                "pred_s": [lay.last_times_s[lay.last_dimension - 1] for lay in lays],
+                "times_s": [list(lay.last_times_s) for lay in lays],
+                "bytes": {n: sum(lay.last_step_bytes()[n] for lay in lays) for n in names},
+                "fwd_dispatch_bytes": {n: sum(b for lay in lays for (lv, ph, dr), b in lay.step_bytes.items()
+                                              if names[lv] == n and (ph, dr) == ("dispatch", "forward"))
+                                       for n in names},
+                "comm_s": sum(sum(lay.step_comm_s.values()) for lay in lays),
+            }
+            if r.policy is not None:
+                assert r.swapper is not None
+                dist.barrier()  # the swap's time alone, not the wait for ranks still in their step
+                PARTS.clear()
+                t1 = time.perf_counter()
+                made = r.swapper.step()
+                wall_s = time.perf_counter() - t1
+                timing = r.swapper.history[-1]
+                assert timing.step == r.swapper.calls
+                rec.update(decision_s=timing.decision_s, migration_s=timing.migration_s, swap_wall_s=wall_s,
+                           swaps=[{"layer": s.layer, "experts": list(s.experts), "ranks": list(s.ranks),
+                                   "dimension": s.dimension, "objective_before": s.objective_before,
+                                   "objective_after": s.objective_after,
+                                   "predicted_before_s": s.predicted_before_s,
+                                   "predicted_after_s": s.predicted_after_s, "moved_bytes": s.moved_bytes}
+                                  for s in made],
+                           parts={p: PARTS.get(p, 0.0) for p in PART_NAMES})
+            records[r.name].append(rec)
+        ref = topk[BASE]
+        routing_diffs += sum(not torch.equal(a, b) for name in topk if name != BASE
+                             for a, b in zip(topk[name], ref))
+        if rank == 0 and (step % 10 == 0 or step == args.steps):
+            print(f"  {kind} step {step}/{args.steps}: " + "  ".join(
+                f"{r.name} {records[r.name][-1]['step_s'] * 1e3:.0f} ms" for r in runners), flush=True)
+
+    # Step 3: the losses must agree (a swap never changes what the model computes).
+    worst = 0.0
+    for r in runners[1:]:
+        for a, b in zip(records[r.name], records[BASE]):
+            worst = max(worst, abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-12))
+    worst_t = torch.tensor([worst, float(routing_diffs)], dtype=torch.float64)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"records": records, "placement": {r.name: [lay.placement() for lay in r.layers()]
+                                                                         for r in runners}})
+    routings: list[Any] = [None] * world
+    dist.all_gather_object(routings, routing_log)
+    exact = exact_predictions(routings, runners, records) if rank == 0 else None
+    if float(worst_t[0]) > args.loss_rtol:
+        if rank == 0:
+            for r in runners:
+                print(r.name, [round(x["loss"], 6) for x in records[r.name]], file=sys.stderr)
+        raise RuntimeError(f"{kind}: the variants' losses differ by {float(worst_t[0]):.2e} (relative) on some rank, "
+                           f"more than --loss-rtol {args.loss_rtol}: a swap changed what the model computes")
+    return {"distribution": kind, "max_loss_rel_diff": float(worst_t[0]), "exact": exact,
+            "loadavg_1m": [load_start, os.getloadavg()[0]],
+            "routing_diffs_max_rank": int(worst_t[1]), "ranks": gathered}
+
+
+# ---- aggregation (rank 0) -------------------------------------------------------------------------
+
+
+def exact_predictions(routings: list[Any], runners: list[Runner], records: dict[str, list[dict[str, Any]]]
+                      ) -> dict[str, Any]:
+    """Per variant, step and layer: the HD-d time (plain max, d the one used) from every rank's
+    routing together (``hd_statistics`` with each token's source rank: what HierD-ES's Q and its
+    SwapRecord.predicted_*_s use), under the step's placement; and the largest relative difference
+    between a swap's predicted_before_s and this (same routing, same placement)."""
+    comm = runners[0].layers()[0].comm
+    sizes = tuple(comm.sizes)
+    assert list(comm.ranks) == list(range(len(routings))), "mesh position != global rank"
+    out: dict[str, Any] = {}
+    for r in runners:
+        lays = r.layers()
+        per_step, balance, worst = [], [], 0.0
+        for i, rec in enumerate(records[r.name]):
+            row, bal = [], []
+            for j, lay in enumerate(lays):
+                parts = [routings[g][r.name][i][j].astype(np.int64) for g in range(len(routings))]
+                # (token, expert) pairs each rank's experts compute: the busiest over the mean
+                load_G = np.bincount(np.asarray(rec["placement"][j])[np.concatenate(parts).ravel()],
+                                     minlength=len(routings))
+                bal.append(float(load_G.max() / load_G.mean()))
+                token_rank = np.concatenate([np.full(len(p), g) for g, p in enumerate(parts)])
+                stats = hd_statistics(np.concatenate(parts), lay.num_experts, sizes,
+                                      placement=np.asarray(rec["placement"][j]), token_rank=token_rank)
+                row.append(float(lay.cost.times_s(stats)[rec["d"][j] - 1]))
+            per_step.append(row)
+            balance.append(bal)
+            for s in rec.get("swaps", []):
+                want = row[rec["layers"].index(s["layer"])]
+                worst = max(worst, abs(s["predicted_before_s"] - want) / want)
+        out[r.name] = {"pred_s": per_step, "rank_load_max_over_mean": balance,
+                       "swap_predicted_before_rel_diff": worst if r.policy else None}
+    # how skewed the routing is (the same in every variant): per step and layer, the busiest expert's
+    # (token, expert) count over the mean, over all tokens and within each node's tokens
+    nodes = sizes[0]
+    skew: list[list[dict[str, Any]]] = []
+    for i in range(len(records[runners[0].name])):
+        skew_row: list[dict[str, Any]] = []
+        for j, lay in enumerate(runners[0].layers()):
+            parts = [routings[g][runners[0].name][i][j].astype(np.int64) for g in range(len(routings))]
+            per_node = [np.bincount(np.concatenate(parts[n * len(parts) // nodes:(n + 1) * len(parts) // nodes])
+                                    .ravel(), minlength=lay.num_experts) for n in range(nodes)]
+            total = np.sum(per_node, axis=0)
+            skew_row.append({"all": float(total.max() / total.mean()),
+                             "per_node": [float(c.max() / c.mean()) for c in per_node],
+                             "hot_experts_per_node": [np.argsort(-c)[:4].tolist() for c in per_node]})
+        skew.append(skew_row)
+    out["routing_skew"] = skew
+    return out
+
+
+
+def aggregate(res: dict[str, Any], names: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
+    """Per variant, per step: figures over ranks (max / sum), from every rank's records."""
+    ranks = [g["records"] for g in res["ranks"]]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, _ in VARIANTS:
+        steps = []
+        for i, r0 in enumerate(ranks[0][name]):
+            per = [rr[name][i] for rr in ranks]
+            exact = res["exact"][name]["pred_s"][i]
+            balance = res["exact"][name]["rank_load_max_over_mean"][i]
+            row: dict[str, Any] = {
+                "step": r0["step"], "loss_rank0": r0["loss"], "d": r0["d"], "pred_s": sum(r0["pred_s"]),
+                "pred_s_per_layer": r0["pred_s"], "exact_pred_s": sum(exact), "exact_pred_s_per_layer": exact,
+                "placement": r0["placement"], "rank_load_max_over_mean": max(balance),
+                "per_rank": {"loss": [p["loss"] for p in per], "step_s": [p["step_s"] for p in per],
+                             "comm_s": [p["comm_s"] for p in per], "bytes": [p["bytes"] for p in per],
+                             "fwd_dispatch_bytes": [p["fwd_dispatch_bytes"] for p in per]},
+                "step_s": max(p["step_s"] for p in per), "comm_s": max(p["comm_s"] for p in per),
+                "bytes_max": {n: max(p["bytes"][n] for p in per) for n in names},
+                "bytes_sum": {n: sum(p["bytes"][n] for p in per) for n in names},
+                "fwd_dispatch_bytes_sum": {n: sum(p["fwd_dispatch_bytes"][n] for p in per) for n in names},
+            }
+            if "decision_s" in r0:
+                row["decision_s"] = max(p["decision_s"] for p in per)
+                row["migration_s"] = max(p["migration_s"] for p in per)
+                row["swap_s"] = max(p["decision_s"] + p["migration_s"] for p in per)
+                row["swap_wall_s"] = max(p["swap_wall_s"] for p in per)
+                row["overhead"] = row["swap_s"] / row["step_s"]
+                row["swaps"] = r0["swaps"]
+                row["per_rank"].update({k: [p[k] for p in per] for k in ("decision_s", "migration_s", "swap_wall_s",
+                                                                          "parts")})
+                row["per_rank"]["moved_bytes"] = [sum(s["moved_bytes"] for s in p["swaps"]) for p in per]
+                row["moved_bytes_sum"] = sum(s["moved_bytes"] for p in per for s in p["swaps"])
+                row["parts_max"] = {k: max(p["parts"][k] for p in per) for k in PART_NAMES}
+                row["decision_rest_max"] = max(p["decision_s"] - p["parts"]["gather_s"] - p["parts"]["decide_layer_s"]
+                                               for p in per)
+                row["migration_rest_max"] = max(p["migration_s"] - p["parts"]["migrate_s"] - p["parts"]["commit_s"]
+                                                for p in per)
+            steps.append(row)
+        out[name] = steps
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(steps: list[dict[str, Any]], window: int, node: str) -> dict[str, Any]:
+    rows = steps[-window:]
+    s: dict[str, Any] = {
+        "steps": len(rows), "pred_s": med([r["pred_s"] for r in rows]),
+        "exact_pred_s": med([r["exact_pred_s"] for r in rows]),
+        "rank_load": med([r["rank_load_max_over_mean"] for r in rows]),
+        "node_bytes_max": med([r["bytes_max"][node] for r in rows]),
+        "node_bytes_sum": med([r["bytes_sum"][node] for r in rows]),
+        "total_bytes_sum": med([sum(r["bytes_sum"].values()) for r in rows]),
+        "comm_s": med([r["comm_s"] for r in rows]), "step_s": med([r["step_s"] for r in rows]),
+        "d": sorted({d for r in rows for d in r["d"]}),
+    }
+    if "overhead" in rows[0]:
+        s.update(swaps=sum(len(r["swaps"]) for r in rows),
+                 overhead_median=med([r["overhead"] for r in rows]), overhead_max=max(r["overhead"] for r in rows),
+                 decision_s=med([r["decision_s"] for r in rows]), migration_s=med([r["migration_s"] for r in rows]),
+                 swap_s=med([r["swap_s"] for r in rows]),
+                 parts={k: med([r["parts_max"][k] for r in rows]) for k in PART_NAMES},
+                 decision_rest_s=med([r["decision_rest_max"] for r in rows]),
+                 migration_rest_s=med([r["migration_rest_max"] for r in rows]))
+    return s
+
+
+# ---- report (rank 0) ------------------------------------------------------------------------------
+
+
+def machine_info(loadavg: float) -> dict[str, Any]:
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "torch_threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "loadavg_1m_at_start": loadavg,
+            "loadavg_1m_at_end": os.getloadavg()[0], "emulated_cluster": emulated_cluster_info()}
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def write_report(payload: dict[str, Any], out: Path | None) -> None:
+    names = tuple(payload["mesh"])
+    node = names[0]
+    window = payload["window"]
+    lines_tab: list[str] = []
+    headers = ["distribution", "steps", "variant", "pred a2a ms", "vs no swap", "pred exact ms", "vs no swap",
+               f"{node} MiB max rank", "vs no swap",
+               f"{node} MiB all ranks", "vs no swap", "rank load max/mean", "d+c ms measured", "vs no swap",
+               "step ms", "vs no swap",
+               "swaps", "d used"]
+    lines_tab += ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    over_headers = ["distribution", "steps", "variant", "overhead median %", "overhead max %", "decision ms",
+                    "migration ms", "gather ms", "Q ms", "predicted ms", "decide rest ms", "p2p ms", "commit ms",
+                    "migration rest ms", "swaps"]
+    over = ["| " + " | ".join(over_headers) + " |", "|" + "|".join("---" for _ in over_headers) + "|"]
+    console_lines = []
+    for dres in payload["distributions"]:
+        kind = dres["distribution"]
+        for label, w in ((f"last {window}", window), (f"all {payload['steps']}", payload["steps"])):
+            summ = {name: summarize(dres["steps"][name], w, node) for name, _ in VARIANTS}
+            dres.setdefault("summary", {})[label] = summ
+            b = summ[BASE]
+            for name, _ in VARIANTS:
+                s = summ[name]
+                lines_tab.append("| " + " | ".join([
+                    kind, label, name, f"{s['pred_s'] * 1e3:.2f}", _ratio(s["pred_s"], b["pred_s"]),
+                    f"{s['exact_pred_s'] * 1e3:.2f}", _ratio(s["exact_pred_s"], b["exact_pred_s"]),
+                    f"{s['node_bytes_max'] / 2**20:.3f}", _ratio(s["node_bytes_max"], b["node_bytes_max"]),
+                    f"{s['node_bytes_sum'] / 2**20:.3f}", _ratio(s["node_bytes_sum"], b["node_bytes_sum"]),
+                    f"{s['rank_load']:.2f}",
+                    f"{s['comm_s'] * 1e3:.1f}", _ratio(s["comm_s"], b["comm_s"]),
+                    f"{s['step_s'] * 1e3:.0f}", _ratio(s["step_s"], b["step_s"]),
+                    str(s.get("swaps", "-")), ",".join(map(str, s["d"]))]) + " |")
+                if "overhead_median" in s:
+                    p = s["parts"]
+                    over.append("| " + " | ".join([
+                        kind, label, name, f"{s['overhead_median'] * 100:.2f}", f"{s['overhead_max'] * 100:.2f}",
+                        f"{s['decision_s'] * 1e3:.2f}", f"{s['migration_s'] * 1e3:.2f}",
+                        f"{p['gather_s'] * 1e3:.2f}", f"{p['q_s'] * 1e3:.2f}", f"{p['predicted_s'] * 1e3:.2f}",
+                        f"{s['decision_rest_s'] * 1e3:.2f}", f"{p['migrate_s'] * 1e3:.2f}",
+                        f"{p['commit_s'] * 1e3:.3f}", f"{s['migration_rest_s'] * 1e3:.2f}", str(s["swaps"])]) + " |")
+                console_lines.append(
+                    f"{kind:8s} {label:8s} {name:14s} pred {s['pred_s'] * 1e3:7.2f} ms "
+                    f"({_ratio(s['pred_s'], b['pred_s'])}) exact {s['exact_pred_s'] * 1e3:7.2f} ms "
+                    f"({_ratio(s['exact_pred_s'], b['exact_pred_s'])})  {node} max {s['node_bytes_max'] / 2**20:6.3f} MiB "
+                    f"({_ratio(s['node_bytes_max'], b['node_bytes_max'])})  all {s['node_bytes_sum'] / 2**20:6.3f} "
+                    f"MiB ({_ratio(s['node_bytes_sum'], b['node_bytes_sum'])})  d+c {s['comm_s'] * 1e3:6.1f} ms "
+                    f"({_ratio(s['comm_s'], b['comm_s'])})  step {s['step_s'] * 1e3:5.0f} ms"
+                    + (f"  swap overhead median {s['overhead_median'] * 100:.2f} % max {s['overhead_max'] * 100:.2f} %"
+                       f" ({s['swaps']} swaps)" if "overhead_median" in s else ""))
+    print("\n".join(console_lines), flush=True)
+    if out is None:
+        return
+    info = payload["machine"]
+    topo = payload["topology"]
+    emu = info["emulated_cluster"]
+    cfg = payload["model"]
+    checks = "; ".join(f"{d['distribution']}: max relative loss difference {d['max_loss_rel_diff']:.1e}, "
+                       f"(step, layer) routings that differ from no-swap's on the worst rank "
+                       f"{d['routing_diffs_max_rank']} of {payload['steps'] * cfg['layers'] * 2}; "
+                       "swaps' predicted_before_s against \"pred exact\" of the same step and layer: largest "
+                       "relative difference " + ", ".join(
+                           f"{n} {d['exact'][n]['swap_predicted_before_rel_diff']:.1e}" for n, p in VARIANTS if p)
+                       for d in payload["distributions"])
+    skews = "; ".join(
+        f"{d['distribution']}: {med([x['all'] for row in d['exact']['routing_skew'] for x in row]):.2f} over all "
+        f"tokens, {med([v for row in d['exact']['routing_skew'] for x in row for v in x['per_node']]):.2f} within a "
+        "node's tokens" for d in payload["distributions"])
+    where = (f"an emulated cluster (moe-cluster, mesh {emu['mesh']}, leaf link tc rate {emu['link_tc_rate']})"
+             if emu else "one machine (every link is loopback)")
+    lines = [
+        "# Expert swap during training: HierD-ES vs Smart vs no swap", "",
+        f"Command: `{payload['command']}`" + (" (on every rank, under `moe-cluster run`)" if emu else ""), "",
+        f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable); {payload['world']} gloo ranks "
+        f"on {where}, one process and {info['torch_threads_per_rank']} torch thread each; 1-min load average "
+        f"{info['loadavg_1m_at_start']:.2f} at start (before the ranks), {info['loadavg_1m_at_end']:.2f} at the end ("
+        + ", ".join(f"{d['distribution']} {d['loadavg_1m'][0]:.1f} -> {d['loadavg_1m'][1]:.1f}"
+                    for d in payload["distributions"]) + " with the ranks running); "
+        f"torch {info['torch']}; Python {info['python']}; wall {payload['wall_s']:.0f} s.", "",
+        f"Mesh: {' x '.join(f'{n}={s}' for n, s in payload['mesh'].items())}. Topology ({topo['source']}): "
+        + ", ".join(f"{lv['name']} alpha {lv['alpha_s'] * 1e6:.0f} us, {8 / lv['beta_s_per_byte'] / 1e9:.3g} Gbit/s"
+                    for lv in topo["levels"]) + ".", "",
+        f"Model: tiny LM (moe_compile.samples.tiny_lm), {cfg['layers']} layers, `grouped_gemm` MoE, hidden "
+        f"{cfg['hidden']}, ffn {cfg['ffn']}, {cfg['heads']} heads, E={cfg['experts']}, top-{cfg['top_k']}, vocabulary "
+        f"{cfg['vocab']}, fp32; experts sharded (`moe_compile.shard_experts`, {cfg['experts'] // payload['world']} "
+        f"per rank), compiled by hiermoe with aot_eager, d* per layer and step; Adam lr {payload['lr']}, DDP-style "
+        f"gradient averaging. {cfg['batch']} x {cfg['seq']} = {cfg['batch'] * cfg['seq']} tokens per rank per step "
+        f"(each rank its own batches, the same for every variant), {payload['steps']} steps after one warm-up step "
+        "(compiles; gradients dropped).", "",
+        "Data: `uniform`: token ids uniform over the vocabulary. `zipf`: token ids Zipf-distributed (exponent "
+        f"{ZIPF_EXPONENT}) over a permutation of the vocabulary that differs per node (the same on the ranks of one "
+        "node), so each node's frequent tokens, and with them its hot experts, differ. Routing skew, the busiest "
+        f"expert's (token, expert) count over the mean per step and layer (median): {skews}.", "",
+        "Variants, trained side by side from the same weights on the same batches, alternating every step (order "
+        "rotated by one per step): `HD-d* no swap` (contiguous placement), `HierD-ES` (`swapper.step()` after every "
+        "optimizer step, policy `hierd`: HierMoE Section IV, Q* with the smooth max, gamma 10) and `Smart` (policy "
+        "`smart`: minimize the busiest rank's raw (token, expert) count, the paper's HD2-MoE-Smart baseline). A swap "
+        f"never changes what the model computes; checked: {checks}.", "",
+        "Columns (medians over the steps named): \"pred a2a ms\": the cost model's HD-d time of one dispatch "
+        "all-to-all, summed over the layers (`EPLayer.last_times_s[d-1]`, from the forward's max-reduced routing "
+        "statistics under that step's placement). \"pred exact ms\": the same t_d (same d, same placement) from "
+        "every rank's routing together (`hd_statistics` with each token's source rank, after the run): the "
+        "statistic HierD-ES's Q and `SwapRecord.predicted_*_s` use; the runtime's per-rank statistics stand one "
+        "rank's tokens in for every source of a relay and take the max over ranks, an upper estimate. "
+        f"\"{node} MiB\": payload bytes the layers sent across the {node} level in the step (`EPLayer.last_step_bytes()`: dispatch and combine, forward and backward; metadata "
+        "apart), of the busiest rank and over all ranks. \"rank load max/mean\": (token, expert) pairs the busiest "
+        "rank's experts compute over the mean (the worse layer), what Smart balances. \"d+c ms measured\": wall seconds in dispatch + combine, "
+        "both directions, all layers (`EPLayer.step_comm_s`), the slowest rank's. \"step ms\": the training step "
+        "(zero_grad, forward, backward, gradient all-reduce, Adam), after a barrier, the slowest rank's; the swap is "
+        "not in it. \"vs no swap\": median / median of `HD-d* no swap`.", "",
+        "## Traffic and time", "", *lines_tab, "",
+        "## Overhead of swapping every step", "",
+        "overhead = (decision_s + migration_s) / step time, per step (`ExpertSwapper.history`; slowest rank's swap "
+        "over the slowest rank's step; `swapper.step()` starts after a barrier, so it does not include waiting for "
+        "ranks still in their training step). Parts, slowest rank's, timed by wrapping moe_compile.swap's functions "
+        "at run time: gather = the two all-gathers of the routing (`_gather_routing`); Q = the swap matrix "
+        "(`HDCostModel.swap_matrix` for HierD-ES, `smart_matrix` for Smart) on the ranks that decide a layer (layer "
+        "i on rank i mod world); predicted = the two predicted times of a chosen swap (`_predicted`); decide rest = "
+        "decision - gather - the per-layer decisions: the all-reduce handing out the decisions, including the wait "
+        "for the deciding ranks; p2p = `_migrate` (signature and row exchange between the two ranks); commit = "
+        "writing the received rows; migration rest = the agreement all-reduce and the placement update. Each "
+        "part is its own max over ranks, so they do not add up: a rank outside a swap's pair spends the pair's "
+        "exchange waiting in the agreement all-reduce (its migration rest).", "",
+        *over,
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(_rounded(payload), separators=(",", ":")) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", flush=True)
+    plot(payload, out.with_suffix(".png"))
+
+
+def _rounded(x: Any) -> Any:
+    """Floats to 6 significant digits (microseconds of a second are noise here): a smaller JSON."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def plot(payload: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plot written (pip install matplotlib)")
+        return False
+    node = next(iter(payload["mesh"]))
+    dists = payload["distributions"]
+    fig, axes = plt.subplots(2, len(dists), figsize=(6 * len(dists), 7), squeeze=False, sharex=True)
+    for j, dres in enumerate(dists):
+        for k, (name, _) in enumerate(VARIANTS):
+            steps = dres["steps"][name]
+            x = [r["step"] for r in steps]
+            color = f"C{k}"
+            axes[0][j].plot(x, [r["pred_s"] * 1e3 for r in steps], color=color, label=f"{name} (runtime)")
+            axes[0][j].plot(x, [r["exact_pred_s"] * 1e3 for r in steps], color=color, linestyle=":",
+                            label=f"{name} (exact)")
+            axes[1][j].plot(x, [r["bytes_sum"][node] / 2**20 for r in steps], color=color, label=name)
+        axes[0][j].set_title(f"{dres['distribution']}")
+        axes[0][j].set_ylabel("predicted HD-d a2a ms (sum of layers)")
+        axes[1][j].set_ylabel(f"inter-{node} MiB per step (all ranks)")
+        axes[1][j].set_xlabel("training step")
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle(f"expert swap: {payload['world']} ranks, tiny LM E={payload['model']['experts']} "
+                 f"top-{payload['model']['top_k']}, {payload['model']['batch'] * payload['model']['seq']} tokens/rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return True
+
+
+# ---- one rank -------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64  # one entry per compiled variant of the same forward
+    loadavg = float(os.environ.get("SWAP_BENCH_LOADAVG", os.getloadavg()[0]))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", args.mesh_sizes, mesh_dim_names=args.mesh_names)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    instrument_swap()
+    start = time.perf_counter()
+    fit_info: list[dict[str, Any]] = []
+    if args.topology_file == "stated":
+        links = {n: {"alpha_s": CLUSTER_ALPHA_S, "bandwidth_gbps": CLUSTER_GBPS.get(n, 10.0)} for n in args.mesh_names}
+        topology = Topology.from_mesh(mesh, links, name="emulated cluster (stated)")
+        source = "bench/clusters/two_node_two_socket.toml's stated figures, not measured"
+    elif args.topology_file:
+        topology, source = Topology.load(args.topology_file), f"from `{args.topology_file}`"
+    else:
+        fitted, fit_info = calibrate_local(mesh, args.mesh_names, args.mesh_sizes, args.quick)
+        if fitted is not None:
+            topology, source = fitted, f"{fitted.name}; fit r2 " + ", ".join(
+                f"{f['level']} {f['r2']:.3f}" for f in fit_info)
+        else:  # too noisy to fit: the emulated cluster's stated figures, said so in the report
+            links = {n: {"alpha_s": CLUSTER_ALPHA_S, "bandwidth_gbps": CLUSTER_GBPS.get(n, 10.0)}
+                     for n in args.mesh_names}
+            topology = Topology.from_mesh(mesh, links, name="emulated cluster (stated)")
+            source = "the fit at start had no positive beta; bench/clusters/two_node_two_socket.toml's stated figures"
+    say(f"[{time.perf_counter() - start:6.1f} s] topology ({source}): " + ", ".join(
+        f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s" for lv in topology.levels),
+        flush=True)
+    results = []
+    for kind in args.distributions:
+        res = run_distribution(kind, args, mesh, topology)
+        say(f"[{time.perf_counter() - start:6.1f} s] {kind} done (max loss difference {res['max_loss_rel_diff']:.1e})",
+            flush=True)
+        if rank == 0:
+            res["steps"] = aggregate(res, args.mesh_names)
+            res["final_placement"] = res.pop("ranks")[0]["placement"]  # every number is in res["steps"] now
+            results.append(res)
+    if rank == 0:
+        topo = topology.to_dict()
+        topo["source"] = source
+        payload = {
+            "command": " ".join(["python bench/bench_swap.py", *args.argv]), "machine": machine_info(loadavg),
+            "world": dist.get_world_size(), "mesh": dict(zip(args.mesh_names, args.mesh_sizes)),
+            "topology": topo, "calibration": fit_info, "steps": args.steps, "window": args.window, "lr": args.lr,
+            "loss_rtol": args.loss_rtol, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
+            "model": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "experts", "top_k", "vocab",
+                                                    "batch", "seq")},
+            "distributions": results,
+        }
+        write_report(payload, None if args.out is None else Path(args.out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- launcher -------------------------------------------------------------------------------------
+
+
+def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, log: Path, loadavg: float) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", SWAP_BENCH_LOADAVG=f"{loadavg:.2f}")
+    if rank != 0:  # rank 0 prints to the terminal; the others to a log shown if something fails
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    worker(args)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Fork ``args.world`` ranks after the imports (as bench_hier_a2a.py does)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = Path(tempfile.mkdtemp(prefix="swapbench_ranks_"))
+    loadavg = os.getloadavg()[0]  # before our ranks add to it
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_rank_entry, args=(r, args.world, port, args, logs / f"rank{r}.log", loadavg))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    failed: int | None = None
+    while failed is None and any(p.is_alive() for p in procs):
+        failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+        if failed is None and time.monotonic() > deadline:
+            failed = -1
+        time.sleep(0.2)
+    if failed is None:
+        failed = next((r for r, p in enumerate(procs) if p.exitcode), None)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    if failed is None:
+        shutil.rmtree(logs, ignore_errors=True)
+        return 0
+    print((f"rank {failed} failed" if failed >= 0 else f"timed out after {args.timeout} s") + f"; rank logs in {logs}",
+          file=sys.stderr)
+    for r in range(1, args.world):
+        if (r == failed or failed < 0) and (logs / f"rank{r}.log").exists():
+            print(f"--- rank {r} ---\n{(logs / f'rank{r}.log').read_text()[-3000:]}", file=sys.stderr)
+    return 1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="6 steps of a smaller model; writes nothing unless --out")
+    p.add_argument("--world", type=int, default=None, help="ranks to start (default 8; under torchrun its WORLD_SIZE)")
+    p.add_argument("--mesh", default=None, help="levels slowest first, NAME=SIZE,... (default node=2,socket=2,gpu=2; "
+                                                "under moe-cluster its MOE_CLUSTER_MESH)")
+    p.add_argument("--topology", dest="topology_file", default=None, metavar="TOML",
+                   help="topology file for the cost model, or 'stated': bench_hier_a2a's figures for the emulated "
+                        "cluster (node 0.4, socket 2, gpu 10 Gbit/s, alpha 20 us); default: the ranks' links "
+                        "fitted at start")
+    p.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 50; 6 quick)")
+    p.add_argument("--window", type=int, default=None,
+                   help="the last steps summarized apart, after swaps settled (default steps // 2)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=None, help="default 128 (64 quick)")
+    p.add_argument("--ffn", type=int, default=None, help="default 256 (128 quick)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank and step (default 4; 2 quick)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64; 32 quick)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--loss-rtol", type=float, default=1e-4, help="largest relative loss difference between variants")
+    p.add_argument("--out", default=None, help="results path without suffix (default bench/results/swap; with "
+                                               "--quick nothing is written unless given)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the forked ranks are killed")
+    p.add_argument("--pg-timeout", type=float, default=900.0, help="process group timeout, seconds")
+    p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the .md and .png from a results JSON")
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.steps = args.steps or (6 if args.quick else 50)
+    args.window = min(args.window or max(1, args.steps // 2), args.steps)
+    args.hidden = args.hidden or (64 if args.quick else 128)
+    args.ffn = args.ffn or (128 if args.quick else 256)
+    args.batch = args.batch or (2 if args.quick else 4)
+    args.seq = args.seq or (32 if args.quick else 64)
+    if args.out is None and not args.quick:
+        args.out = str(Path(__file__).parent / "results" / "swap")
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun and args.world is not None and args.world != int(os.environ["WORLD_SIZE"]):
+        p.error(f"--world {args.world} but torchrun started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
+    if args.world is None:
+        args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 8
+    mesh = args.mesh or os.environ.get("MOE_CLUSTER_MESH") or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
+    if mesh is None:
+        p.error(f"--world {args.world}: give --mesh NAME=SIZE,... (slowest first) with product {args.world}")
+    try:
+        args.mesh_names, args.mesh_sizes = calibrate.parse_mesh(mesh)
+        calibrate.check_world_size(args.mesh_names, args.mesh_sizes, args.world)
+        if args.experts % args.world:
+            raise ValueError(f"--experts {args.experts} must be divisible by the {args.world} ranks")
+        if args.topology_file not in (None, "stated"):
+            topo = Topology.load(args.topology_file)
+            if (tuple(topo.level_names), tuple(topo.sizes)) != (args.mesh_names, args.mesh_sizes):
+                raise ValueError(f"--topology {args.topology_file} has levels {dict(zip(topo.level_names, topo.sizes))}"
+                                 f", the mesh {dict(zip(args.mesh_names, args.mesh_sizes))}: calibrate on this mesh")
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.report:
+        payload = json.loads(Path(args.report).read_text())
+        write_report(payload, Path(args.report).with_suffix(""))
+        return 0
+    if "RANK" in os.environ:  # started by torchrun or moe-cluster: be that rank
+        worker(args)
+        return 0
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
