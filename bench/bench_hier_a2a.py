@@ -34,6 +34,17 @@ Time: after that step, ``--reps`` repetitions; each times one step of every stra
 rotated by one per repetition (interleaved, so drift hits all alike), each after a barrier; a step's
 time is its slowest rank's. Reported: median, min and max, and median / median(flat A2A).
 
+Backward: right after each strategy's forward step (same repetition, same rotated order, its own
+barrier), its backward step as ``hiermoe::ep_experts_backward`` runs it, on the d the forward used
+(no second decision): dispatch of ``torch.cat([x, grad_y], 1)`` rows (2H wide) along the same HD-d
+route with direction "backward", then combine of H-wide rows with float32 [R, S] per-slot
+routing-weight gradients as ``meta_RS``; timed are the dispatch and the combine, as the op counts
+them, not the stand-in for the local expert backward between them. The untimed step checks it too
+(the grad_y half, scaled, and the metadata, which must come back as the routing weights) and counts
+its bytes (dispatch 2x the forward's payload per level, combine 1x). Reported beside the forward:
+"bwd" median, min / max, wall / flat and speedup over flat A2A's backward.
+``--top-k``, ``--experts``, ``--routing`` select part of the grid (K in 2, 4, 8; E in 16, 64).
+
 Predicted time: 2 x HierMoE's dispatch time (cost/hiermoe.py; combine moves the same volumes back)
 from the ranks' statistics max-reduced as the runtime does, under two topologies: ``cluster``, the
 topology file given with ``--topology`` (moe_compile.calibrate's output for the cluster the ranks run
@@ -180,6 +191,31 @@ def run_step(s: Strategy, x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor,
     return y_TH, d, decide_s
 
 
+def run_backward_step(s: Strategy, xg_TC: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, comm: Any,
+                      expert_pos_E: Tensor, d: int, scale: bool = False) -> tuple[Tensor, Tensor, float]:
+    """One backward dispatch + combine as ``hiermoe::ep_experts_backward`` runs it on the forward's d
+    (no decision): dispatch of the [x | grad_y] rows ``xg_TC`` [T, 2H] along the HD-d route, direction
+    "backward", then combine of H-wide rows with float32 [R, S] per-slot metadata (the routing-weight
+    gradients; here the received slot weights). Returns (combined [T, H], combined meta [T, K],
+    seconds in dispatch + combine: what the op counts as its backward communication, so the
+    stand-in for the local expert backward between them, the grad_y half made contiguous, is not
+    timed). ``scale`` multiplies each grad_y row by its slots' weights (the correctness check)."""
+    hidden = xg_TC.shape[1] // 2
+    t0 = time.perf_counter()
+    rows_RC, ids_RS, w_RS, route = hier_a2a.dispatch(xg_TC, topk_idx_TK, weights_TK, expert_pos_E, comm.phases(d),
+                                                     s.dedup, "backward")
+    t1 = time.perf_counter()
+    g_RH = rows_RC[:, hidden:].contiguous()
+    if scale:
+        g_RH = g_RH * torch.where(ids_RS >= 0, w_RS, 0.0).sum(1, keepdim=True)
+    meta_RS = w_RS.float().contiguous()
+    t2 = time.perf_counter()
+    dx_TH, dw_TK = hier_a2a.combine(g_RH, route, "backward", meta_RS=meta_RS)
+    seconds = (t1 - t0) + (time.perf_counter() - t2)
+    assert dw_TK is not None
+    return dx_TH, dw_TK, seconds
+
+
 def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any, comm: Any,
                  topologies: dict[str, Topology], dstar_topology: str, seed: int) -> dict[str, Any]:
     top_k, num_experts, kind = cfg
@@ -189,26 +225,36 @@ def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any,
     gen = torch.Generator().manual_seed(seed * 1000 + 500 + rank)
     x_TH = torch.randn(args.tokens, args.hidden, generator=gen)
     weights_TK = torch.rand(args.tokens, top_k, generator=gen)
+    grad_TH = torch.randn(args.tokens, args.hidden, generator=gen)  # drawn after the forward's tensors: same x, w
+    xg_TC = torch.cat([x_TH, grad_TH], dim=1)  # the op's backward concatenates before it starts timing
     chooser = parallel.build_layer(name=f"K{top_k}E{num_experts}{kind}", mesh=mesh,
                                    topology=topologies[dstar_topology], dimension=None, dedup=True,
                                    num_experts=num_experts, top_k=top_k, hidden_size=args.hidden,
                                    ffn_size=args.hidden, gated=True, dtype=torch.float32, device=torch.device("cpu"))
     expert_pos_E = chooser.expert_pos_E
 
-    # Step 1: one untimed step per strategy: bytes, messages, the result check (and warm-up).
-    fields = 5  # dispatch payload, combine payload, dispatch meta, dispatch payload messages, d used
+    # Step 1: one untimed step per strategy, forward then backward on the forward's d: bytes,
+    # messages, the result checks (and warm-up).
+    fields = 8  # forward: dispatch payload, combine payload, dispatch meta, dispatch payload messages, d used;
+    #             backward: dispatch payload, combine payload, combine meta
     traffic = torch.zeros(len(strats), len(sizes), fields, dtype=torch.int64)
-    errs = torch.zeros(len(strats), dtype=torch.float64)
+    errs = torch.zeros(len(strats), 3, dtype=torch.float64)  # forward y, backward grad rows, backward meta
     want_TH = x_TH * weights_TK.sum(1, keepdim=True)
+    want_grad_TH = grad_TH * weights_TK.sum(1, keepdim=True)
     for i, s in enumerate(strats):
         runtime.reset_counters()
         y_TH, d, _ = run_step(s, x_TH, topk_idx_TK, weights_TK, comm, expert_pos_E, chooser, scale=True)
-        errs[i] = float((y_TH - want_TH).abs().max() / want_TH.abs().max())
+        dx_TH, dw_TK, _ = run_backward_step(s, xg_TC, topk_idx_TK, weights_TK, comm, expert_pos_E, d, scale=True)
+        errs[i, 0] = float((y_TH - want_TH).abs().max() / want_TH.abs().max())
+        errs[i, 1] = float((dx_TH - want_grad_TH).abs().max() / want_grad_TH.abs().max())
+        errs[i, 2] = float((dw_TK - weights_TK).abs().max() / weights_TK.abs().max())
         c = runtime.counters()
         for lv, name in enumerate(names):
             dis, com = c[name]["dispatch"]["forward"], c[name]["combine"]["forward"]
+            bdis, bcom = c[name]["dispatch"]["backward"], c[name]["combine"]["backward"]
             traffic[i, lv, :4] = torch.tensor([dis["payload_bytes"], com["payload_bytes"], dis["meta_bytes"],
                                                dis["payload_messages"]])
+            traffic[i, lv, 5:] = torch.tensor([bdis["payload_bytes"], bcom["payload_bytes"], bcom["meta_bytes"]])
         traffic[i, :, 4] = d
     used_d = traffic[:, 0, 4].clone()
     dist.all_reduce(traffic)
@@ -217,18 +263,24 @@ def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any,
     expected_t = torch.tensor([expected["copies"], expected["rank_pairs"], expected["node_pairs"]])
     dist.all_reduce(expected_t)
 
-    # Step 2: interleaved timed repetitions; each step's time is its slowest rank's.
+    # Step 2: interleaved timed repetitions; each step's time is its slowest rank's. Every strategy's
+    # forward step is followed (after its own barrier) by its backward step on the d that forward used.
     times = torch.zeros(args.reps, len(strats), dtype=torch.float64)
+    bwd_times = torch.zeros(args.reps, len(strats), dtype=torch.float64)
     decide = torch.zeros(args.reps, dtype=torch.float64)  # HD-d*'s choose_dimension, inside its time
     order = list(range(len(strats)))
     for rep in range(args.reps):
         for i in order[rep % len(order):] + order[: rep % len(order)]:
             dist.barrier()
             t0 = time.perf_counter()
-            _, _, decide_s = run_step(strats[i], x_TH, topk_idx_TK, weights_TK, comm, expert_pos_E, chooser)
+            _, d, decide_s = run_step(strats[i], x_TH, topk_idx_TK, weights_TK, comm, expert_pos_E, chooser)
             times[rep, i] = time.perf_counter() - t0
             decide[rep] += decide_s
+            dist.barrier()
+            _, _, bwd_times[rep, i] = run_backward_step(strats[i], xg_TC, topk_idx_TK, weights_TK, comm,
+                                                        expert_pos_E, d)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(bwd_times, op=dist.ReduceOp.MAX)
     dist.all_reduce(decide, op=dist.ReduceOp.MAX)
 
     # Step 3: the cost model's statistics, max-reduced over ranks as EPLayer.choose_dimension does.
@@ -259,13 +311,19 @@ def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any,
         per_level = {n: int(traffic[i, lv, 0]) for lv, n in enumerate(names)}
         exp_rows = int(expected_t[0] if not s.dedup else expected_t[1] if d == 1 else expected_t[2])
         t = times[:, i].tolist()
+        tb = bwd_times[:, i].tolist()
         results.append({
             "strategy": s.name, "dedup": s.dedup, "d": d, "bytes_per_level": per_level,
             "combine_bytes_per_level": {n: int(traffic[i, lv, 1]) for lv, n in enumerate(names)},
             "meta_bytes": int(traffic[i, :, 2].sum()), "messages": int(traffic[i, :, 3].sum()),
             "total_bytes": sum(per_level.values()), "expected_node_bytes": exp_rows * row_bytes,
-            "result_rel_err": float(errs[i]), "times_s": t, "median_s": statistics.median(t),
+            "result_rel_err": float(errs[i, 0]), "times_s": t, "median_s": statistics.median(t),
             "predicted_s": {tn: p[i] for tn, p in predicted.items()},
+            "bwd_bytes_per_level": {n: int(traffic[i, lv, 5]) for lv, n in enumerate(names)},
+            "bwd_combine_bytes_per_level": {n: int(traffic[i, lv, 6]) for lv, n in enumerate(names)},
+            "bwd_combine_meta_bytes": int(traffic[i, :, 7].sum()),
+            "bwd_result_rel_err": float(errs[i, 1]), "bwd_meta_rel_err": float(errs[i, 2]),
+            "bwd_times_s": tb, "bwd_median_s": statistics.median(tb),
         })
     return {"top_k": top_k, "num_experts": num_experts, "routing": kind, "node_lower_bound_bytes": lower_bound,
             "dstar_decision_s": decide.tolist(), "dstar": dstar, "dstar_topology": dstar_topology, "strategies": results}
@@ -300,16 +358,18 @@ def worker(args: argparse.Namespace) -> None:
     dstar_topology = args.dstar_topology or ("cluster" if args.topology_file else "local")
     dstar_topology = dstar_topology if dstar_topology in topologies else "cluster"
     rank = dist.get_rank()
-    grid = [(4, 16, "uniform")] if args.quick else FULL_GRID
+    grid = [(4, 16, "uniform")] if args.quick else [c for c in FULL_GRID if c[0] in args.top_ks
+                                                     and c[1] in args.num_experts and c[2] in args.routings]
     configs = []
     start = time.perf_counter()
     for n, cfg in enumerate(grid):
         res = bench_config(cfg, args, mesh, comm, topologies, dstar_topology, seed=n + 1)
         if rank == 0:
             configs.append(res)
-            med = {r["strategy"]: r["median_s"] for r in res["strategies"]}
-            console.print(f"[{time.perf_counter() - start:6.1f} s] K={cfg[0]} E={cfg[1]} {cfg[2]:7s} "
-                          + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()), highlight=False)
+            med = {r["strategy"]: (r["median_s"], r["bwd_median_s"]) for r in res["strategies"]}
+            console.print(f"[{time.perf_counter() - start:6.1f} s] K={cfg[0]} E={cfg[1]} {cfg[2]:7s} fwd / bwd "
+                          + "  ".join(f"{k} {v * 1e3:.1f} / {b * 1e3:.1f} ms" for k, (v, b) in med.items()),
+                          highlight=False)
     if rank == 0:
         report(args, configs, topologies, fit_info, dstar_topology)
     dist.barrier()
@@ -363,7 +423,11 @@ def detail_rows(configs: list[dict[str, Any]], names: tuple[str, ...]) -> list[l
                          f"{node / c['node_lower_bound_bytes']:.3f}", str(r["messages"]),
                          f"{r['median_s'] * 1e3:.1f}", f"{min(t) * 1e3:.1f} / {max(t) * 1e3:.1f}",
                          f"{r['median_s'] / flat['median_s']:.2f}",
-                         *(f"{r['predicted_s'][tn] * 1e3:.2f}" for tn in sorted(r["predicted_s"]))])
+                         *(f"{r['predicted_s'][tn] * 1e3:.2f}" for tn in sorted(r["predicted_s"])),
+                         f"{r['bwd_median_s'] * 1e3:.1f}",
+                         f"{min(r['bwd_times_s']) * 1e3:.1f} / {max(r['bwd_times_s']) * 1e3:.1f}",
+                         f"{r['bwd_median_s'] / flat['bwd_median_s']:.2f}",
+                         f"{flat['bwd_median_s'] / r['bwd_median_s']:.2f}"])
     return rows
 
 
@@ -387,16 +451,23 @@ def summary_rows(configs: list[dict[str, Any]], names: tuple[str, ...]) -> list[
         at_lb = above_lower_bound(c, names[0])
         expected_ok = all(r["bytes_per_level"][names[0]] == r["expected_node_bytes"] for r in c["strategies"])
         combine_ok = all(r["bytes_per_level"] == r["combine_bytes_per_level"] for r in c["strategies"])
+        bwd_ok = all(r["bwd_bytes_per_level"] == {n: 2 * b for n, b in r["bytes_per_level"].items()}
+                     and r["bwd_combine_bytes_per_level"] == r["bytes_per_level"] for r in c["strategies"])
         rows.append([str(c["top_k"]), str(c["num_experts"]), c["routing"], _mib(lb),
                      "yes" if not at_lb else "NO: " + ", ".join(at_lb),
-                     "yes" if expected_ok else "NO", "yes" if combine_ok else "NO",
+                     "yes" if expected_ok else "NO", "yes" if combine_ok else "NO", "yes" if bwd_ok else "NO",
                      f"{max(r['result_rel_err'] for r in c['strategies']):.1e}",
+                     f"{max(max(r['bwd_result_rel_err'], r['bwd_meta_rel_err']) for r in c['strategies']):.1e}",
                      f"{by['HD2']['bytes_per_level'][names[0]] / flat['bytes_per_level'][names[0]]:.3f}",
                      str(fastest_d(c)), str(by["HD-d*"]["d"]),
                      *(str(c["dstar"][tn]) for tn in sorted(c["dstar"])),
                      f"{by['HD2']['median_s'] / flat['median_s']:.2f}",
                      f"{by['HD-d*']['median_s'] / flat['median_s']:.2f}",
-                     f"{statistics.median(c['dstar_decision_s']) * 1e3:.1f}"])
+                     f"{statistics.median(c['dstar_decision_s']) * 1e3:.1f}",
+                     f"{by['HD2']['bwd_median_s'] / flat['bwd_median_s']:.2f}",
+                     f"{by['HD-d*']['bwd_median_s'] / flat['bwd_median_s']:.2f}",
+                     *(f"{flat['median_s'] / by[n]['median_s']:.2f} / {flat['bwd_median_s'] / by[n]['bwd_median_s']:.2f}"
+                       for n in ("HD2", "HD-d*"))])
     return rows
 
 
@@ -409,11 +480,13 @@ def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: 
     command = " ".join(["python bench/bench_hier_a2a.py", *sys.argv[1:]])
     detail_headers = ["K", "E", "routing", "strategy", "d", *(f"{n} MiB" for n in names), "total MiB", "meta MiB",
                       f"{names[0]} / flat", f"{names[0]} / LB", "msgs", "median ms", "min / max ms", "wall / flat",
-                      *(f"pred ms ({tn})" for tn in tnames)]
+                      *(f"pred ms ({tn})" for tn in tnames), "bwd median ms", "bwd min / max ms", "bwd wall / flat",
+                      "bwd speedup"]
     summary_headers = ["K", "E", "routing", f"{names[0]} LB MiB", f"{lb_label} = LB", "all = expected",
-                       "combine = dispatch", "result err", f"HD2 {names[0]} / flat", "fastest d (measured)",
+                       "combine = dispatch", "bwd bytes = 2x / 1x", "result err", "bwd result err", f"HD2 {names[0]} / flat", "fastest d (measured)",
                        "HD-d* used", *(f"d* ({tn})" for tn in tnames), "HD2 wall / flat", "HD-d* wall / flat",
-                       "d* decision ms"]
+                       "d* decision ms", "HD2 bwd wall / flat", "HD-d* bwd wall / flat",
+                       "HD2 speedup fwd / bwd", "HD-d* speedup fwd / bwd"]
     detail, summary = detail_rows(configs, names), summary_rows(configs, names)
     for title, headers, rows in (("per strategy", detail_headers, detail), ("per configuration", summary_headers,
                                                                              summary)):
@@ -474,10 +547,20 @@ def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: 
         "bytes, distinct (token, other node) pairs x H x 4, computed from the routing. \"all = expected\": "
         "every strategy's inter-node bytes equal the count derived from the routing alone (copies for flat / "
         "2DH, distinct (token, rank) pairs for HD1, LB for d >= 2). \"result err\": max relative error of "
-        "combine(dispatch(x) scaled by slot weights) against x * sum_k w_k.", "",
+        "combine(dispatch(x) scaled by slot weights) against x * sum_k w_k. \"bwd bytes = 2x / 1x\": the "
+        "backward dispatch moved exactly twice the forward's payload per level ([x | grad_y] rows) and the "
+        "backward combine exactly the forward's; \"bwd result err\": the same check on the grad_y half and "
+        "on the combined per-slot metadata (must give back the routing weights).", "",
         "Time: one forward dispatch + combine (no expert compute), the slowest rank's time per repetition; "
         "median, min / max; wall / flat = median / median of flat A2A. HD-d* includes its per-step decision "
-        "(statistics, one all-reduce, Eq. 6), whose median (slowest rank) is \"d* decision ms\". Predicted: 2 x HierMoE's dispatch time (combine moves the same "
+        "(statistics, one all-reduce, Eq. 6), whose median (slowest rank) is \"d* decision ms\". "
+        "Backward (\"bwd\" columns): right after each strategy's forward step in the same rotated order, after "
+        "its own barrier, the backward dispatch + combine as hiermoe::ep_experts_backward runs it on the d that "
+        "forward used (no decision): dispatch of [x | grad_y] rows (2H wide) along the same route, then combine "
+        "of H-wide rows with float32 [R, S] per-slot routing-weight gradients as metadata; timed are the "
+        "dispatch and the combine (what the op counts as its backward communication), not the stand-in for the "
+        "local expert backward between them. bwd wall / flat = median / median of flat A2A's backward; "
+        "speedup = the inverse. Predicted (forward only): 2 x HierMoE's dispatch time (combine moves the same "
         "volumes) from the max-reduced statistics, under:", "",
         *topo_lines, "",
         f"HD-d* chooses with the `{dstar_topology}` topology; \"fastest d (measured)\" is the HD-d (dedup) with "
@@ -606,6 +689,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "ranks' links fitted at start)")
     p.add_argument("--out", default=None, help="results path without suffix (default bench/results/hier_a2a; "
                                                "with --quick nothing is written unless given)")
+    p.add_argument("--top-k", default="2,4,8", help="K values of the grid, comma-separated (default 2,4,8)")
+    p.add_argument("--experts", default="16,64", help="E values of the grid, comma-separated (default 16,64)")
+    p.add_argument("--routing", default="uniform,zipf", help="routings of the grid (default uniform,zipf)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="only draw the plot (JSON path with .png) from a results JSON of an earlier run")
@@ -613,6 +699,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.tokens = args.tokens or (128 if args.quick else 512)
     args.hidden = args.hidden or (64 if args.quick else 256)
     args.reps = args.reps or (3 if args.quick else 21)
+    try:
+        args.top_ks = {int(v) for v in args.top_k.split(",")}
+        args.num_experts = {int(v) for v in args.experts.split(",")}
+    except ValueError as e:
+        p.error(f"--top-k / --experts: {e}")
+    args.routings = set(args.routing.split(","))
+    grid = [c for c in FULL_GRID if c[0] in args.top_ks and c[1] in args.num_experts and c[2] in args.routings]
+    if not grid:
+        p.error(f"--top-k {args.top_k} --experts {args.experts} --routing {args.routing}: no configuration of the "
+                f"grid (K in 2,4,8; E in 16,64; uniform, zipf)")
     if args.out is None and not args.quick:
         args.out = str(Path(__file__).parent / "results" / "hier_a2a")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
