@@ -65,15 +65,11 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing
 import os
 import platform
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +77,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from machine import cpu_name
+from machine import cpu_name, fork_ranks
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
@@ -622,53 +618,9 @@ def plot(payload: dict[str, Any], path: Path) -> bool:
 # ---- launcher -----------------------------------------------------------------------------------
 
 
-def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, log: Path, loadavg: float) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", HIER_A2A_LOADAVG=f"{loadavg:.2f}")
-    if rank != 0:  # rank 0 prints to the terminal; the others to a log shown if something fails
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-    worker(args)
-
-
 def launch(args: argparse.Namespace) -> int:
-    """Fork ``args.world`` ranks (after the imports, so torch is imported once, not once per rank:
-    on a small machine eight concurrent imports take most of a minute); each sets RANK, WORLD_SIZE,
-    MASTER_ADDR and MASTER_PORT and joins a gloo process group over localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    logs = Path(tempfile.mkdtemp(prefix="a2abench_ranks_"))
-    loadavg = os.getloadavg()[0]  # before our ranks add to it
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_rank_entry, args=(r, args.world, port, args, logs / f"rank{r}.log", loadavg))
-             for r in range(args.world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + args.timeout
-    failed: int | None = None
-    while failed is None and any(p.is_alive() for p in procs):
-        failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
-        if failed is None and time.monotonic() > deadline:
-            failed = -1
-        time.sleep(0.2)
-    if failed is None:
-        failed = next((r for r, p in enumerate(procs) if p.exitcode), None)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    if failed is None:
-        shutil.rmtree(logs, ignore_errors=True)
-        return 0
-    console.print((f"[red]rank {failed} failed" if failed >= 0 else f"[red]timed out after {args.timeout} s")
-                  + f"; rank logs in {logs}")
-    for r in range(1, args.world):
-        if (r == failed or failed < 0) and (logs / f"rank{r}.log").exists():
-            text = (logs / f"rank{r}.log").read_text()
-            console.print(f"--- rank {r} ---\n{text[-3000:]}", markup=False, highlight=False)
-    return 1
+    """Fork ``args.world`` local ranks running ``worker`` (bench/machine.py's fork_ranks)."""
+    return fork_ranks(args.world, worker, args, args.timeout, "a2abench", "HIER_A2A_LOADAVG")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
