@@ -152,6 +152,21 @@ def tiny(kind: str, E: int, seed: int = 0) -> TinyMoELM:  # noqa: N803
     return TinyMoELM(TinyLMConfig(moe_kind=kind, num_experts=E))
 
 
+def average_grads(model: torch.nn.Module, shard_report: Any) -> None:
+    """What DDP does: average every gradient over ranks; an expert shard's gradient already sums
+    every rank's tokens (its owner is the only holder), so it is only divided."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if shard_report is not None and shard_report.owns(p):
+            if p.grad is not None:
+                p.grad /= world
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
 def compile_options(mesh: Any) -> dict[str, Any]:
     opts: dict[str, Any] = {"mesh": mesh, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
     for key in ("dimension", "dedup", "topology"):
@@ -272,7 +287,7 @@ def case_shard() -> dict[str, Any]:
     the compiled step, and AdamW steps equal to eager DDP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     mesh = make_mesh(PARAMS["shape"])
     out: dict[str, Any] = {}
     for kind in PARAMS["kinds"]:
@@ -301,14 +316,7 @@ def case_shard() -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if label == "compiled":
-                    for p in model.parameters():
-                        if shard_report.owns(p):  # the owner already holds the sum over ranks
-                            p.grad /= world
-                            continue
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
+                    average_grads(model, shard_report)
                 opt.step()
                 losses[label].append(float(loss))
         # the sharded weights after training equal the eager DDP model's rows for this rank's experts

@@ -21,25 +21,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers)
-from ep_worker import PARAMS, make_mesh, rel_err, tiny, topology_for  # noqa: E402
+from ep_worker import PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile import parallel, runtime, swap  # noqa: E402
-
-
-def average_grads(model: torch.nn.Module, shard_report: Any) -> None:
-    """What DDP does: average every gradient over ranks; an expert shard's gradient already sums
-    every rank's tokens (its owner is the only holder), so it is only divided."""
-    world = dist.get_world_size()
-    for p in model.parameters():
-        if shard_report is not None and shard_report.owns(p):
-            if p.grad is not None:
-                p.grad /= world
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-        p.grad /= world
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
