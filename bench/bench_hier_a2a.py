@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from machine import cpu_name, fork_ranks
+from machine import cpu_name, fork_ranks, resolve_ranks
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
@@ -663,25 +663,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 f"grid (K in 2,4,8; E in 16,64; uniform, zipf)")
     if args.out is None and not args.quick:
         args.out = str(Path(__file__).parent / "results" / "hier_a2a")
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun and args.world is not None and args.world != int(os.environ["WORLD_SIZE"]):
-        p.error(f"--world {args.world} but torchrun started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
-    if args.world is None:
-        args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 8
-    mesh = args.mesh or os.environ.get("MOE_CLUSTER_MESH") or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
-    if mesh is None:
-        p.error(f"--world {args.world}: give --mesh NAME=SIZE,... (slowest first) with product {args.world}")
-    try:
-        args.mesh_names, args.mesh_sizes = calibrate.parse_mesh(mesh)
-        calibrate.check_world_size(args.mesh_names, args.mesh_sizes, args.world)
-        if args.topology_file is not None:
-            topo = Topology.load(args.topology_file)
-            if (tuple(topo.level_names), tuple(topo.sizes)) != (args.mesh_names, args.mesh_sizes):
-                raise ValueError(f"--topology {args.topology_file} has levels "
-                                 f"{dict(zip(topo.level_names, topo.sizes))}, the mesh "
-                                 f"{dict(zip(args.mesh_names, args.mesh_sizes))}: calibrate on this mesh")
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+    resolve_ranks(p, args, args.topology_file)
     return args
 
 

@@ -61,11 +61,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from bench_hier_a2a import CLUSTER_ALPHA_S, CLUSTER_GBPS, calibrate_local, emulated_cluster_info
-from machine import cpu_name, fork_ranks
+from machine import cpu_name, fork_ranks, resolve_ranks
 from torch import Tensor, nn
 
 import moe_compile
-from moe_compile import calibrate, swap
+from moe_compile import swap
 from moe_compile.cost import hiermoe as cost_hiermoe
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
@@ -714,26 +714,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.seq = args.seq or (32 if args.quick else 64)
     if args.out is None and not args.quick:
         args.out = str(Path(__file__).parent / "results" / "swap")
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun and args.world is not None and args.world != int(os.environ["WORLD_SIZE"]):
-        p.error(f"--world {args.world} but torchrun started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
-    if args.world is None:
-        args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 8
-    mesh = args.mesh or os.environ.get("MOE_CLUSTER_MESH") or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
-    if mesh is None:
-        p.error(f"--world {args.world}: give --mesh NAME=SIZE,... (slowest first) with product {args.world}")
-    try:
-        args.mesh_names, args.mesh_sizes = calibrate.parse_mesh(mesh)
-        calibrate.check_world_size(args.mesh_names, args.mesh_sizes, args.world)
-        if args.experts % args.world:
-            raise ValueError(f"--experts {args.experts} must be divisible by the {args.world} ranks")
-        if args.topology_file not in (None, "stated"):
-            topo = Topology.load(args.topology_file)
-            if (tuple(topo.level_names), tuple(topo.sizes)) != (args.mesh_names, args.mesh_sizes):
-                raise ValueError(f"--topology {args.topology_file} has levels {dict(zip(topo.level_names, topo.sizes))}"
-                                 f", the mesh {dict(zip(args.mesh_names, args.mesh_sizes))}: calibrate on this mesh")
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+    resolve_ranks(p, args, None if args.topology_file == "stated" else args.topology_file)
+    if args.experts % args.world:
+        p.error(f"--experts {args.experts} must be divisible by the {args.world} ranks")
     return args
 
 

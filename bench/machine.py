@@ -75,3 +75,32 @@ def fork_ranks(world: int, worker: Callable[[Any], None], args: Any, timeout_s: 
         if (r == failed or failed < 0) and (logs / f"rank{r}.log").exists():
             print(f"--- rank {r} ---\n{(logs / f'rank{r}.log').read_text()[-3000:]}", file=sys.stderr)
     return 1
+
+
+def resolve_ranks(p: Any, args: Any, topology_file: str | None = None) -> None:
+    """Set ``args.world``, ``args.mesh_names`` and ``args.mesh_sizes`` for a benchmark that forks
+    its own ranks or runs under torchrun / moe-cluster: the world is torchrun's WORLD_SIZE or
+    ``args.world`` (default 8), the mesh ``args.mesh``, else moe-cluster's MOE_CLUSTER_MESH, else
+    node=2,socket=2,gpu=2 for 8 ranks. A topology file must have the mesh's levels. Errors go
+    through the argparse parser ``p``."""
+    from moe_compile import calibrate
+    from moe_compile.cost.topology import Topology
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun and args.world is not None and args.world != int(os.environ["WORLD_SIZE"]):
+        p.error(f"--world {args.world} but torchrun started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
+    if args.world is None:
+        args.world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 8
+    mesh = args.mesh or os.environ.get("MOE_CLUSTER_MESH") or ("node=2,socket=2,gpu=2" if args.world == 8 else None)
+    if mesh is None:
+        p.error(f"--world {args.world}: give --mesh NAME=SIZE,... (slowest first) with product {args.world}")
+    try:
+        args.mesh_names, args.mesh_sizes = calibrate.parse_mesh(mesh)
+        calibrate.check_world_size(args.mesh_names, args.mesh_sizes, args.world)
+        if topology_file is not None:
+            topo = Topology.load(topology_file)
+            if (tuple(topo.level_names), tuple(topo.sizes)) != (args.mesh_names, args.mesh_sizes):
+                raise ValueError(f"--topology {topology_file} has levels {dict(zip(topo.level_names, topo.sizes))}"
+                                 f", the mesh {dict(zip(args.mesh_names, args.mesh_sizes))}: calibrate on this mesh")
+    except (ValueError, OSError) as e:
+        p.error(str(e))
