@@ -177,12 +177,11 @@ class ExpertSwapper:
         """Decide and apply this step's swaps (collective: every rank calls it). Returns the swaps
         made, also appended to each layer's ``swaps``."""
         self.calls += 1
-        layers = self._checked_layers()
-        every = self.options(layers[0]).every
-        if self.calls % every:
+        layers, opts = self._checked_layers()
+        if self.calls % opts[0].every:
             return []
         t0 = time.perf_counter()
-        decisions = self._decide(layers)
+        decisions = self._decide(layers, opts)
         t1 = time.perf_counter()
         records = self._apply([(lay, dec) for lay, dec in zip(layers, decisions, strict=True) if dec is not None])
         t2 = time.perf_counter()
@@ -210,16 +209,19 @@ class ExpertSwapper:
         raise ValueError(f"no expert-parallel layer {layer!r} in this model; its layers are "
                          f"{[lay.name for lay in self.layers()]}")
 
-    def _checked_layers(self) -> list[runtime.EPLayer]:
-        """This model's layers, checked before any collective (the same checks fail alike on every
-        rank: they depend on the compiled graphs and the options, not on the data)."""
+    def _checked_layers(self) -> tuple[list[runtime.EPLayer], list[SwapOptions]]:
+        """This model's layers and their options, checked before any collective (the same checks
+        fail alike on every rank: they depend on the compiled graphs and the options, not on the
+        data)."""
         layers = self.layers()
         if not layers:
             raise ValueError("expert swap found no expert-parallel layer of this model that has run: compile it "
                              "with options={'mesh': ..., 'topology': ..., 'expert_swap': {...}} and call "
                              "swapper.step() after a training step")
-        for lay in layers:
-            opts = self.options(lay)
+        all_opts = [self.options(lay) for lay in layers]
+        if len({o.every for o in all_opts}) > 1:
+            raise ValueError("expert swap: every layer of the model must use the same 'every'")
+        for lay, opts in zip(layers, all_opts, strict=True):
             if lay.swap_blocker:
                 raise ValueError(f"layer {lay.name}: cannot swap its experts: {lay.swap_blocker}")
             if lay.last_topk is None:
@@ -228,11 +230,9 @@ class ExpertSwapper:
             if opts.policy == "hierd" and lay.cost is None:
                 raise ValueError(f"layer {lay.name}: expert swap predicts HierD-AlltoAll times from the cluster's "
                                  "alpha/beta; compile with options['topology'] (a TOML from moe-calibrate)")
-            if any(s.layer_id != layers[0].layer_id and self.options(s).every != opts.every for s in layers):
-                raise ValueError("expert swap: every layer of the model must use the same 'every'")
-        return layers
+        return layers, all_opts
 
-    def _decide(self, layers: list[runtime.EPLayer]) -> list[tuple[Any, ...] | None]:
+    def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[tuple[Any, ...] | None]:
         comm = layers[0].comm
         world, me = comm.world, comm.position
         routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], comm, self.capacity)
@@ -240,15 +240,15 @@ class ExpertSwapper:
         table = torch.zeros(len(layers), 8, dtype=torch.float64)
         for i, lay in enumerate(layers):
             if i % world == me:
-                table[i] = torch.tensor(self._decide_layer(lay, *routings[i]), dtype=torch.float64)
+                table[i] = torch.tensor(self._decide_layer(lay, opts[i], *routings[i]), dtype=torch.float64)
         dist.all_reduce(table)  # each row was filled by one rank: the sum is its decision
         out: list[tuple[Any, ...] | None] = []
         for row in table.tolist():
             out.append((int(row[1]), int(row[2]), int(row[3]), *row[4:]) if row[0] > 0 else None)
         return out
 
-    def _decide_layer(self, lay: runtime.EPLayer, topk: np.ndarray, token_rank: np.ndarray) -> list[float]:
-        opts = self.options(lay)
+    def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, topk: np.ndarray, token_rank: np.ndarray
+                      ) -> list[float]:
         placement = lay.expert_pos_E.cpu().numpy().astype(np.int64)
         d = lay.last_dimension or lay.dimension or 1
         if opts.policy == "hierd":
@@ -337,7 +337,7 @@ def smart_matrix(topk: np.ndarray, num_experts: int, placement: np.ndarray, worl
     load_E = np.bincount(topk.ravel(), minlength=num_experts).astype(np.float64)
     load_G = np.bincount(placement, weights=load_E, minlength=world)
     pa, pb = placement[:, None], placement[None, :]
-    others = _exclusion_table(load_G, np.maximum)[pa, pb] if world > 2 else np.full((num_experts,) * 2, -np.inf)
+    others = _exclusion_table(load_G, np.maximum)[pa, pb]  # -inf where no third rank is left
     delta = load_E[None, :] - load_E[:, None]  # [r, c]: what r's rank gains when r and c swap
     q = np.maximum(others, np.maximum(load_G[pa] + delta, load_G[pb] - delta))
     q[pa == pb] = load_G.max()
