@@ -50,7 +50,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ import torch
 import torch.distributed as dist
 from bench_hier_a2a import CLUSTER_ALPHA_S, CLUSTER_GBPS, calibrate_local, emulated_cluster_info
 from machine import cpu_name, fork_ranks, resolve_ranks
+from swap_report import BASE, DISTRIBUTIONS, PART_NAMES, VARIANTS, ZIPF_EXPONENT, write_report
 from torch import Tensor, nn
 
 import moe_compile
@@ -72,11 +72,6 @@ from moe_compile.cost.topology import Topology
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
 # Shape legend: B batch, S sequence, V vocabulary.
-ZIPF_EXPONENT = 1.2
-VARIANTS = (("HD-d* no swap", None), ("HierD-ES", "hierd"), ("Smart", "smart"))
-BASE = VARIANTS[0][0]
-DISTRIBUTIONS = ("uniform", "zipf")
-PART_NAMES = ("gather_s", "q_s", "predicted_s", "decide_layer_s", "migrate_s", "commit_s")
 
 
 # ---- timing moe_compile.swap's parts from outside -------------------------------------------------
@@ -385,33 +380,6 @@ def aggregate(res: dict[str, Any], names: tuple[str, ...]) -> dict[str, list[dic
     return out
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def summarize(steps: list[dict[str, Any]], window: int, node: str) -> dict[str, Any]:
-    rows = steps[-window:]
-    s: dict[str, Any] = {
-        "steps": len(rows), "pred_s": med([r["pred_s"] for r in rows]),
-        "exact_pred_s": med([r["exact_pred_s"] for r in rows]),
-        "rank_load": med([r["rank_load_max_over_mean"] for r in rows]),
-        "node_bytes_max": med([r["bytes_max"][node] for r in rows]),
-        "node_bytes_sum": med([r["bytes_sum"][node] for r in rows]),
-        "total_bytes_sum": med([sum(r["bytes_sum"].values()) for r in rows]),
-        "comm_s": med([r["comm_s"] for r in rows]), "step_s": med([r["step_s"] for r in rows]),
-        "d": sorted({d for r in rows for d in r["d"]}),
-    }
-    if "overhead" in rows[0]:
-        s.update(swaps=sum(len(r["swaps"]) for r in rows),
-                 overhead_median=med([r["overhead"] for r in rows]), overhead_max=max(r["overhead"] for r in rows),
-                 decision_s=med([r["decision_s"] for r in rows]), migration_s=med([r["migration_s"] for r in rows]),
-                 swap_s=med([r["swap_s"] for r in rows]),
-                 parts={k: med([r["parts_max"][k] for r in rows]) for k in PART_NAMES},
-                 decision_rest_s=med([r["decision_rest_max"] for r in rows]),
-                 migration_rest_s=med([r["migration_rest_max"] for r in rows]))
-    return s
-
-
 # ---- report (rank 0) ------------------------------------------------------------------------------
 
 
@@ -420,189 +388,6 @@ def machine_info(loadavg: float) -> dict[str, Any]:
             "torch_threads_per_rank": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "loadavg_1m_at_start": loadavg,
             "loadavg_1m_at_end": os.getloadavg()[0], "emulated_cluster": emulated_cluster_info()}
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "-"
-
-
-def write_report(payload: dict[str, Any], out: Path | None) -> None:
-    names = tuple(payload["mesh"])
-    node = names[0]
-    window = payload["window"]
-    lines_tab: list[str] = []
-    headers = ["distribution", "steps", "variant", "pred a2a ms", "vs no swap", "pred exact ms", "vs no swap",
-               f"{node} MiB max rank", "vs no swap",
-               f"{node} MiB all ranks", "vs no swap", "rank load max/mean", "d+c ms measured", "vs no swap",
-               "step ms", "vs no swap",
-               "swaps", "d used"]
-    lines_tab += ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    over_headers = ["distribution", "steps", "variant", "overhead median %", "overhead max %", "decision ms",
-                    "migration ms", "gather ms", "Q ms", "predicted ms", "decide rest ms", "p2p ms", "commit ms",
-                    "migration rest ms", "swaps"]
-    over = ["| " + " | ".join(over_headers) + " |", "|" + "|".join("---" for _ in over_headers) + "|"]
-    console_lines = []
-    for dres in payload["distributions"]:
-        kind = dres["distribution"]
-        for label, w in ((f"last {window}", window), (f"all {payload['steps']}", payload["steps"])):
-            summ = {name: summarize(dres["steps"][name], w, node) for name, _ in VARIANTS}
-            dres.setdefault("summary", {})[label] = summ
-            b = summ[BASE]
-            for name, _ in VARIANTS:
-                s = summ[name]
-                lines_tab.append("| " + " | ".join([
-                    kind, label, name, f"{s['pred_s'] * 1e3:.2f}", _ratio(s["pred_s"], b["pred_s"]),
-                    f"{s['exact_pred_s'] * 1e3:.2f}", _ratio(s["exact_pred_s"], b["exact_pred_s"]),
-                    f"{s['node_bytes_max'] / 2**20:.3f}", _ratio(s["node_bytes_max"], b["node_bytes_max"]),
-                    f"{s['node_bytes_sum'] / 2**20:.3f}", _ratio(s["node_bytes_sum"], b["node_bytes_sum"]),
-                    f"{s['rank_load']:.2f}",
-                    f"{s['comm_s'] * 1e3:.1f}", _ratio(s["comm_s"], b["comm_s"]),
-                    f"{s['step_s'] * 1e3:.0f}", _ratio(s["step_s"], b["step_s"]),
-                    str(s.get("swaps", "-")), ",".join(map(str, s["d"]))]) + " |")
-                if "overhead_median" in s:
-                    p = s["parts"]
-                    over.append("| " + " | ".join([
-                        kind, label, name, f"{s['overhead_median'] * 100:.2f}", f"{s['overhead_max'] * 100:.2f}",
-                        f"{s['decision_s'] * 1e3:.2f}", f"{s['migration_s'] * 1e3:.2f}",
-                        f"{p['gather_s'] * 1e3:.2f}", f"{p['q_s'] * 1e3:.2f}", f"{p['predicted_s'] * 1e3:.2f}",
-                        f"{s['decision_rest_s'] * 1e3:.2f}", f"{p['migrate_s'] * 1e3:.2f}",
-                        f"{p['commit_s'] * 1e3:.3f}", f"{s['migration_rest_s'] * 1e3:.2f}", str(s["swaps"])]) + " |")
-                console_lines.append(
-                    f"{kind:8s} {label:8s} {name:14s} pred {s['pred_s'] * 1e3:7.2f} ms "
-                    f"({_ratio(s['pred_s'], b['pred_s'])}) exact {s['exact_pred_s'] * 1e3:7.2f} ms "
-                    f"({_ratio(s['exact_pred_s'], b['exact_pred_s'])})  {node} max {s['node_bytes_max'] / 2**20:6.3f} MiB "
-                    f"({_ratio(s['node_bytes_max'], b['node_bytes_max'])})  all {s['node_bytes_sum'] / 2**20:6.3f} "
-                    f"MiB ({_ratio(s['node_bytes_sum'], b['node_bytes_sum'])})  d+c {s['comm_s'] * 1e3:6.1f} ms "
-                    f"({_ratio(s['comm_s'], b['comm_s'])})  step {s['step_s'] * 1e3:5.0f} ms"
-                    + (f"  swap overhead median {s['overhead_median'] * 100:.2f} % max {s['overhead_max'] * 100:.2f} %"
-                       f" ({s['swaps']} swaps)" if "overhead_median" in s else ""))
-    print("\n".join(console_lines), flush=True)
-    if out is None:
-        return
-    info = payload["machine"]
-    topo = payload["topology"]
-    emu = info["emulated_cluster"]
-    cfg = payload["model"]
-    checks = "; ".join(f"{d['distribution']}: max relative loss difference {d['max_loss_rel_diff']:.1e}, "
-                       f"(step, layer) routings that differ from no-swap's on the worst rank "
-                       f"{d['routing_diffs_max_rank']} of {payload['steps'] * cfg['layers'] * 2}; "
-                       "swaps' predicted_before_s against \"pred exact\" of the same step and layer: largest "
-                       "relative difference " + ", ".join(
-                           f"{n} {d['exact'][n]['swap_predicted_before_rel_diff']:.1e}" for n, p in VARIANTS if p)
-                       for d in payload["distributions"])
-    skews = "; ".join(
-        f"{d['distribution']}: {med([x['all'] for row in d['exact']['routing_skew'] for x in row]):.2f} over all "
-        f"tokens, {med([v for row in d['exact']['routing_skew'] for x in row for v in x['per_node']]):.2f} within a "
-        "node's tokens" for d in payload["distributions"])
-    where = (f"an emulated cluster (moe-cluster, mesh {emu['mesh']}, leaf link tc rate {emu['link_tc_rate']})"
-             if emu else "one machine (every link is loopback)")
-    lines = [
-        "# Expert swap during training: HierD-ES vs Smart vs no swap", "",
-        f"Command: `{payload['command']}`" + (" (on every rank, under `moe-cluster run`)" if emu else ""), "",
-        f"Machine: {info['cpu']}; {info['cpu_count']} CPUs ({info['affinity']} usable); {payload['world']} gloo ranks "
-        f"on {where}, one process and {info['torch_threads_per_rank']} torch thread each; 1-min load average "
-        f"{info['loadavg_1m_at_start']:.2f} at start (before the ranks), {info['loadavg_1m_at_end']:.2f} at the end ("
-        + ", ".join(f"{d['distribution']} {d['loadavg_1m'][0]:.1f} -> {d['loadavg_1m'][1]:.1f}"
-                    for d in payload["distributions"]) + " with the ranks running); "
-        f"torch {info['torch']}; Python {info['python']}; wall {payload['wall_s']:.0f} s.", "",
-        f"Mesh: {' x '.join(f'{n}={s}' for n, s in payload['mesh'].items())}. Topology ({topo['source']}): "
-        + ", ".join(f"{lv['name']} alpha {lv['alpha_s'] * 1e6:.0f} us, {8 / lv['beta_s_per_byte'] / 1e9:.3g} Gbit/s"
-                    for lv in topo["levels"]) + ".", "",
-        f"Model: tiny LM (moe_compile.samples.tiny_lm), {cfg['layers']} layers, `grouped_gemm` MoE, hidden "
-        f"{cfg['hidden']}, ffn {cfg['ffn']}, {cfg['heads']} heads, E={cfg['experts']}, top-{cfg['top_k']}, vocabulary "
-        f"{cfg['vocab']}, fp32; experts sharded (`moe_compile.shard_experts`, {cfg['experts'] // payload['world']} "
-        f"per rank), compiled by hiermoe with aot_eager, d* per layer and step; Adam lr {payload['lr']}, DDP-style "
-        f"gradient averaging. {cfg['batch']} x {cfg['seq']} = {cfg['batch'] * cfg['seq']} tokens per rank per step "
-        f"(each rank its own batches, the same for every variant), {payload['steps']} steps after one warm-up step "
-        "(compiles; gradients dropped).", "",
-        "Data: `uniform`: token ids uniform over the vocabulary. `zipf`: token ids Zipf-distributed (exponent "
-        f"{ZIPF_EXPONENT}) over a permutation of the vocabulary that differs per node (the same on the ranks of one "
-        "node), so each node's frequent tokens, and with them its hot experts, differ. Routing skew, the busiest "
-        f"expert's (token, expert) count over the mean per step and layer (median): {skews}.", "",
-        "Variants, trained side by side from the same weights on the same batches, alternating every step (order "
-        "rotated by one per step): `HD-d* no swap` (contiguous placement), `HierD-ES` (`swapper.step()` after every "
-        "optimizer step, policy `hierd`: HierMoE Section IV, Q* with the smooth max, gamma 10) and `Smart` (policy "
-        "`smart`: minimize the busiest rank's raw (token, expert) count, the paper's HD2-MoE-Smart baseline). A swap "
-        f"never changes what the model computes; checked: {checks}.", "",
-        "Columns (medians over the steps named): \"pred a2a ms\": the cost model's HD-d time of one dispatch "
-        "all-to-all, summed over the layers (`EPLayer.last_times_s[d-1]`, from the forward's max-reduced routing "
-        "statistics under that step's placement). \"pred exact ms\": the same t_d (same d, same placement) from "
-        "every rank's routing together (`hd_statistics` with each token's source rank, after the run): the "
-        "statistic HierD-ES's Q and `SwapRecord.predicted_*_s` use; the runtime's per-rank statistics stand one "
-        "rank's tokens in for every source of a relay and take the max over ranks, an upper estimate. "
-        f"\"{node} MiB\": payload bytes the layers sent across the {node} level in the step (`EPLayer.last_step_bytes()`: dispatch and combine, forward and backward; metadata "
-        "apart), of the busiest rank and over all ranks. \"rank load max/mean\": (token, expert) pairs the busiest "
-        "rank's experts compute over the mean (the worse layer), what Smart balances. \"d+c ms measured\": wall seconds in dispatch + combine, "
-        "both directions, all layers (`EPLayer.step_comm_s`), the slowest rank's. \"step ms\": the training step "
-        "(zero_grad, forward, backward, gradient all-reduce, Adam), after a barrier, the slowest rank's; the swap is "
-        "not in it. \"vs no swap\": median / median of `HD-d* no swap`.", "",
-        "## Traffic and time", "", *lines_tab, "",
-        "## Overhead of swapping every step", "",
-        "overhead = (decision_s + migration_s) / step time, per step (`ExpertSwapper.history`; slowest rank's swap "
-        "over the slowest rank's step; `swapper.step()` starts after a barrier, so it does not include waiting for "
-        "ranks still in their training step). Parts, slowest rank's, timed by wrapping moe_compile.swap's functions "
-        "at run time: gather = the two all-gathers of the routing (`_gather_routing`); Q = the swap matrix "
-        "(`HDCostModel.swap_matrix` for HierD-ES, `smart_matrix` for Smart) on the ranks that decide a layer (layer "
-        "i on rank i mod world); predicted = the two predicted times of a chosen swap (`_predicted`); decide rest = "
-        "decision - gather - the per-layer decisions: the all-reduce handing out the decisions, including the wait "
-        "for the deciding ranks; p2p = `_migrate` (signature and row exchange between the two ranks); commit = "
-        "writing the received rows; migration rest = the agreement all-reduce and the placement update. Each "
-        "part is its own max over ranks, so they do not add up: a rank outside a swap's pair spends the pair's "
-        "exchange waiting in the agreement all-reduce (its migration rest).", "",
-        *over,
-    ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(_rounded(payload), separators=(",", ":")) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", flush=True)
-    plot(payload, out.with_suffix(".png"))
-
-
-def _rounded(x: Any) -> Any:
-    """Floats to 6 significant digits (microseconds of a second are noise here): a smaller JSON."""
-    if isinstance(x, float):
-        return float(f"{x:.6g}")
-    if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_rounded(v) for v in x]
-    return x
-
-
-def plot(payload: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed; no plot written (pip install matplotlib)")
-        return False
-    node = next(iter(payload["mesh"]))
-    dists = payload["distributions"]
-    fig, axes = plt.subplots(2, len(dists), figsize=(6 * len(dists), 7), squeeze=False, sharex=True)
-    for j, dres in enumerate(dists):
-        for k, (name, _) in enumerate(VARIANTS):
-            steps = dres["steps"][name]
-            x = [r["step"] for r in steps]
-            color = f"C{k}"
-            axes[0][j].plot(x, [r["pred_s"] * 1e3 for r in steps], color=color, label=f"{name} (runtime)")
-            axes[0][j].plot(x, [r["exact_pred_s"] * 1e3 for r in steps], color=color, linestyle=":",
-                            label=f"{name} (exact)")
-            axes[1][j].plot(x, [r["bytes_sum"][node] / 2**20 for r in steps], color=color, label=name)
-        axes[0][j].set_title(f"{dres['distribution']}")
-        axes[0][j].set_ylabel("predicted HD-d a2a ms (sum of layers)")
-        axes[1][j].set_ylabel(f"inter-{node} MiB per step (all ranks)")
-        axes[1][j].set_xlabel("training step")
-    axes[0][0].legend(fontsize=7)
-    axes[1][0].legend(fontsize=7)
-    fig.suptitle(f"expert swap: {payload['world']} ranks, tiny LM E={payload['model']['experts']} "
-                 f"top-{payload['model']['top_k']}, {payload['model']['batch'] * payload['model']['seq']} tokens/rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return True
 
 
 # ---- one rank -------------------------------------------------------------------------------------
