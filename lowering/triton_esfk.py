@@ -106,6 +106,16 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
 
 
 @triton.jit
+def _row(slot, top_k, TOKEN: tl.constexpr):
+    """The row a slot reads: its token's (slot // K) for token-indexed tensors, else its own."""
+    if TOKEN:
+        row = slot // top_k
+    else:
+        row = slot
+    return row
+
+
+@triton.jit
 def _estmm_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, b_ptr, num_b, tile_b, tw_ptr, v_ptr, top_k,
                 A_TOKEN: tl.constexpr, A_WEIGHTED: tl.constexpr, B_TOKEN: tl.constexpr, BLK: tl.constexpr,
                 BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -119,14 +129,8 @@ def _estmm_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, b_ptr, num_b,
     for p in range(start, end, BLK):
         slot = tl.load(v_ptr + p + tl.arange(0, BLK)).to(tl.int64)
         ok = slot >= 0
-        if A_TOKEN:
-            row_a = slot // top_k
-        else:
-            row_a = slot
-        if B_TOKEN:
-            row_b = slot // top_k
-        else:
-            row_b = slot
+        row_a = _row(slot, top_k, A_TOKEN)
+        row_b = _row(slot, top_k, B_TOKEN)
         a = tl.load(a_ptr + row_a[:, None] * num_a + offs_a[None, :], mask=ok[:, None] & a_ok[None, :], other=0.0)
         if A_WEIGHTED:  # (w g) rounded to the compute dtype, as the torch lowering's dy
             w = tl.load(tw_ptr + slot, mask=ok, other=0.0)
@@ -151,10 +155,7 @@ def _ess_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, tw_ptr, v_ptr, 
     for p in range(start, end, BLK):
         slot = tl.load(v_ptr + p + tl.arange(0, BLK)).to(tl.int64)
         ok = slot >= 0
-        if A_TOKEN:
-            row = slot // top_k
-        else:
-            row = slot
+        row = _row(slot, top_k, A_TOKEN)
         a = tl.load(a_ptr + row[:, None] * num_a + offs_a[None, :], mask=ok[:, None] & a_ok[None, :],
                     other=0.0).to(tl.float32)
         if A_WEIGHTED:
