@@ -84,7 +84,7 @@ def _plan(ctx: PassContext) -> dict[str, int]:
         work = Workload(num_tokens=reg.num_tokens, hidden_size=reg.hidden_size, ffn_size=r.layout.ffn_size,
                         num_experts=reg.num_experts, top_k=reg.top_k,
                         dtype_bytes=getattr(torch, reg.dtype).itemsize, gated=r.layout.gated)
-        routing = r.routing.numpy() if r.routing is not None else None
+        routing = r.routing.cpu().numpy() if r.routing is not None else None
         opts = ctx.options
         if opts.mesh is None:
             decided = plan(opts.topology, work, routing)
