@@ -243,7 +243,7 @@ def _esfk_kernel(x_ptr, g_ptr, tw_ptr, h_ptr, d_up_ptr, d_gate_ptr, w_up_ptr, w_
 def _esfk_ranges(num_e: int, num_blocks: int, num_h: int, num_f: int, cfg: KernelConfig, gated: bool,
                  biases: tuple[bool, bool, bool]) -> tuple[int, int, int]:
     """Program counts of the ESTMM, ESMM and ESS ranges (must match _esfk_kernel's arithmetic)."""
-    n_f, n_h = triton.cdiv(num_f, cfg.block_f), triton.cdiv(num_h, cfg.block_h)
+    n_f, n_h = triton.cdiv(num_f, cfg.esfk.block_f), triton.cdiv(num_h, cfg.esfk.block_h)
     has_up, has_gate, has_down = biases
     return (num_e * (2 + gated) * n_f * n_h, num_blocks * n_h,
             num_e * (n_f * has_up + n_f * has_gate + n_h * has_down))
@@ -270,11 +270,10 @@ def esfk_backward(
     num_blocks = r.block_expert_B.shape[0]
     dev = x_TH.device
     absent = x_TH
-    launch = dict(BLK=cfg.blk, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h, UPCAST=cfg.upcast,
-                  PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision)
 
     # Step 1: recompute h; dhu = g W_down (ESMM, transposed weight); activation backward; dL/dw partials.
-    num_ft = triton.cdiv(num_f, cfg.block_f)
+    num_ft = triton.cdiv(num_f, cfg.hidden.block_f)
     h_NF = x_TH.new_empty(num_t * num_k, num_f)
     d_up_NF = torch.empty_like(h_NF)
     d_gate_NF = torch.empty_like(h_NF) if gated else absent
@@ -287,7 +286,7 @@ def esfk_backward(
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides3(w_down_EHF),
         *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH),
         ACT=ACTIVATIONS.index(activation), GATED=gated, HAS_B_UP=b_up_EF is not None,
-        HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, **launch,
+        HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, **common, **cfg.hidden.launch(),
     )
     d_tw_N = dw_part_NJ.sum(1)
 
@@ -313,7 +312,7 @@ def esfk_backward(
             r.v_P, r.block_expert_B, r.starts_E1, num_e, num_blocks, num_h, num_f, num_k,
             *strides3(w_up_EFH), *strides3(w_gate_EFH),
             GATED=gated, HAS_B_UP=biases[0], HAS_B_GATE=biases[1], HAS_B_DOWN=biases[2], ATOMIC=atomic,
-            DO_ESTMM=do_estmm, DO_ESMM=do_esmm, DO_ESS=do_ess, **launch,
+            DO_ESTMM=do_estmm, DO_ESMM=do_esmm, DO_ESS=do_ess, **common, **cfg.esfk.launch(),
         )
     dx_TH = dx_acc if atomic else dx_acc.view(num_t, num_k, num_h).sum(1)
     return dx_TH.to(x_TH.dtype), d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down

@@ -42,16 +42,38 @@ COMBINES = ("atomic", "slots")
 
 
 @dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters shared by the forward and backward kernels."""
+class Tiles:
+    """One kernel's launch: its tile over F, its tile over H, warps and software-pipeline stages.
+    Which of F and H is the output tile and which the reduction tile depends on the kernel (see
+    each launcher); the M tile is always ``KernelConfig.blk``."""
 
-    blk: int = 64  # slots per block: the re-index padding unit and the M tile of every ESMM
-    block_f: int = 64  # tile over F (output tile of the up ESMM, reduction tile of the down ESMM)
-    block_h: int = 64  # tile over H
+    block_f: int = 64
+    block_h: int = 64
     # 8 warps: ptxas (sm_90, bf16, 64-wide tiles) then fits every kernel without spills; with 4 the
     # fused ESFK spills and the gated up kernel sits at 255 registers
     num_warps: int = 8
     num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for b in (self.block_f, self.block_h):
+            assert b >= 16 and b & (b - 1) == 0, "tile sizes are tl.dot dimensions: powers of two >= 16"
+
+    def launch(self) -> dict[str, int]:
+        return dict(BLOCK_F=self.block_f, BLOCK_H=self.block_h, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the forward and backward kernels: one re-index block size and each
+    kernel's own tiles (``up`` and ``down``: the forward's two ESMM launches; ``hidden``: the
+    backward's first launch; ``esfk``: the fused ESTMM/ESMM/ESS launch)."""
+
+    blk: int = 64  # slots per block: the re-index padding unit and the M tile of every ESMM
+    up: Tiles = Tiles()
+    down: Tiles = Tiles()
+    hidden: Tiles = Tiles()
+    esfk: Tiles = Tiles()
     combine: str = "atomic"  # top-k accumulation of y and dx: "atomic" or "slots"
     fused: bool = True  # backward: one ESFK launch, or ESTMM, ESMM and ESS launched separately
     upcast: bool = False  # tl.dot on fp32 copies of the tiles (the interpreter's bf16 dot is wrong)
@@ -59,8 +81,13 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         assert self.combine in COMBINES, self.combine
-        for b in (self.blk, self.block_f, self.block_h):
-            assert b >= 16 and b & (b - 1) == 0, "tile sizes are tl.dot dimensions: powers of two >= 16"
+        assert self.blk >= 16 and self.blk & (self.blk - 1) == 0, "blk is a tl.dot dimension: a power of two >= 16"
+
+    @classmethod
+    def uniform(cls, blk: int, block_f: int, block_h: int, **kw: object) -> KernelConfig:
+        """Every kernel with the same tiles."""
+        t = Tiles(block_f, block_h)
+        return cls(blk=blk, up=t, down=t, hidden=t, esfk=t, **kw)  # type: ignore[arg-type]
 
 
 @triton.jit
@@ -214,23 +241,23 @@ def esmm_forward(
     num_blocks = r.block_expert_B.shape[0]
     absent = x_TH  # stands in for a missing optional tensor; its HAS_* flag keeps it unread
     h_NF = x_TH.new_empty(num_t * num_k, num_f)
-    wrap_triton(_esmm_up_kernel)[(num_blocks, triton.cdiv(num_f, cfg.block_f))](
+    wrap_triton(_esmm_up_kernel)[(num_blocks, triton.cdiv(num_f, cfg.up.block_f))](
         x_TH, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH,
         absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
         h_NF, r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides2(b_up_EF), *strides2(b_gate_EF),
         ACT=ACTIVATIONS.index(activation), GATED=w_gate_EFH is not None, HAS_B_UP=b_up_EF is not None,
-        HAS_B_GATE=b_gate_EF is not None, BLK=cfg.blk, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h,
-        UPCAST=cfg.upcast, PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_B_GATE=b_gate_EF is not None, BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision,
+        **cfg.up.launch(),
     )
     atomic = cfg.combine == "atomic"
     rows = num_t if atomic else num_t * num_k
     out = torch.zeros(rows, num_h, dtype=torch.float32, device=x_TH.device)
-    wrap_triton(_esmm_down_kernel)[(num_blocks, triton.cdiv(num_h, cfg.block_h))](
+    wrap_triton(_esmm_down_kernel)[(num_blocks, triton.cdiv(num_h, cfg.down.block_h))](
         h_NF, w_down_EHF, absent if b_down_EH is None else b_down_EH, tw_N, out, r.v_P, r.block_expert_B,
         num_h, num_f, num_k, *strides3(w_down_EHF), *strides2(b_down_EH),
-        HAS_B_DOWN=b_down_EH is not None, ATOMIC=atomic, BLK=cfg.blk, BLOCK_F=cfg.block_f, BLOCK_H=cfg.block_h,
-        UPCAST=cfg.upcast, PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_B_DOWN=b_down_EH is not None, ATOMIC=atomic, BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision,
+        **cfg.down.launch(),
     )
     y_TH = out if atomic else out.view(num_t, num_k, num_h).sum(1)  # fixed order over k
     return y_TH.to(x_TH.dtype)

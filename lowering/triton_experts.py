@@ -54,7 +54,7 @@ from moe_compile.lowering import triton_esmm
 from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
 from moe_compile.lowering.experts_ref import check_activation
 from moe_compile.lowering.triton_esfk import esfk_backward
-from moe_compile.lowering.triton_esmm import KernelConfig, esmm_forward
+from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward
 
 __all__ = ["INTERPRETED", "KernelConfig", "experts_triton", "experts_triton_backward", "interpreter_error",
            "kernel_config"]
@@ -91,18 +91,52 @@ def _combine() -> str:
     return mode
 
 
-def kernel_config(x_TH: Tensor, num_h: int, num_f: int) -> KernelConfig:
-    """Tile sizes and modes for one call: GPU tiles of 64, small tiles in the interpreter (its cost
-    grows with every element a program touches, padding included)."""
+# GPU launch tiles per kernel (block_f, block_h, warps, stages), chosen by bench/tune_kernels.py on an
+# H100 (bench/results/tune_kernels.md). They need up to ~200 KiB of shared memory per block (the
+# up kernel's two 128x128 weight tiles and its x tile, 3 stages deep), which Hopper has (227 KiB);
+# devices with less get 64-wide tiles (about 72 KiB), which every CUDA GPU since Volta holds.
+HOPPER_TILES = dict(up=Tiles(128, 128, 8, 3), down=Tiles(64, 256, 8, 4), hidden=Tiles(128, 128, 8, 3),
+                    esfk=Tiles(128, 128, 8, 3))
+SMALL_TILES = dict(up=Tiles(), down=Tiles(), hidden=Tiles(), esfk=Tiles())
+GPU_BLK_MAX = 128
+
+
+def gpu_tiles(device: torch.device, dtype: torch.dtype) -> dict[str, Tiles]:
+    """Each kernel's tiles for ``dtype`` tensors on ``device``: the tuned Hopper tiles for 16-bit
+    types where a block may take 227 KiB of shared memory, else 64-wide ones (fp32 tiles take twice
+    the bytes)."""
+    if device.type != "cuda":
+        return SMALL_TILES
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    return HOPPER_TILES if optin >= 227 * 1024 and dtype.itemsize == 2 else SMALL_TILES
+
+
+def gpu_blk(num_slots: int, num_e: int, blk_max: int = GPU_BLK_MAX) -> int:
+    """Re-index block (the M tile) for N = T*K slots over E experts: the mean expert load rounded up to
+    a power of two, between 16 (tl.dot's least M) and ``blk_max``, so small batches are not padded
+    to a large tile (every expert is padded by at most blk - 1 slots, Alg. 1)."""
+    if not isinstance(num_slots, int):  # a symbolic T (dynamic shapes): no guard on the load
+        return blk_max
+    mean = -(-num_slots // max(num_e, 1))
+    return min(blk_max, max(16, triton.next_power_of_2(mean)))
+
+
+def kernel_config(x_TH: Tensor, num_k: int, num_e: int, num_f: int) -> KernelConfig:
+    """Tile sizes and modes for one call: on GPU the tuned ``gpu_tiles`` and a re-index block sized to
+    the mean expert load; small tiles in the interpreter (its cost grows with every element a
+    program touches, padding included)."""
     fused = os.environ.get("HIERMOE_TRITON_FUSED", "1") != "0"
+    num_h = x_TH.shape[1]
     if INTERPRETED:
         def tile(n: int) -> int:
             return min(32, max(16, triton.next_power_of_2(n)))
 
-        return KernelConfig(blk=16, block_f=tile(num_f), block_h=tile(num_h), combine=_combine(), fused=fused,
-                            upcast=True)
+        return KernelConfig.uniform(16, tile(num_f), tile(num_h), combine=_combine(), fused=fused, upcast=True)
     tf32 = x_TH.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
-    return KernelConfig(combine=_combine(), fused=fused, precision="tf32" if tf32 else "ieee")
+    tiles = gpu_tiles(x_TH.device, x_TH.dtype)
+    return KernelConfig(blk=gpu_blk(x_TH.shape[0] * num_k, num_e), up=tiles["up"], down=tiles["down"],
+                        hidden=tiles["hidden"], esfk=tiles["esfk"], combine=_combine(), fused=fused,
+                        precision="tf32" if tf32 else "ieee")
 
 
 def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
@@ -124,7 +158,7 @@ def _forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_
              activation: str) -> Tensor:
     if topk_idx.numel() == 0:
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
-    cfg = kernel_config(x, x.shape[1], w_up.shape[1])
+    cfg = kernel_config(x, topk_idx.shape[1], w_up.shape[0], w_up.shape[1])
     tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return esmm_forward(x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
                            activation, cfg)
@@ -139,7 +173,7 @@ def _backward(grad: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w
     if topk_idx.numel() == 0:
         return (fresh(x), fresh(topk_weights), fresh(w_up), fresh(w_gate), fresh(w_down), fresh(b_up),
                 fresh(b_gate), fresh(b_down))
-    cfg = kernel_config(x, x.shape[1], w_up.shape[1])
+    cfg = kernel_config(x, topk_idx.shape[1], w_up.shape[0], w_up.shape[1])
     tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
     dx, d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = esfk_backward(
         grad.contiguous(), x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,

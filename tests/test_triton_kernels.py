@@ -227,7 +227,7 @@ def test_slot_buffer_combine_and_unfused_backward(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("HIERMOE_TRITON_COMBINE", "slots")
     monkeypatch.setenv("HIERMOE_TRITON_FUSED", "0")  # ESTMM, ESMM, ESS as three launches
     x = torch.zeros(2, 16)
-    cfg = triton_experts.kernel_config(x, 16, 16)
+    cfg = triton_experts.kernel_config(x, 2, 4, 16)
     assert cfg.combine == "slots" and not cfg.fused
     check_op(True, True, "silu", torch.float32)
 
@@ -236,15 +236,15 @@ def test_slot_buffer_combine_and_unfused_backward(monkeypatch: pytest.MonkeyPatc
 def test_combine_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIERMOE_TRITON_COMBINE", raising=False)
     x = torch.zeros(2, 16)
-    assert triton_experts.kernel_config(x, 16, 16).combine == "atomic"
+    assert triton_experts.kernel_config(x, 2, 4, 16).combine == "atomic"
     torch.use_deterministic_algorithms(True)
     try:  # atomics add in a run-dependent order: deterministic mode takes the per-slot buffer
-        assert triton_experts.kernel_config(x, 16, 16).combine == "slots"
+        assert triton_experts.kernel_config(x, 2, 4, 16).combine == "slots"
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("HIERMOE_TRITON_COMBINE", "sometimes")
     with pytest.raises(ValueError, match="HIERMOE_TRITON_COMBINE"):
-        triton_experts.kernel_config(x, 16, 16)
+        triton_experts.kernel_config(x, 2, 4, 16)
 
 
 @interp
@@ -258,7 +258,7 @@ def test_launchers_with_many_small_tiles(fused: bool) -> None:
     want_y = torch.ops.hiermoe.experts(*args, "gelu")
     want = experts_reference_backward(grad, *args, "gelu")
     for combine in ("atomic", "slots"):
-        cfg = triton_esmm.KernelConfig(blk=16, block_f=16, block_h=16, combine=combine, fused=fused, upcast=True)
+        cfg = triton_esmm.KernelConfig.uniform(16, 16, 16, combine=combine, fused=fused, upcast=True)
         tw_N = tw.reshape(-1).float()
         y = triton_esmm.esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
         got = triton_esfk.esfk_backward(grad, x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
@@ -424,11 +424,14 @@ def _cuda_case(num_t: int, num_k: int, num_e: int, num_h: int, num_f: int, dtype
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("combine", ["atomic", "slots"])
-def test_gpu_matches_torch_op(dtype: torch.dtype, combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("num_t", [1000, 40])  # re-index blocks of 128 and of 16 slots (gpu_blk)
+def test_gpu_matches_torch_op(dtype: torch.dtype, combine: str, num_t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HIERMOE_TRITON_COMBINE", combine)
-    args = _cuda_case(1000, 2, 8, 256, 352, dtype)  # F = 352: a masked tail tile
+    cfg = triton_experts.kernel_config(torch.empty(num_t, 256, device="cuda", dtype=dtype), 2, 8, 352)
+    assert cfg.blk == (128 if num_t == 1000 else 16)
+    args = _cuda_case(num_t, 2, 8, 256, 352, dtype)  # F = 352: a masked tail tile at 64- and 128-wide tiles
     leaves = [a.requires_grad_() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
-    grad = torch.randn(1000, 256, device="cuda").to(dtype)
+    grad = torch.randn(num_t, 256, device="cuda").to(dtype)
     y = torch.ops.hiermoe.experts_triton(*leaves, "silu")
     ref = torch.ops.hiermoe.experts(*[a.detach().float() if isinstance(a, Tensor) and a.is_floating_point() else a
                                       for a in leaves], "silu")
