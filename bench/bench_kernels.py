@@ -321,9 +321,8 @@ def write(out: Path, rows: list[Row], info: dict[str, Any], command: str, cpu: b
             "of the scale) and peak tensor bytes of one call (torch.profiler CPU allocator events) only; "
             "interpreter times mean nothing and are not reported.",
             "",
-            "**GPU numbers (time, TFLOP/s, fraction of bf16 peak, CUDA peak memory): not measured yet; no GPU "
-            "was available.** On a CUDA machine run `python bench/bench_kernels.py` (all three shapes, "
-            "T in 128/1024/8192/32768), which rewrites this file.",
+            "GPU numbers (time, TFLOP/s, fraction of bf16 peak, CUDA peak memory) are in `kernels.md`, written by "
+            "`python bench/bench_kernels.py` on a CUDA machine (all three shapes, T in 128/1024/8192/32768).",
         ]
     else:
         notes = [
@@ -348,10 +347,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU, if not known")
     parser.add_argument("--cpu-check", action="store_true",
                         help="no GPU: correctness and memory at tiny shapes in the Triton interpreter")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernels",
-                        help="results path without suffix (.md and .json are written)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results path without suffix (.md and .json are written; default "
+                             "bench/results/kernels, or kernels_cpu_check with --cpu-check)")
     args = parser.parse_args(argv)
     command = "python bench/bench_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.out is None:
+        args.out = Path(__file__).parent / "results" / ("kernels_cpu_check" if args.cpu_check else "kernels")
 
     if not lowering.HAS_TRITON:
         raise SystemExit("the triton package is not installed: pip install 'triton>=3.3'")

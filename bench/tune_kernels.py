@@ -1,0 +1,222 @@
+"""Launch-tile sweep for the HEXA-MoE Triton kernels on a CUDA device: which tiles, warps and stages
+each kernel (``up``/``down`` forward ESMMs, ``hidden`` and ``esfk`` backward) should use, and which
+re-index block size. The winners become ``lowering.triton_experts.HOPPER_TILES`` / ``GPU_BLK_MAX``.
+
+    python bench/tune_kernels.py --models mixtral qwen3 --tokens 8192   # writes bench/results/tune_kernels.*
+
+Method: bf16, the shapes of bench_kernels.py, uniform random top-k routing. Coordinate descent per
+kernel, the other kernels held at 64-wide tiles (``SMALL_TILES``): first the (block_f, block_h)
+tile pair at 8 warps / 3 stages (tiles past 128x128 at 2 stages too), then warps and stages for the
+best pair. Each candidate: one untimed call (Triton compiles it), then ``--reps`` calls timed with
+CUDA events, median kept. The forward kernels are timed through ``esmm_forward`` (both launches,
+one of them varied), the backward ones through ``esfk_backward``. A candidate that does not compile or fit (shared memory, registers) is recorded
+with its error. Last, the re-index block: blk in {64, 128} with the winning tiles, forward +
+backward.
+
+``--breakdown`` instead runs the op as shipped (``torch.ops.hiermoe.experts_triton`` forward +
+backward, the tiles of ``kernel_config``) under each top-k combine (atomic, slots) and backward form
+(fused ESFK, or ESTMM/ESMM/ESS as three launches) and reports every kernel's CUDA time from
+torch.profiler, summed over ``--reps`` calls after one untimed call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kernels import MODELS, make_args  # noqa: E402
+
+from moe_compile.lowering.triton_esfk import esfk_backward  # noqa: E402
+from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward  # noqa: E402
+from moe_compile.lowering.triton_experts import SMALL_TILES  # noqa: E402
+from moe_compile.lowering.triton_reindex import build_reindex  # noqa: E402
+
+PAIRS = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 64), (64, 256), (256, 128), (128, 256))
+LAUNCH = ((4, 3), (8, 3), (8, 4), (4, 4), (8, 2), (4, 2))
+KERNELS = ("up", "down", "hidden", "esfk")
+FORWARD = ("up", "down")
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # compile
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None],
+          kernels: tuple[str, ...] = KERNELS) -> dict[str, Any]:
+    hidden, ffn, num_e, top_k = MODELS[model]
+    x, idx, tw, w_up, w_gate, w_down, *_ = make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")
+    tw_N = tw.reshape(-1).float().contiguous()
+    g = torch.randn_like(x)
+    best = dict(SMALL_TILES)
+
+    def run(kernel: str, cfg: KernelConfig) -> Callable[[], Any]:
+        r = build_reindex(idx, num_e, cfg.blk)
+        if kernel in FORWARD:
+            return lambda: esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
+        return lambda: esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
+
+    def measure(kernel: str, tiles: Tiles, blk: int = 128) -> float:
+        cfg = KernelConfig(blk=blk, **{**best, kernel: tiles})
+        row: dict[str, Any] = dict(model=model, tokens=num_t, kernel=kernel, blk=blk, **dataclasses.asdict(tiles))
+        try:
+            row["ms"] = timed(run(kernel, cfg), reps)
+        except Exception as exc:  # a candidate that does not fit is recorded and skipped
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            row["ms"] = float("inf")
+            torch.cuda.synchronize()
+        log(row)
+        return row["ms"]
+
+    for kernel in kernels:
+        first: dict[tuple[int, int, int, int], float] = {}  # (block_f, block_h, warps, stages) -> ms
+        for pf, ph in PAIRS:  # tiles past 128x128 also at 2 stages (3 rarely fit in shared memory)
+            for stages in ((3, 2) if pf * ph > 128 * 128 else (3,)):
+                first[(pf, ph, 8, stages)] = measure(kernel, Tiles(pf, ph, 8, stages))
+        pf, ph, w0, s0 = min(first, key=lambda k: first[k])
+        launch_ms = {(w0, s0): first[(pf, ph, w0, s0)]}
+        for w, s in LAUNCH:
+            if (w, s) not in launch_ms:
+                launch_ms[(w, s)] = measure(kernel, Tiles(pf, ph, w, s))
+        w, s = min(launch_ms, key=lambda k: launch_ms[k])
+        best[kernel] = Tiles(pf, ph, w, s)
+    blk_ms = {}
+    for blk in (64, 128):
+        cfg = KernelConfig(blk=blk, **best)
+        r = build_reindex(idx, num_e, blk)
+
+        def both(cfg: KernelConfig = cfg, r: Any = r) -> None:
+            esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
+            esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
+
+        blk_ms[blk] = timed(both, reps)
+        log(dict(model=model, tokens=num_t, kernel="fwd+bwd", blk=blk, ms=blk_ms[blk]))
+    return dict(model=model, tokens=num_t, best={k: dataclasses.asdict(v) for k, v in best.items()},
+                blk_ms=blk_ms)
+
+
+def breakdown(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None]) -> None:
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden, ffn, num_e, top_k = MODELS[model]
+    args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    g = torch.randn_like(args[0])
+
+    def call() -> None:
+        y = torch.ops.hiermoe.experts_triton(*args, "silu")
+        torch.autograd.grad(y, leaves, g)
+
+    for combine in ("atomic", "slots"):
+        for fused in ("1", "0"):
+            os.environ["HIERMOE_TRITON_COMBINE"], os.environ["HIERMOE_TRITON_FUSED"] = combine, fused
+            call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    call()
+                torch.cuda.synchronize()
+            kernels: dict[str, float] = {}
+            for ev in prof.key_averages():
+                us = getattr(ev, "device_time_total", 0.0)
+                if us > 0:
+                    kernels[ev.key[:60]] = round(us / reps / 1000, 3)
+            log(dict(model=model, tokens=num_t, combine=combine, fused=fused == "1",
+                     total_ms=round(sum(kernels.values()), 3), kernels=kernels))
+
+
+def report(data: dict[str, Any]) -> str:
+    """Markdown of one results JSON (a sweep or a breakdown)."""
+    lines = [f"Command: `{data.get('command', '?')}`", "",
+             f"Device: {data.get('device', '?')}; torch {data.get('torch', '?')}.", ""]
+    sweep_rows = [r for r in data["rows"] if "kernels" not in r]
+    if sweep_rows:
+        lines += ["| model | T | kernel | blk | block_f | block_h | warps | stages | ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in sweep_rows:
+            ms = r.get("error") or f"{r['ms']:.2f}"
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['kernel']} | {r['blk']} | {r.get('block_f', '')} | "
+                         f"{r.get('block_h', '')} | {r.get('num_warps', '')} | {r.get('num_stages', '')} | {ms} |")
+        for res in data.get("results", []):
+            best = ", ".join(f"{k} {v['block_f']}x{v['block_h']} w{v['num_warps']} s{v['num_stages']}"
+                             for k, v in res["best"].items())
+            lines += ["", f"Best for {res['model']} T={res['tokens']}: {best}; fwd+bwd by blk: "
+                      + ", ".join(f"{b}: {ms:.2f} ms" for b, ms in res["blk_ms"].items())]
+    split = [r for r in data["rows"] if "kernels" in r]
+    if split:
+        names = sorted({k for r in split for k in r["kernels"] if k.startswith("_")})
+        lines += ["| model | T | combine | backward | total ms | " + " | ".join(names) + " | other |",
+                  "|---" * (5 + len(names) + 1) + "|"]
+        for r in split:
+            ours = [r["kernels"].get(k, 0.0) for k in names]
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['combine']} | {'ESFK' if r['fused'] else '3 launches'}"
+                         f" | {r['total_ms']:.2f} | " + " | ".join(f"{v:.2f}" for v in ours)
+                         + f" | {r['total_ms'] - sum(ours):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["mixtral", "qwen3"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    parser.add_argument("--breakdown", action="store_true", help="per-kernel times of the shipped op, no sweep")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tune_kernels")
+    parser.add_argument("--report", nargs="+", type=Path, default=None,
+                        help="no GPU needed: rewrite bench/results/tune_kernels.md from these results JSONs")
+    args = parser.parse_args()
+    if args.report:
+        parts = ["# Triton kernel launch tiles: sweeps and per-kernel breakdown", "",
+                 "Written by `python bench/tune_kernels.py --report " + " ".join(map(str, args.report)) + "`.", ""]
+        for path in args.report:
+            parts += [f"## {path.name}", "", report(json.loads(path.read_text()))]
+        (Path(__file__).parent / "results" / "tune_kernels.md").write_text("\n".join(parts))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_kernels.py needs a CUDA device")
+    rows: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    head = dict(command="python bench/tune_kernels.py " + " ".join(sys.argv[1:]),
+                device=torch.cuda.get_device_name(), torch=torch.__version__)
+
+    def log(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        args.out.with_suffix(".json").write_text(json.dumps(dict(**head, rows=rows, results=results), indent=1))
+
+    for model in args.models:
+        for num_t in args.tokens:
+            gc.collect()  # the previous shape's tensors go before the next shape's are made
+            torch.cuda.empty_cache()
+            if args.breakdown:
+                breakdown(model, num_t, args.reps, log)
+                continue
+            results.append(sweep(model, num_t, args.reps, log, tuple(args.kernels)))
+            print(json.dumps(results[-1]), flush=True)
+    args.out.with_suffix(".json").write_text(json.dumps(dict(**head, rows=rows, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
