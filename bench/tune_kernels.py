@@ -143,8 +143,15 @@ def breakdown(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]],
                 us = getattr(ev, "device_time_total", 0.0)
                 if us > 0:
                     kernels[ev.key[:60]] = round(us / reps / 1000, 3)
-            log(dict(model=model, tokens=num_t, combine=combine, fused=fused == "1",
-                     total_ms=round(sum(kernels.values()), 3), kernels=kernels))
+            row = dict(model=model, tokens=num_t, combine=combine, fused=fused == "1",
+                       total_ms=round(sum(kernels.values()), 3), kernels=kernels)
+            if fused == "0":  # the launches of _esfk_kernel in order: ESTMM, ESMM (dx), ESS (only with biases)
+                launches = [ev.device_time_total for ev in prof.events()
+                            if ev.name.startswith("_esfk_kernel") and ev.device_time_total > 0]
+                n = len(launches) // reps
+                row["esfk_split_ms"] = {part: round(sum(launches[i::n]) / reps / 1000, 3)
+                                        for i, part in enumerate(("estmm", "esmm_dx", "ess")[:n])}
+            log(row)
 
 
 def report(data: dict[str, Any]) -> str:
@@ -170,7 +177,9 @@ def report(data: dict[str, Any]) -> str:
                   "|---" * (5 + len(names) + 1) + "|"]
         for r in split:
             ours = [r["kernels"].get(k, 0.0) for k in names]
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['combine']} | {'ESFK' if r['fused'] else '3 launches'}"
+            split_ms = ", ".join(f"{k} {v:.2f}" for k, v in r.get("esfk_split_ms", {}).items())
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['combine']} | "
+                         f"{'ESFK' if r['fused'] else 'separate launches'}{f' ({split_ms})' if split_ms else ''}"
                          f" | {r['total_ms']:.2f} | " + " | ".join(f"{v:.2f}" for v in ours)
                          + f" | {r['total_ms'] - sum(ours):.2f} |")
     return "\n".join(lines) + "\n"
