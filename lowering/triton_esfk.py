@@ -10,7 +10,11 @@ Two launches after the re-index (nothing but the op's inputs is saved by forward
       d_up = dh act(gate), d_gate = dh up act'(gate) (non-gated: d_up = dh act'(up)), and the
       routing weight's gradient dL/dw[s] = <g[t], y_e[s]> = <dhu[s], h[s]> + <g[t], b_down[e]>
       (so y_e is never recomputed), summed over F tiles from a per-(slot, tile) partial buffer.
-      Stores h, d_up, d_gate per slot ([N, F], x's dtype).
+      Stores h, d_up, d_gate in v's order ([P, F], P = blocks x BLK, x's dtype; a padding entry's
+      d_up and d_gate rows are zero, as w = 0 there, and its h row only ever meets zero rows of
+      w g), so the launch below reads them as contiguous rows instead of gathering them through v
+      (on an H100, Mixtral shape, T=8192: this launch 16.1 -> 13.5 ms; the ESTMM, which still
+      gathers x and g by token, stayed at 36 ms, bench/results/tune_kernels.md).
   ESFK (one 1-D grid of three program ranges, HEXA-MoE's fused kernel with equal-shape blocks)
       ESTMM  dW_up[e] = sum_s d_up[s]^T x[t], dW_gate[e] likewise, dW_down[e] = sum_s (w[s] g[t])^T h[s]
              (Alg. 4; Table 5 steps 5, 9): one program per (expert, output tile), looping over that
@@ -25,10 +29,10 @@ Two launches after the re-index (nothing but the op's inputs is saved by forward
 As in the torch lowering, gradients of weights are returned in the weights' dtypes, dx in x's,
 dL/dw in topk_weights'; accumulation is fp32 throughout.
 
-Shape legend: T tokens, K experts per token, N = T*K slots, E experts, H hidden, F ffn, BLK slots
-per block; g_TH (grad of y), x_TH, tw_N (fp32 routing weights), h_NF, d_up_NF, d_gate_NF,
-dw_part_NJ (J = F tiles), dx_TH, d_w_up_EFH, d_w_gate_EFH, d_w_down_EHF, d_b_up_EF, d_b_gate_EF,
-d_b_down_EH.
+Shape legend: T tokens, K experts per token, N = T*K slots, P = positions of v (blocks x BLK),
+E experts, H hidden, F ffn, BLK slots per block; g_TH (grad of y), x_TH, tw_N (fp32 routing
+weights), h_PF, d_up_PF, d_gate_PF, dw_part_NJ (J = F tiles), dx_TH, d_w_up_EFH, d_w_gate_EFH,
+d_w_down_EHF, d_b_up_EF, d_b_gate_EF, d_b_down_EH.
 """
 
 from __future__ import annotations
@@ -57,13 +61,14 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
     pid_f = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_b)
     if expert >= 0:
-        slot = tl.load(v_ptr + pid_b * BLK + tl.arange(0, BLK)).to(tl.int64)
+        pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
+        slot = tl.load(v_ptr + pos).to(tl.int64)
         ok = slot >= 0
         tok = slot // top_k
         e64 = expert.to(tl.int64)
         offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = offs_f < num_f
-        mask = ok[:, None] & f_ok[None, :]
+        mask = (pos >= 0)[:, None] & f_ok[None, :]  # every row of the block: padding rows store zeros
         zero = tl.zeros((BLK, BLOCK_F), tl.float32)
         up = esmm_tile(zero, x_ptr, tok, ok, w_up_ptr, e64 * s_up_e, s_up_f, s_up_h, offs_f, num_f, num_h,
                        BLOCK_H, UPCAST, PRECISION)
@@ -84,14 +89,14 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
             dh = dhu * w[:, None]
             d_up = dh * a
             d_gate = dh * up * act_grad(gate, ACT)
-            tl.store(d_gate_ptr + slot[:, None] * num_f + offs_f[None, :], d_gate.to(d_gate_ptr.dtype.element_ty),
+            tl.store(d_gate_ptr + pos[:, None] * num_f + offs_f[None, :], d_gate.to(d_gate_ptr.dtype.element_ty),
                      mask=mask)
         else:
             h = act_fwd(up, ACT)
             d_up = dhu * w[:, None] * act_grad(up, ACT)
         h_q = h.to(h_ptr.dtype.element_ty)  # what the forward's second matmul read
-        tl.store(h_ptr + slot[:, None] * num_f + offs_f[None, :], h_q, mask=mask)
-        tl.store(d_up_ptr + slot[:, None] * num_f + offs_f[None, :], d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + pos[:, None] * num_f + offs_f[None, :], h_q, mask=mask)
+        tl.store(d_up_ptr + pos[:, None] * num_f + offs_f[None, :], d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
         part = tl.sum(dhu * h_q.to(tl.float32), axis=1)
         if HAS_B_DOWN:
             if pid_f == 0:  # <g[t], b_down[e]> once per slot
@@ -106,13 +111,18 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
 
 
 @triton.jit
-def _row(slot, top_k, TOKEN: tl.constexpr):
-    """The row a slot reads: its token's (slot // K) for token-indexed tensors, else its own."""
+def _rows(slot, pos, top_k, TOKEN: tl.constexpr):
+    """The rows a block of v reads, and which are valid: its slots' tokens (slot // K, where
+    slot >= 0) for token-indexed tensors (x, g), else its own positions in v for the tensors the
+    hidden launch stored in v's order (h, d_up, d_gate: every row is read; see the module note on
+    padding rows)."""
     if TOKEN:
         row = slot // top_k
+        ok = slot >= 0
     else:
-        row = slot
-    return row
+        row = pos
+        ok = pos >= 0
+    return row, ok
 
 
 @triton.jit
@@ -120,22 +130,25 @@ def _estmm_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, b_ptr, num_b,
                 A_TOKEN: tl.constexpr, A_WEIGHTED: tl.constexpr, B_TOKEN: tl.constexpr, BLK: tl.constexpr,
                 BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out[e, a-tile, b-tile] = sum over expert e's slots s of A[s]^T B[s] (Alg. 4). Rows of A and B
-    are gathered by token (t = s // K) or by slot; A_WEIGHTED multiplies A's row by w[s]."""
+    are gathered by token (t = s // K) or read at the slot's position in v; A_WEIGHTED multiplies
+    A's row by w[s]."""
     offs_a = tile_a * BLOCK_A + tl.arange(0, BLOCK_A)
     offs_b = tile_b * BLOCK_B + tl.arange(0, BLOCK_B)
     a_ok = offs_a < num_a
     b_ok = offs_b < num_b
     acc = tl.zeros((BLOCK_A, BLOCK_B), tl.float32)
     for p in range(start, end, BLK):
-        slot = tl.load(v_ptr + p + tl.arange(0, BLK)).to(tl.int64)
-        ok = slot >= 0
-        row_a = _row(slot, top_k, A_TOKEN)
-        row_b = _row(slot, top_k, B_TOKEN)
-        a = tl.load(a_ptr + row_a[:, None] * num_a + offs_a[None, :], mask=ok[:, None] & a_ok[None, :], other=0.0)
+        pos = p + tl.arange(0, BLK).to(tl.int64)
+        slot = tl.load(v_ptr + pos).to(tl.int64)
+        row_a, ok_a = _rows(slot, pos, top_k, A_TOKEN)
+        row_b, ok_b = _rows(slot, pos, top_k, B_TOKEN)
+        a = tl.load(a_ptr + row_a[:, None] * num_a + offs_a[None, :], mask=ok_a[:, None] & a_ok[None, :],
+                    other=0.0)
         if A_WEIGHTED:  # (w g) rounded to the compute dtype, as the torch lowering's dy
-            w = tl.load(tw_ptr + slot, mask=ok, other=0.0)
+            w = tl.load(tw_ptr + slot, mask=slot >= 0, other=0.0)
             a = (a.to(tl.float32) * w[:, None]).to(a_ptr.dtype.element_ty)
-        b = tl.load(b_ptr + row_b[:, None] * num_b + offs_b[None, :], mask=ok[:, None] & b_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + row_b[:, None] * num_b + offs_b[None, :], mask=ok_b[:, None] & b_ok[None, :],
+                    other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -153,13 +166,13 @@ def _ess_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, tw_ptr, v_ptr, 
     a_ok = offs_a < num_a
     acc = tl.zeros((BLOCK_A,), tl.float32)
     for p in range(start, end, BLK):
-        slot = tl.load(v_ptr + p + tl.arange(0, BLK)).to(tl.int64)
-        ok = slot >= 0
-        row = _row(slot, top_k, A_TOKEN)
+        pos = p + tl.arange(0, BLK).to(tl.int64)
+        slot = tl.load(v_ptr + pos).to(tl.int64)
+        row, ok = _rows(slot, pos, top_k, A_TOKEN)
         a = tl.load(a_ptr + row[:, None] * num_a + offs_a[None, :], mask=ok[:, None] & a_ok[None, :],
                     other=0.0).to(tl.float32)
         if A_WEIGHTED:
-            a = a * tl.load(tw_ptr + slot, mask=ok, other=0.0)[:, None]
+            a = a * tl.load(tw_ptr + slot, mask=slot >= 0, other=0.0)[:, None]
         acc += tl.sum(a, axis=0)
     tl.store(out_ptr + expert.to(tl.int64) * num_a + offs_a, acc.to(out_ptr.dtype.element_ty), mask=a_ok)
 
@@ -187,10 +200,10 @@ def _esfk_kernel(x_ptr, g_ptr, tw_ptr, h_ptr, d_up_ptr, d_gate_ptr, w_up_ptr, w_
         t = r % tiles
         start = tl.load(starts_ptr + e)
         end = tl.load(starts_ptr + e + 1)
-        if mat == 0:  # dW_up[e] [F, H]: A = d_up rows (slot), B = x rows (token)
+        if mat == 0:  # dW_up[e] [F, H]: A = d_up rows (position in v), B = x rows (token)
             _estmm_tile(dw_up_ptr, e, start, end, d_up_ptr, num_f, t // n_h, x_ptr, num_h, t % n_h, tw_ptr, v_ptr,
                         top_k, False, False, True, BLK, BLOCK_F, BLOCK_H, UPCAST, PRECISION)
-        elif mat == 1:  # dW_down[e] [H, F]: A = w * g rows (token), B = h rows (slot)
+        elif mat == 1:  # dW_down[e] [H, F]: A = w * g rows (token), B = h rows (position in v)
             _estmm_tile(dw_down_ptr, e, start, end, g_ptr, num_h, t // n_f, h_ptr, num_f, t % n_f, tw_ptr, v_ptr,
                         top_k, True, True, False, BLK, BLOCK_H, BLOCK_F, UPCAST, PRECISION)
         else:
@@ -202,15 +215,16 @@ def _esfk_kernel(x_ptr, g_ptr, tw_ptr, h_ptr, d_up_ptr, d_gate_ptr, w_up_ptr, w_
         b = q // n_h
         expert = tl.load(block_expert_ptr + b)
         if expert >= 0:
-            slot = tl.load(v_ptr + b * BLK + tl.arange(0, BLK)).to(tl.int64)
+            pos = b * BLK + tl.arange(0, BLK).to(tl.int64)
+            slot = tl.load(v_ptr + pos).to(tl.int64)
             ok = slot >= 0
             e64 = expert.to(tl.int64)
             offs_h = (q % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
             # ESMM with W_up (not transposed: element (o=h, i=f) is w_up[e, f, h])
-            acc = esmm_tile(tl.zeros((BLK, BLOCK_H), tl.float32), d_up_ptr, slot, ok, w_up_ptr, e64 * s_up_e,
+            acc = esmm_tile(tl.zeros((BLK, BLOCK_H), tl.float32), d_up_ptr, pos, pos >= 0, w_up_ptr, e64 * s_up_e,
                             s_up_h, s_up_f, offs_h, num_h, num_f, BLOCK_F, UPCAST, PRECISION)
             if GATED:
-                acc = esmm_tile(acc, d_gate_ptr, slot, ok, w_gate_ptr, e64 * s_gate_e, s_gate_h, s_gate_f, offs_h,
+                acc = esmm_tile(acc, d_gate_ptr, pos, pos >= 0, w_gate_ptr, e64 * s_gate_e, s_gate_h, s_gate_f, offs_h,
                                 num_h, num_f, BLOCK_F, UPCAST, PRECISION)
             mask = ok[:, None] & (offs_h < num_h)[None, :]
             if ATOMIC:
@@ -274,14 +288,14 @@ def esfk_backward(
 
     # Step 1: recompute h; dhu = g W_down (ESMM, transposed weight); activation backward; dL/dw partials.
     num_ft = triton.cdiv(num_f, cfg.hidden.block_f)
-    h_NF = x_TH.new_empty(num_t * num_k, num_f)
-    d_up_NF = torch.empty_like(h_NF)
-    d_gate_NF = torch.empty_like(h_NF) if gated else absent
+    h_PF = x_TH.new_empty(r.v_P.shape[0], num_f)  # in v's order (rows of unused blocks are never read)
+    d_up_PF = torch.empty_like(h_PF)
+    d_gate_PF = torch.empty_like(h_PF) if gated else absent
     dw_part_NJ = torch.zeros(num_t * num_k, num_ft, dtype=torch.float32, device=dev)
     wrap_triton(_hidden_grad_kernel)[(num_blocks, num_ft)](
         x_TH, g_TH, tw_N, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH, w_down_EHF,
         absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
-        absent if b_down_EH is None else b_down_EH, h_NF, d_up_NF, d_gate_NF, dw_part_NJ,
+        absent if b_down_EH is None else b_down_EH, h_PF, d_up_PF, d_gate_PF, dw_part_NJ,
         r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides3(w_down_EHF),
         *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH),
@@ -305,7 +319,7 @@ def esfk_backward(
         if grid == 0:
             continue
         wrap_triton(_esfk_kernel)[(grid,)](
-            x_TH, g_TH, tw_N, h_NF, d_up_NF, d_gate_NF, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH,
+            x_TH, g_TH, tw_N, h_PF, d_up_PF, d_gate_PF, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH,
             dx_acc, d_w_up, absent if d_w_gate is None else d_w_gate, d_w_down,
             absent if d_b_up is None else d_b_up, absent if d_b_gate is None else d_b_gate,
             absent if d_b_down is None else d_b_down,
