@@ -82,6 +82,11 @@ class SwapOptions:
     kind: the max over destinations in Q: "smooth" (Eq. 11, default), "max" or "lse".
     gamma: the smooth-max exponent (default 10, the paper's).
     policy: "hierd" (HierD-ES, default) or "smart" (balance raw token counts, the baseline).
+    overlap: hide the decision's collectives behind training (default False): ``step()`` posts
+        the routing all-gather without waiting, the next ``step()`` computes Q* on it and posts
+        the decision all-reduce the same way, and the one after applies the swaps. Decisions then
+        use the routing of two steps before and ``step()`` returns the swaps decided one call
+        earlier; migrations still run inside ``step()`` (see ``ExpertSwapper.flush``).
     """
 
     every: int = 1
@@ -89,6 +94,7 @@ class SwapOptions:
     kind: str = "smooth"
     gamma: float = 10.0
     policy: str = "hierd"
+    overlap: bool = False
 
 
 def parse_swap_options(raw: object) -> SwapOptions | None:
@@ -120,7 +126,10 @@ def parse_swap_options(raw: object) -> SwapOptions | None:
     policy = raw.get("policy", "hierd")
     if policy not in POLICIES:
         raise ValueError(f"expert_swap 'policy' must be one of {list(POLICIES)}, got {policy!r}")
-    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy))
+    overlap = raw.get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"expert_swap 'overlap' must be True or False, got {overlap!r}")
+    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap)
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,10 @@ class ExpertSwapper:
     calls: int = 0
     history: list[StepTiming] = field(default_factory=list)
     capacity: int = 0  # routing ids per rank the gather has room for (grown when a step needs more)
+    # overlap mode: the routing all-gather and the decision all-reduce in flight, on their own group
+    _gather: tuple[_Gather, list[runtime.EPLayer], list[SwapOptions]] | None = None
+    _table: tuple[Any, Tensor, list[runtime.EPLayer], list[int]] | None = None
+    _group: Any = None
 
     def layers(self) -> list[runtime.EPLayer]:
         """The expert-parallel layers of this model that have been compiled, in layer-id order."""
@@ -178,6 +191,9 @@ class ExpertSwapper:
         made, also appended to each layer's ``swaps``."""
         self.calls += 1
         layers, opts = self._checked_layers()
+        if opts[0].overlap:
+            return self._step_overlapped(layers, opts)
+        self.flush()  # a switch from overlap mode leaves nothing in flight
         if self.calls % opts[0].every:
             return []
         t0 = time.perf_counter()
@@ -187,6 +203,14 @@ class ExpertSwapper:
         t2 = time.perf_counter()
         self.history.append(StepTiming(self.calls, t1 - t0, t2 - t1, len(records)))
         return records
+
+    def flush(self) -> None:
+        """Overlap mode: wait for the collectives still in flight and drop their decisions (call it
+        on every rank before destroying the process group, or to stop swapping)."""
+        for work in ([self._gather[0].work] if self._gather else []) + ([self._table[0]] if self._table else []):
+            if work is not None:
+                work.wait()
+        self._gather = self._table = None
 
     def swap(self, layer: str | int, a: int, b: int) -> SwapRecord:
         """Swap experts ``a`` and ``b`` of ``layer`` (its name or runtime id) now, whatever the
@@ -233,19 +257,55 @@ class ExpertSwapper:
         return layers, all_opts
 
     def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[tuple[Any, ...] | None]:
-        comm = layers[0].comm
-        world, me = comm.world, comm.position
-        routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], comm, self.capacity)
-        # one row per layer: (swap?, a, b, d, objective before/after, predicted before/after)
+        routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity)
+        table = self._table_rows(layers, opts, routings)
+        dist.all_reduce(table)  # each row was filled by one rank: the sum is its decision
+        return _decisions(table)
+
+    def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
+                    routings: list[tuple[np.ndarray, np.ndarray]]) -> Tensor:
+        """This rank's rows of the decision table (one row per layer: swap?, a, b, d, objective
+        before/after, predicted before/after; zeros in the rows other ranks decide)."""
+        world, me = layers[0].comm.world, layers[0].comm.position
         table = torch.zeros(len(layers), 8, dtype=torch.float64)
         for i, lay in enumerate(layers):
             if i % world == me:
                 table[i] = torch.tensor(self._decide_layer(lay, opts[i], *routings[i]), dtype=torch.float64)
-        dist.all_reduce(table)  # each row was filled by one rank: the sum is its decision
-        out: list[tuple[Any, ...] | None] = []
-        for row in table.tolist():
-            out.append((int(row[1]), int(row[2]), int(row[3]), *row[4:]) if row[0] > 0 else None)
-        return out
+        return table
+
+    def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:
+        """One call of overlap mode: (1) apply the decisions whose all-reduce the previous call
+        posted (to a layer whose placement has not changed since they were made: always, as the
+        steps below leave it alone); (2) compute Q* on the routing the previous call's all-gather
+        brought and post the decision all-reduce; (3) on a deciding call, post the all-gather of
+        this step's routing. Every rank makes the same calls in the same order on the swapper's
+        own process group, so the model's collectives never wait on these."""
+        if self._group is None:
+            self._group = dist.new_group(backend=dist.get_backend())  # collective: every rank is here
+        t0 = time.perf_counter()
+        records: list[SwapRecord] = []
+        migration_s = 0.0
+        if self._table is not None:
+            work, table, lays, versions = self._table
+            self._table = None
+            work.wait()
+            t1 = time.perf_counter()
+            records = self._apply([(lay, dec) for lay, dec, v in zip(lays, _decisions(table), versions, strict=True)
+                                   if dec is not None and lay.version == v])
+            migration_s = time.perf_counter() - t1
+        if self._gather is not None:
+            (pending, lays, lay_opts), self._gather = self._gather, None
+            routings, self.capacity = _read_routing(pending, lays[0].comm)
+            if routings is not None:  # else the capacity grew: the next round has room
+                table = self._table_rows(lays, lay_opts, routings)
+                work = dist.all_reduce(table, group=self._group, async_op=True)
+                self._table = (work, table, lays, [lay.version for lay in lays])
+        if self.calls % opts[0].every == 0:
+            self._gather = (_post_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity,
+                                          group=self._group), layers, opts)
+        self.history.append(StepTiming(self.calls, time.perf_counter() - t0 - migration_s, migration_s,
+                                       len(records)))
+        return records
 
     def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, topk: np.ndarray, token_rank: np.ndarray
                       ) -> list[float]:
@@ -344,43 +404,74 @@ def smart_matrix(topk: np.ndarray, num_experts: int, placement: np.ndarray, worl
     return q
 
 
-def _gather_routing(topks: Sequence[Tensor], comm: Any, capacity: int
-                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """Every rank's routing of each layer: ([sum of T, K] expert ids, [sum of T] source mesh
-    position), identical on every rank, and the capacity to use next time.
+@dataclass
+class _Gather:
+    """An all-gather of every rank's routing, posted by ``_post_routing`` (``work`` None once done)."""
 
-    One all-gather of [per-layer sizes | ids padded to ``capacity``] (the same on every rank);
-    when some rank's ids do not fit (every rank sees it in the sizes), a second one with room
-    for twice the largest. The first call passes capacity 0 and so always takes two."""
-    world, num_layers = comm.world, len(topks)
+    work: Any
+    gathered: list[Tensor]
+    ks: list[int]  # K of each layer
+    capacity: int
+
+
+def _post_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any = None) -> _Gather:
+    """Post one all-gather of [per-layer sizes | ids padded to ``capacity``] (the same on every
+    rank): asynchronous when ``group`` is given, else done when this returns."""
+    num_layers = len(topks)
     flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
     sizes = [f.numel() for f in flat]
-    for attempt in range(2):
-        buf = torch.zeros(num_layers + capacity, dtype=torch.int32)
-        buf[:num_layers] = torch.tensor(sizes, dtype=torch.int32)
-        if sum(sizes) <= capacity and flat:
-            buf[num_layers: num_layers + sum(sizes)] = torch.cat(flat)
-        gathered = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(gathered, buf)
-        longest = max(int(g[:num_layers].sum()) for g in gathered)
-        if longest <= capacity:
-            break
-        assert attempt == 0
-        capacity = 2 * longest
+    buf = torch.zeros(num_layers + capacity, dtype=torch.int32)
+    buf[:num_layers] = torch.tensor(sizes, dtype=torch.int32)
+    if sum(sizes) <= capacity and flat:
+        buf[num_layers: num_layers + sum(sizes)] = torch.cat(flat)
+    gathered = [torch.empty_like(buf) for _ in range(comm.world)]
+    work = dist.all_gather(gathered, buf, group=group, async_op=group is not None)
+    return _Gather(work, gathered, [t.shape[1] for t in topks], capacity)
+
+
+def _read_routing(g: _Gather, comm: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]] | None, int]:
+    """Wait for ``g`` and unpack it: every rank's routing of each layer ([sum of T, K] expert ids,
+    [sum of T] source mesh position), identical on every rank, and the capacity to use next; None
+    (with twice the largest size as the capacity) when some rank's ids did not fit, which every
+    rank sees alike in the sizes."""
+    if g.work is not None:
+        g.work.wait()
+    num_layers = len(g.ks)
+    longest = max(int(x[:num_layers].sum()) for x in g.gathered)
+    if longest > g.capacity:
+        return None, 2 * longest
     # dist.all_gather orders by global rank; mesh positions map to ranks through comm.ranks
     out = []
-    offsets = [num_layers] * world
-    for i, t in enumerate(topks):
-        k = t.shape[1]
+    offsets = [num_layers] * comm.world
+    for i, k in enumerate(g.ks):
         parts, sources = [], []
-        for pos in range(world):
-            g = gathered[comm.ranks[pos]]
-            n = int(g[i])
-            parts.append(g[offsets[pos]: offsets[pos] + n].numpy().reshape(-1, k))
+        for pos in range(comm.world):
+            x = g.gathered[comm.ranks[pos]]
+            n = int(x[i])
+            parts.append(x[offsets[pos]: offsets[pos] + n].numpy().reshape(-1, k))
             sources.append(np.full(n // k if k else 0, pos, dtype=np.int64))
             offsets[pos] += n
         out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
-    return out, capacity
+    return out, g.capacity
+
+
+def _gather_routing(topks: Sequence[Tensor], comm: Any, capacity: int
+                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """Every rank's routing of each layer (see ``_read_routing``) and the capacity to use next
+    time: one all-gather, and a second with room for twice the largest when some rank's ids did
+    not fit. The first call passes capacity 0 and so always takes two."""
+    for attempt in range(2):
+        routings, capacity = _read_routing(_post_routing(topks, comm, capacity), comm)
+        if routings is not None:
+            return routings, capacity
+        assert attempt == 0
+    raise AssertionError("unreachable: the second gather has room for every rank's routing")
+
+
+def _decisions(table: Tensor) -> list[tuple[Any, ...] | None]:
+    """The summed decision table's rows as (a, b, d, objective before/after, predicted
+    before/after), None where the layer does not swap."""
+    return [(int(row[1]), int(row[2]), int(row[3]), *row[4:]) if row[0] > 0 else None for row in table.tolist()]
 
 
 # migration --------------------------------------------------------------------------------------

@@ -243,13 +243,14 @@ def case_losses() -> dict[str, Any]:
         for mode in PARAMS["modes"]:
             model, compiled, report = build(mode, PARAMS["kind"], mesh)
             opt = make_optimizer(opt_name, model.parameters())
-            swapper = moe_compile.expert_swapper(compiled, opt)
+            swapper = moe_compile.expert_swapper(compiled, opt, overlap=PARAMS.get("overlap", False))
             losses, decided = [], 0
             for step, b in enumerate(data):
                 losses.append(train_step(compiled, model, opt, b, report))
                 decided += len(swapper.step())
                 if step % 2 == 0:  # and a forced cross-node swap, whatever the cost model says
                     swapper.swap(swapper.layers()[step % len(swapper.layers())].name, step % E, E - 1 - step % E)
+            swapper.flush()
             # every expert's final weights equal the eager model's, wherever it ended up
             eager_params = dict(eager.named_parameters())
             werr = 0.0
@@ -291,7 +292,8 @@ def case_skewed() -> dict[str, Any]:
     other = [e for e in range(E) if e // per_node != node]
     hot = other[: per_node // 2 + 1]  # a few experts of the other node
     gen = torch.Generator().manual_seed(300 + rank)
-    swapper = moe_compile.expert_swapper(holder, None, policy=PARAMS.get("policy", "hierd"))
+    swapper = moe_compile.expert_swapper(holder, None, policy=PARAMS.get("policy", "hierd"),
+                                         overlap=PARAMS.get("overlap", False))
 
     def run(step: int) -> dict[str, Any]:
         probs = torch.full((E,), 0.2 / (E - len(hot)))
@@ -311,6 +313,7 @@ def case_skewed() -> dict[str, Any]:
         rec = run(step)
         rec["swaps"] = [r.experts for r in swapper.step()]
         history.append(rec)
+    swapper.flush()
     history.append(run(PARAMS["steps"]))
     return {"history": history, "placement": lay.placement(), "hot": hot,
             "timing": [t.__dict__ for t in swapper.history]}

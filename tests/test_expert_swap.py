@@ -94,6 +94,20 @@ def test_two_models_of_one_class_keep_their_own_experts() -> None:
         assert all(p == [0, 0, 1, 1, 2, 2, 3, 3] for p in res["placement_b"].values()), "model b's placement moved"
 
 
+def test_overlapped_swaps_keep_the_losses() -> None:
+    """Overlap mode (collectives in flight across training steps, decisions dropped when a forced
+    swap changed the layer's placement meanwhile) trains exactly like eager DDP."""
+    results = run_ranks(4, "losses", timeout_s=420, worker="swap_worker.py", shape=[2, 2], E=8, steps=6,
+                        kind="grouped_gemm", optimizers=["adam"], modes=["shard"], overlap=True)
+    for rank, res in enumerate(results):
+        r = res["adam/shard"]
+        assert r["decided"] >= 1, f"rank {rank}: no overlapped decision was applied"
+        for got, want in zip(r["losses"], r["ref"], strict=True):
+            assert abs(got - want) <= TOL * abs(want), f"rank {rank}: loss {got} vs {want} without swaps"
+        assert r["weight_err"] < 1e-4, f"rank {rank}: final expert weights differ by {r['weight_err']}"
+        assert r["placement"] == results[0]["adam/shard"]["placement"], "ranks disagree on the placement"
+
+
 @pytest.mark.parametrize("kind", ["grouped_gemm", "expert_loop"])
 def test_training_with_swaps_equals_training_without(kind: str) -> None:
     modes = ["shard", "replicated"] if kind == "grouped_gemm" else ["replicated"]
@@ -109,10 +123,11 @@ def test_training_with_swaps_equals_training_without(kind: str) -> None:
             assert r["placement"] == results[0][key]["placement"], f"{key}: ranks disagree on the placement"
 
 
-@pytest.mark.parametrize("policy", ["hierd"])
-def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(policy: str) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(overlap: bool) -> None:
+    """Overlap mode applies a decision two calls after the routing it used: two more steps."""
     results = run_ranks(4, "skewed", timeout_s=240, worker="swap_worker.py", shape=[2, 2], E=8, K=2, H=16, F=24,
-                        T=256, steps=4, policy=policy)
+                        T=256, steps=6 if overlap else 4, policy="hierd", overlap=overlap)
     for rank, res in enumerate(results):
         assert all(h["err"] < TOL for h in res["history"]), f"rank {rank}: output changed after a swap"
         assert res["placement"] == results[0]["placement"]
@@ -123,6 +138,8 @@ def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(policy: str) -> None
     assert swaps, "HierD-ES made no swap on a routing whose hot experts sit on the other node"
     assert max(last) < max(first), f"busiest rank's inter-node bytes {max(first)} -> {max(last)}"
     assert sum(last) < sum(first), f"total inter-node bytes {sum(first)} -> {sum(last)}"
+    if overlap:  # nothing applied before the third call: the first two only gather and decide
+        assert not results[0]["history"][0]["swaps"] and not results[0]["history"][1]["swaps"]
 
 
 def test_smart_matrix_matches_brute_force() -> None:
@@ -153,6 +170,7 @@ def test_smart_matrix_matches_brute_force() -> None:
     ({"kind": "mean"}, "'kind' must be one of"),
     ({"gamma": -1}, "'gamma' must be a positive number"),
     ({"policy": "random"}, "'policy' must be one of"),
+    ({"overlap": 1}, "'overlap' must be True or False"),
     ({"evry": 1}, "unknown expert_swap setting"),
     ("yes", "must be True or a dict"),
 ])
