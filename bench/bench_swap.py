@@ -92,7 +92,8 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def instrument_swap() -> None:
     """Wrap the functions ``ExpertSwapper.step`` calls in timers (run time only; the wrapped
     functions are called as before). Each part sums into PARTS while a step runs."""
-    swap._gather_routing = _timed("gather_s", swap._gather_routing)  # type: ignore[assignment]
+    swap._post_routing = _timed("gather_s", swap._post_routing)  # type: ignore[assignment]
+    swap._read_routing = _timed("gather_s", swap._read_routing)  # type: ignore[assignment]
     swap.smart_matrix = _timed("q_s", swap.smart_matrix)  # type: ignore[assignment]
     cost_hiermoe.HDCostModel.swap_matrix = _timed("q_s", cost_hiermoe.HDCostModel.swap_matrix)  # type: ignore[method-assign]
     swap.ExpertSwapper._decide_layer = _timed("decide_layer_s", swap.ExpertSwapper._decide_layer)  # type: ignore[method-assign]
@@ -139,7 +140,7 @@ class Runner:
         # first's expert-parallel layers and shards (checked after the warm-up).
         self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager"}
         if policy is not None:
-            self.options["expert_swap"] = {"every": 1, "policy": policy}
+            self.options["expert_swap"] = {"every": 1, "policy": policy, "overlap": args.overlap}
         self.module: Any = None
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.swapper: swap.ExpertSwapper | None = None
@@ -258,6 +259,10 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
             print(f"  {kind} step {step}/{args.steps}: " + "  ".join(
                 f"{r.name} {records[r.name][-1]['step_s'] * 1e3:.0f} ms" for r in runners), flush=True)
 
+    for r in runners:  # overlap mode: nothing left in flight (undecided rounds are dropped)
+        if r.swapper is not None:
+            r.swapper.flush()
+
     # Step 3: the losses must agree (a swap never changes what the model computes).
     worst = 0.0
     for r in runners[1:]:
@@ -270,7 +275,7 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
                                                                          for r in runners}})
     routings: list[Any] = [None] * world
     dist.all_gather_object(routings, routing_log)
-    exact = exact_predictions(routings, runners, records) if rank == 0 else None
+    exact = exact_predictions(routings, runners, records, args.overlap) if rank == 0 else None
     if float(worst_t[0]) > args.loss_rtol:
         if rank == 0:
             for r in runners:
@@ -285,8 +290,8 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
 # ---- aggregation (rank 0) -------------------------------------------------------------------------
 
 
-def exact_predictions(routings: list[Any], runners: list[Runner], records: dict[str, list[dict[str, Any]]]
-                      ) -> dict[str, Any]:
+def exact_predictions(routings: list[Any], runners: list[Runner], records: dict[str, list[dict[str, Any]]],
+                      overlap: bool = False) -> dict[str, Any]:
     """Per variant, step and layer: the HD-d time (plain max, d the one used) from every rank's
     routing together (``hd_statistics`` with each token's source rank: what HierD-ES's Q and its
     SwapRecord.predicted_*_s use), under the step's placement; and the largest relative difference
@@ -313,7 +318,15 @@ def exact_predictions(routings: list[Any], runners: list[Runner], records: dict[
             per_step.append(row)
             balance.append(bal)
             for s in rec.get("swaps", []):
-                want = row[rec["layers"].index(s["layer"])]
+                j = rec["layers"].index(s["layer"])
+                if overlap:  # decided on step i-2's routing, under the placement step i ran with
+                    parts = [routings[g][r.name][i - 2][j].astype(np.int64) for g in range(len(routings))]
+                    token_rank = np.concatenate([np.full(len(p), g) for g, p in enumerate(parts)])
+                    stats = hd_statistics(np.concatenate(parts), lays[j].num_experts, sizes,
+                                          placement=np.asarray(rec["placement"][j]), token_rank=token_rank)
+                    want = float(lays[j].cost.times_s(stats)[s["dimension"] - 1])
+                else:
+                    want = row[j]
                 worst = max(worst, abs(s["predicted_before_s"] - want) / want)
         out[r.name] = {"pred_s": per_step, "rank_load_max_over_mean": balance,
                        "swap_predicted_before_rel_diff": worst if r.policy else None}
@@ -441,7 +454,7 @@ def worker(args: argparse.Namespace) -> None:
             "command": " ".join(["python bench/bench_swap.py", *args.argv]), "machine": machine_info(loadavg),
             "world": dist.get_world_size(), "mesh": dict(zip(args.mesh_names, args.mesh_sizes)),
             "topology": topo, "calibration": fit_info, "steps": args.steps, "window": args.window, "lr": args.lr,
-            "loss_rtol": args.loss_rtol, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
+            "loss_rtol": args.loss_rtol, "overlap": args.overlap, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
             "model": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "experts", "top_k", "vocab",
                                                     "batch", "seq")},
             "distributions": results,
@@ -488,6 +501,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                "--quick nothing is written unless given)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the forked ranks are killed")
     p.add_argument("--pg-timeout", type=float, default=900.0, help="process group timeout, seconds")
+    p.add_argument("--overlap", action="store_true",
+                   help="swappers in overlap mode (collectives in flight across steps; default results path "
+                        "bench/results/swap_overlap)")
     p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the .md and .png from a results JSON")
     args = p.parse_args(argv)
     args.argv = argv
@@ -498,7 +514,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.batch = args.batch or (2 if args.quick else 4)
     args.seq = args.seq or (32 if args.quick else 64)
     if args.out is None and not args.quick:
-        args.out = str(Path(__file__).parent / "results" / "swap")
+        args.out = str(Path(__file__).parent / "results" / ("swap_overlap" if args.overlap else "swap"))
     resolve_ranks(p, args, None if args.topology_file == "stated" else args.topology_file)
     if args.experts % args.world:
         p.error(f"--experts {args.experts} must be divisible by the {args.world} ranks")
