@@ -50,6 +50,13 @@ same function (only the place of each expert changed).
 
 Call ``step()`` after ``optimizer.step()``: the backward of a forward whose experts moved since
 refuses to run (``hiermoe::ep_experts_backward`` checks the placement version).
+
+Overlap mode (``SwapOptions.overlap``): the routing all-gather and the decision all-reduce run on
+the swapper's own process group without ``step()`` waiting for them. Call n posts step n's
+routing; call n+1 reads it, computes Q* and posts the decisions; call n+2 applies them (a
+decision for a layer whose placement changed in between is dropped, on every rank alike). So a
+decision uses the routing of two steps before, and only the migration (row exchange and
+agreement) remains inside ``step()``. ``flush()`` waits for what is in flight.
 """
 
 from __future__ import annotations
