@@ -233,6 +233,14 @@ class ExpertSwapper:
 
     # internals ------------------------------------------------------------------------------
 
+    def _cpu_group(self) -> Any:
+        """The gloo group the swapper's own collectives use (routing, decisions, agreement: small CPU
+        tensors, also when the model's collectives run on NCCL; and in overlap mode kept apart from
+        the model's). Made at the first use, which every rank reaches in the same call."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
     def _find(self, layer: str | int) -> runtime.EPLayer:
         for lay in self.layers():
             if layer in (lay.name, lay.layer_id):
@@ -264,9 +272,10 @@ class ExpertSwapper:
         return layers, all_opts
 
     def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[tuple[Any, ...] | None]:
-        routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity)
+        routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity,
+                                                  self._cpu_group())
         table = self._table_rows(layers, opts, routings)
-        dist.all_reduce(table)  # each row was filled by one rank: the sum is its decision
+        dist.all_reduce(table, group=self._cpu_group())  # each row was filled by one rank: the sum is its decision
         return _decisions(table)
 
     def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
@@ -287,8 +296,6 @@ class ExpertSwapper:
         brought and post the decision all-reduce; (3) on a deciding call, post the all-gather of
         this step's routing. Every rank makes the same calls in the same order on the swapper's
         own process group, so the model's collectives never wait on these."""
-        if self._group is None:
-            self._group = dist.new_group(backend=dist.get_backend())  # collective: every rank is here
         t0 = time.perf_counter()
         records: list[SwapRecord] = []
         migration_s = 0.0
@@ -305,11 +312,11 @@ class ExpertSwapper:
             routings, self.capacity = _read_routing(pending, lays[0].comm)
             if routings is not None:  # else the capacity grew: the next round has room
                 table = self._table_rows(lays, lay_opts, routings)
-                work = dist.all_reduce(table, group=self._group, async_op=True)
+                work = dist.all_reduce(table, group=self._cpu_group(), async_op=True)
                 self._table = (work, table, lays, [lay.version for lay in lays])
         if self.calls % opts[0].every == 0:
             self._gather = (_post_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity,
-                                          group=self._group), layers, opts)
+                                          self._cpu_group(), async_op=True), layers, opts)
         self.history.append(StepTiming(self.calls, time.perf_counter() - t0 - migration_s, migration_s,
                                        len(records)))
         return records
@@ -363,7 +370,7 @@ class ExpertSwapper:
                 moves.append(([], 0))
         if any(lay.slot_params for lay, _ in swaps):
             ok = torch.tensor([0 if error else 1], dtype=torch.int64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._cpu_group())
             if error is not None:
                 raise error
             if not int(ok):
@@ -421,9 +428,10 @@ class _Gather:
     capacity: int
 
 
-def _post_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any = None) -> _Gather:
-    """Post one all-gather of [per-layer sizes | ids padded to ``capacity``] (the same on every
-    rank): asynchronous when ``group`` is given, else done when this returns."""
+def _post_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any = None,
+                  async_op: bool = False) -> _Gather:
+    """Post one all-gather on ``group`` of [per-layer sizes | ids padded to ``capacity``] (the
+    same on every rank); with ``async_op`` it is in flight when this returns."""
     num_layers = len(topks)
     flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
     sizes = [f.numel() for f in flat]
@@ -432,7 +440,7 @@ def _post_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any 
     if sum(sizes) <= capacity and flat:
         buf[num_layers: num_layers + sum(sizes)] = torch.cat(flat)
     gathered = [torch.empty_like(buf) for _ in range(comm.world)]
-    work = dist.all_gather(gathered, buf, group=group, async_op=group is not None)
+    work = dist.all_gather(gathered, buf, group=group, async_op=async_op)
     return _Gather(work, gathered, [t.shape[1] for t in topks], capacity)
 
 
@@ -462,13 +470,13 @@ def _read_routing(g: _Gather, comm: Any) -> tuple[list[tuple[np.ndarray, np.ndar
     return out, g.capacity
 
 
-def _gather_routing(topks: Sequence[Tensor], comm: Any, capacity: int
+def _gather_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any = None
                     ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """Every rank's routing of each layer (see ``_read_routing``) and the capacity to use next
     time: one all-gather, and a second with room for twice the largest when some rank's ids did
     not fit. The first call passes capacity 0 and so always takes two."""
     for attempt in range(2):
-        routings, capacity = _read_routing(_post_routing(topks, comm, capacity), comm)
+        routings, capacity = _read_routing(_post_routing(topks, comm, capacity, group), comm)
         if routings is not None:
             return routings, capacity
         assert attempt == 0
