@@ -140,7 +140,8 @@ class Runner:
         # first's expert-parallel layers and shards (checked after the warm-up).
         self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager"}
         if policy is not None:
-            self.options["expert_swap"] = {"every": 1, "policy": policy, "overlap": args.overlap}
+            self.options["expert_swap"] = {"every": 1, "policy": policy, "overlap": args.overlap,
+                                           "threshold": args.threshold}
         self.module: Any = None
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.swapper: swap.ExpertSwapper | None = None
@@ -454,7 +455,7 @@ def worker(args: argparse.Namespace) -> None:
             "command": " ".join(["python bench/bench_swap.py", *args.argv]), "machine": machine_info(loadavg),
             "world": dist.get_world_size(), "mesh": dict(zip(args.mesh_names, args.mesh_sizes)),
             "topology": topo, "calibration": fit_info, "steps": args.steps, "window": args.window, "lr": args.lr,
-            "loss_rtol": args.loss_rtol, "overlap": args.overlap, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
+            "loss_rtol": args.loss_rtol, "overlap": args.overlap, "threshold": args.threshold, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
             "model": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "experts", "top_k", "vocab",
                                                     "batch", "seq")},
             "distributions": results,
@@ -501,6 +502,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                "--quick nothing is written unless given)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the forked ranks are killed")
     p.add_argument("--pg-timeout", type=float, default=900.0, help="process group timeout, seconds")
+    p.add_argument("--threshold", type=float, default=0.0,
+                   help="expert_swap threshold: swap only when the objective drops by more than this fraction")
     p.add_argument("--overlap", action="store_true",
                    help="swappers in overlap mode (collectives in flight across steps; default results path "
                         "bench/results/swap_overlap)")

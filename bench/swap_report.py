@@ -141,7 +141,8 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         f"expert's (token, expert) count over the mean per step and layer (median): {skews}.", "",
         "Variants, trained side by side from the same weights on the same batches, alternating every step (order "
         "rotated by one per step): `HD-d* no swap` (contiguous placement), `HierD-ES` (`swapper.step()` after every "
-        "optimizer step, policy `hierd`: HierMoE Section IV, Q* with the smooth max, gamma 10) and `Smart` (policy "
+        "optimizer step, policy `hierd`: HierMoE Section IV, Q* with the smooth max, gamma 10"
+        + (f", threshold {payload['threshold']}" if payload.get("threshold") else "") + ") and `Smart` (policy "
         "`smart`: minimize the busiest rank's raw (token, expert) count, the paper's HD2-MoE-Smart baseline). A swap "
         f"never changes what the model computes; checked: {checks}.", "",
         "Columns (medians over the steps named): \"pred a2a ms\": the cost model's HD-d time of one dispatch "
