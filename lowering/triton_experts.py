@@ -94,7 +94,8 @@ def _combine() -> str:
 # GPU launch tiles per kernel (block_f, block_h, warps, stages), chosen by bench/tune_kernels.py on an
 # H100 (bench/results/tune_kernels.md). They need up to ~200 KiB of shared memory per block (the
 # up kernel's two 128x128 weight tiles and its x tile, 3 stages deep), which Hopper has (227 KiB);
-# devices with less get 64-wide tiles (about 72 KiB), which every CUDA GPU since Volta holds.
+# devices with less get 64-wide tiles (about 72 KiB per block for 16-bit types; only run on the
+# H100 so far, where they were the default before the sweep).
 HOPPER_TILES = dict(up=Tiles(128, 128, 8, 3), down=Tiles(64, 256, 8, 4), hidden=Tiles(128, 128, 8, 3),
                     esfk=Tiles(128, 128, 8, 3))
 SMALL_TILES = dict(up=Tiles(), down=Tiles(), hidden=Tiles(), esfk=Tiles())
