@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -67,7 +68,7 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
     x, idx, tw, w_up, w_gate, w_down, *_ = make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")
     tw_N = tw.reshape(-1).float().contiguous()
     g = torch.randn_like(x)
-    best = dict(SMALL_TILES)
+    best = SMALL_TILES  # the winners so far; the kernels not yet swept keep 64-wide tiles
 
     def run(kernel: str, cfg: KernelConfig) -> Callable[[], Any]:
         r = build_reindex(idx, num_e, cfg.blk)
@@ -76,7 +77,7 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
         return lambda: esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
 
     def measure(kernel: str, tiles: Tiles, blk: int = 128) -> float:
-        cfg = KernelConfig(blk=blk, **{**best, kernel: tiles})
+        cfg = dataclasses.replace(best, blk=blk, **{kernel: tiles})
         row: dict[str, Any] = dict(model=model, tokens=num_t, kernel=kernel, blk=blk, **dataclasses.asdict(tiles))
         try:
             row["ms"] = timed(run(kernel, cfg), reps)
@@ -98,10 +99,10 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
             if (w, s) not in launch_ms:
                 launch_ms[(w, s)] = measure(kernel, Tiles(pf, ph, w, s))
         w, s = min(launch_ms, key=lambda k: launch_ms[k])
-        best[kernel] = Tiles(pf, ph, w, s)
+        best = dataclasses.replace(best, **{kernel: Tiles(pf, ph, w, s)})
     blk_ms = {}
     for blk in (64, 128):
-        cfg = KernelConfig(blk=blk, **best)
+        cfg = dataclasses.replace(best, blk=blk)
         r = build_reindex(idx, num_e, blk)
 
         def both(cfg: KernelConfig = cfg, r: Any = r) -> None:
@@ -110,13 +111,11 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
 
         blk_ms[blk] = timed(both, reps)
         log(dict(model=model, tokens=num_t, kernel="fwd+bwd", blk=blk, ms=blk_ms[blk]))
-    return dict(model=model, tokens=num_t, best={k: dataclasses.asdict(v) for k, v in best.items()},
+    return dict(model=model, tokens=num_t, best={k: dataclasses.asdict(getattr(best, k)) for k in KERNELS},
                 blk_ms=blk_ms)
 
 
 def breakdown(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None]) -> None:
-    import os
-
     from torch.profiler import ProfilerActivity, profile
 
     hidden, ffn, num_e, top_k = MODELS[model]

@@ -42,6 +42,7 @@ topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -96,16 +97,16 @@ def _combine() -> str:
 # up kernel's two 128x128 weight tiles and its x tile, 3 stages deep), which Hopper has (227 KiB);
 # devices with less get 64-wide tiles (about 72 KiB per block for 16-bit types; only run on the
 # H100 so far, where they were the default before the sweep).
-HOPPER_TILES = dict(up=Tiles(128, 128, 8, 3), down=Tiles(64, 256, 8, 4), hidden=Tiles(128, 128, 8, 3),
-                    esfk=Tiles(128, 128, 8, 3))
-SMALL_TILES = dict(up=Tiles(), down=Tiles(), hidden=Tiles(), esfk=Tiles())
+HOPPER_TILES = KernelConfig(up=Tiles(128, 128, 8, 3), down=Tiles(64, 256, 8, 4), hidden=Tiles(128, 128, 8, 3),
+                            esfk=Tiles(128, 128, 8, 3))
+SMALL_TILES = KernelConfig()  # 64-wide tiles for every kernel (Tiles' defaults)
 GPU_BLK_MAX = 128
 
 
-def gpu_tiles(device: torch.device, dtype: torch.dtype) -> dict[str, Tiles]:
-    """Each kernel's tiles for ``dtype`` tensors on ``device``: the tuned Hopper tiles for 16-bit
-    types where a block may take 227 KiB of shared memory, else 64-wide ones (fp32 tiles take twice
-    the bytes)."""
+def gpu_tiles(device: torch.device, dtype: torch.dtype) -> KernelConfig:
+    """The launch tiles for ``dtype`` tensors on ``device`` (a config whose other fields the caller
+    sets): the tuned Hopper tiles for 16-bit types where a block may take 227 KiB of shared memory,
+    else 64-wide ones (fp32 tiles take twice the bytes)."""
     if device.type != "cuda":
         return SMALL_TILES
     optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
@@ -134,10 +135,8 @@ def kernel_config(x_TH: Tensor, num_k: int, num_e: int, num_f: int) -> KernelCon
 
         return KernelConfig.uniform(16, tile(num_f), tile(num_h), combine=_combine(), fused=fused, upcast=True)
     tf32 = x_TH.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
-    tiles = gpu_tiles(x_TH.device, x_TH.dtype)
-    return KernelConfig(blk=gpu_blk(x_TH.shape[0] * num_k, num_e), up=tiles["up"], down=tiles["down"],
-                        hidden=tiles["hidden"], esfk=tiles["esfk"], combine=_combine(), fused=fused,
-                        precision="tf32" if tf32 else "ieee")
+    return dataclasses.replace(gpu_tiles(x_TH.device, x_TH.dtype), blk=gpu_blk(x_TH.shape[0] * num_k, num_e),
+                               combine=_combine(), fused=fused, precision="tf32" if tf32 else "ieee")
 
 
 def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
