@@ -291,8 +291,8 @@ class ExpertSwapper:
 
     def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:
         """One call of overlap mode: (1) apply the decisions whose all-reduce the previous call
-        posted (to a layer whose placement has not changed since they were made: always, as the
-        steps below leave it alone); (2) compute Q* on the routing the previous call's all-gather
+        posted, to layers whose placement has not changed since they were made (only an explicit
+        ``swap()`` in between changes it); (2) compute Q* on the routing the previous call's all-gather
         brought and post the decision all-reduce; (3) on a deciding call, post the all-gather of
         this step's routing. Every rank makes the same calls in the same order on the swapper's
         own process group, so the model's collectives never wait on these."""
