@@ -103,6 +103,7 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
                activation: str, layer: int, by_expert: bool) -> tuple[Tensor, Tensor]:
     lay = runtime.resolve(layer)
     _check_device(lay, x)
+    lay.settle()  # an expert swap still in flight is put in force before the placement is read
     lay.last_topk = topk_idx.detach()
     d = lay.choose_dimension(topk_idx)
     lay.begin_step(d)

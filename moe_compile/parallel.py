@@ -96,6 +96,7 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
         cost = HDCostModel(topology, work)
     old = runtime.find_layer(name, comm, tensors)
     if old is not None:
+        old.settle()  # its version must be the one every rank agrees on
         if (old.num_experts, old.top_k) != (num_experts, top_k):
             raise ValueError(f"layer {name}: recompiled with {num_experts} experts top-{top_k} but its weights were "
                              f"compiled before as {old.num_experts} experts top-{old.top_k}")

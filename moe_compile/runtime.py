@@ -100,6 +100,9 @@ class EPLayer:
     # an expert swap moves; empty when every rank holds every expert
     slot_params: tuple[Any, ...] = ()
     swap_options: Any = None  # moe_compile.swap.SwapOptions from options["expert_swap"]
+    # a swap this rank is outside of, started by the swapper, whose outcome (every rank's success)
+    # is still in flight: called before anything reads the placement (see settle)
+    settle_hook: Any = None
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
     expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
@@ -126,6 +129,13 @@ class EPLayer:
     def placement(self) -> list[int]:
         """The mesh position (rank) of every logical expert."""
         return [int(p) for p in self.expert_pos_E.tolist()]
+
+    def settle(self) -> None:
+        """Put in force the expert swaps still waiting for their outcome (or raise if a rank
+        failed its part of one): the forward calls it before reading the placement."""
+        hook = self.settle_hook
+        if hook is not None:
+            hook()
 
     def move_experts(self, a: int, b: int) -> None:
         """Record that experts ``a`` and ``b`` swapped places (ranks, and slots inside them); the

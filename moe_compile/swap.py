@@ -10,7 +10,7 @@
 What one ``step()`` does, every ``every``-th call, for every expert-parallel layer of the model
 (every rank calls it, in the same order):
 
-    routing  = all_gather(each rank's [T, K] expert ids of the layer's last forward)
+    routing  = every rank's [T, K] expert ids of the layer's last forward (one exchange)
     d        = the dimension the layer used (d*, HierMoE Eq. 6, or the fixed one)
     Q*       = Q_d, Eq. 8-9: predicted HD-d seconds after swapping experts r and c, from the
                duplicate-free counts of every phase after the swap, computed incrementally
@@ -21,11 +21,13 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                and the plain-max t_d (Eq. 3) after the swap is not above t_d before it (the
                smooth-max can improve while the busiest destination gets busier)
 
-One rank per layer computes Q* (rank = layer index mod world size; they work in parallel) and a
-sum all-reduce hands every rank every decision, so all ranks apply the same swaps. A deciding
-step costs one all-gather of the routing (of all layers together), that all-reduce, and, when a
-sharded layer swaps, two messages each way between the two ranks per swap and one all-reduce
-for all swaps together (the agreement below). With
+One rank per layer computes Q* (rank = layer index mod world size; they work in parallel) and an
+exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange of
+the swapper is one ``all_to_all_single`` on its own gloo group in which each rank sends the same
+small buffer to every rank (``_Message``): one round of direct sends, where gloo's all-reduce and
+all-gather take several rounds between neighbours. A deciding step costs the routing exchange (all layers
+together), the decision exchange and, when a sharded layer swaps, three messages each way between
+the two ranks per swap and one outcome exchange for all swaps together (below). With
 ``policy="smart"`` the pair instead minimizes the largest raw (not deduplicated) token count
 of any rank: the SmartMoE-style balancing that HierMoE's HD2-MoE-Smart baseline uses (Section
 V-B), for comparison.
@@ -37,30 +39,37 @@ Applying a swap of expert a (rank A, local slot i) and expert b (rank B, slot j)
   tensor shaped like the parameter (Adam's exp_avg, exp_avg_sq; momentum buffers). Scalar state
   (Adam's step) is per parameter, not per expert: it must be equal on A and B (it is when both
   stepped alike) and stays. Both sides first exchange a description of what they will send and
-  stop, both, with an error if the two do not match; rows are received into new buffers and
-  written only after every transfer of the swap has completed, so an exception leaves the
-  weights, gradients, optimizer state and placement as they were. A == B swaps the two rows in
-  place.
+  stop, both, with an error if the two do not match; rows are received into new buffers, then
+  each side tells the other whether everything arrived, and both write (and move their
+  placement) only if both did. A == B swaps the two rows in place.
 - weights every rank holds whole (not sharded; DDP keeps them, their gradients after the
-  all-reduce and their optimizer state equal on every rank): nothing moves but the placement.
+  all-reduce and their optimizer state equal on every rank): nothing moves but the placement,
+  which every rank updates at once.
 
-Then every rank updates the layer's placement table (``runtime.EPLayer.move_experts``); the
-compiled graphs read it at their next forward, so nothing recompiles, and the model computes the
-same function (only the place of each expert changed).
+The other ranks learn the outcome from every rank's flag in one exchange and then update the
+layer's placement table (``runtime.EPLayer.move_experts``). If a rank's part failed, that swap
+is dropped everywhere (its rows never left, every placement stays) and every rank raises at the
+same point: inside ``step()`` / ``swap()``, or in overlap mode where the outcome is read. The
+compiled graphs read the placement table at their next forward, so nothing recompiles, and the
+model computes the same function (only the place of each expert changed).
 
 Call ``step()`` after ``optimizer.step()``: the backward of a forward whose experts moved since
 refuses to run (``hiermoe::ep_experts_backward`` checks the placement version).
 
-Overlap mode (``SwapOptions.overlap``): the routing all-gather and the decision all-reduce run on
-the swapper's own process group without ``step()`` waiting for them. Call n posts step n's
-routing; call n+1 reads it, computes Q* and posts the decisions; call n+2 applies them (a
-decision for a layer whose placement changed in between is dropped, on every rank alike). So a
-decision uses the routing of two steps before, and only the migration (row exchange and
-agreement) remains inside ``step()``. ``flush()`` waits for what is in flight.
+Overlap mode (``SwapOptions.overlap``): ``step()`` waits for no exchange of all ranks. Call n
+posts one message with step n's routing, the decisions computed on step n-1's routing and the
+outcome of the swaps call n started (those decided by call n-1); call n+1 reads it. So a decision
+uses the routing of two steps before (it is dropped, on every rank alike, when a swap of the
+previous call failed or the layer's placement changed in between), only the two ranks of a swap
+wait (for each other, while they move its rows), and the other ranks put a swap in force when
+they read its outcome: at the next forward of its layer (``runtime.EPLayer.settle``), before the
+placement is read, or at the next swapper call. ``step()`` returns the swaps it started.
+``flush()`` waits for what is in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,11 +98,11 @@ class SwapOptions:
     kind: the max over destinations in Q: "smooth" (Eq. 11, default), "max" or "lse".
     gamma: the smooth-max exponent (default 10, the paper's).
     policy: "hierd" (HierD-ES, default) or "smart" (balance raw token counts, the baseline).
-    overlap: hide the decision's collectives behind training (default False): ``step()`` posts
-        the routing all-gather without waiting, the next ``step()`` computes Q* on it and posts
-        the decision all-reduce the same way, and the one after applies the swaps. Decisions then
-        use the routing of two steps before and ``step()`` returns the swaps decided one call
-        earlier; migrations still run inside ``step()`` (see ``ExpertSwapper.flush``).
+    overlap: hide the swapper's exchanges behind training (default False): ``step()`` posts one
+        message (routing, decisions, outcome) without waiting, the next ``step()`` reads it and
+        computes Q*, and the one after starts the swaps. Decisions then use the routing of two
+        steps before; only a swap's two ranks move its rows inside ``step()``, the others put it
+        in force at the layer's next forward (see the module docstring).
     """
 
     every: int = 1
@@ -160,9 +169,47 @@ class StepTiming:
     """Wall seconds of one deciding ``step()`` on this rank."""
 
     step: int
-    decision_s: float  # gathering the routing, computing Q*, agreeing on the decisions
-    migration_s: float  # moving weights, gradients and optimizer state, updating the placement
+    decision_s: float  # the routing exchange, Q*, the decision exchange (overlap mode: posting and reading)
+    migration_s: float  # moving weights, gradients and optimizer state, the outcome, the placement
     swaps: int
+    # overlap mode: waiting for the outcome of this call's swaps after step() returned (at the next
+    # forward of a layer whose experts moved on other ranks, or the next swapper call)
+    settle_s: float = 0.0
+
+
+@dataclass
+class _Pending:
+    """A swap this rank is outside of: its placement moves once every rank reported success."""
+
+    lay: runtime.EPLayer
+    a: int
+    b: int
+    record: SwapRecord
+    index: int  # its outcome's position in the message
+
+
+@dataclass
+class _Outcome:
+    """Swaps started on every rank, waiting for the message that carries every rank's outcome:
+    this rank's pending placement moves, its own error (raised only once the outcome is read,
+    so every rank raises at the same point), and the layers whose next forward reads it."""
+
+    msg: _Message
+    pending: list[_Pending]
+    error: BaseException | None
+    layers: list[runtime.EPLayer]
+
+
+@dataclass
+class _Round:
+    """Overlap mode: the message the last call posted (routing of ``route_layers``, decisions of
+    ``table_layers``, valid while their placements keep ``versions``) and the outcome of its swaps."""
+
+    msg: _Message
+    route_layers: list[runtime.EPLayer]
+    route_opts: list[SwapOptions]
+    table_layers: list[runtime.EPLayer]
+    versions: list[int] | None  # None: no decisions in it
 
 
 @dataclass
@@ -175,10 +222,10 @@ class ExpertSwapper:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     calls: int = 0
     history: list[StepTiming] = field(default_factory=list)
-    capacity: int = 0  # routing ids per rank the gather has room for (grown when a step needs more)
-    # overlap mode: the routing all-gather and the decision all-reduce in flight, on their own group
-    _gather: tuple[_Gather, list[runtime.EPLayer], list[SwapOptions]] | None = None
-    _table: tuple[Any, Tensor, list[runtime.EPLayer], list[int]] | None = None
+    capacity: int = 0  # routing ids per rank the exchange has room for (grown when a step needs more)
+    _round: _Round | None = None  # overlap mode: the message in flight
+    _outcome: _Outcome | None = None  # swaps started whose outcome this rank has not read yet
+    _in_step: bool = False
     _group: Any = None
 
     def layers(self) -> list[runtime.EPLayer]:
@@ -195,29 +242,40 @@ class ExpertSwapper:
 
     def step(self) -> list[SwapRecord]:
         """Decide and apply this step's swaps (collective: every rank calls it). Returns the swaps
-        made, also appended to each layer's ``swaps``."""
+        made (overlap mode: started; see the module docstring), also appended to each layer's
+        ``swaps`` once in force."""
         self.calls += 1
         layers, opts = self._checked_layers()
-        if opts[0].overlap:
-            return self._step_overlapped(layers, opts)
-        self.flush()  # a switch from overlap mode leaves nothing in flight
-        if self.calls % opts[0].every:
-            return []
-        t0 = time.perf_counter()
-        decisions = self._decide(layers, opts)
-        t1 = time.perf_counter()
-        records = self._apply([(lay, dec) for lay, dec in zip(layers, decisions, strict=True) if dec is not None])
-        t2 = time.perf_counter()
-        self.history.append(StepTiming(self.calls, t1 - t0, t2 - t1, len(records)))
-        return records
+        self._in_step = True
+        try:
+            if opts[0].overlap:
+                return self._step_overlapped(layers, opts)
+            self.flush()  # a switch from overlap mode leaves nothing in flight
+            if self.calls % opts[0].every:
+                return []
+            t0 = time.perf_counter()
+            decisions = self._decide(layers, opts)
+            t1 = time.perf_counter()
+            records: list[SwapRecord] = []
+            try:
+                records = self._apply([(lay, dec) for lay, dec in zip(layers, decisions, strict=True)
+                                       if dec is not None])
+            finally:
+                self.history.append(StepTiming(self.calls, t1 - t0, time.perf_counter() - t1, len(records)))
+            return records
+        finally:
+            self._in_step = False
 
     def flush(self) -> None:
-        """Overlap mode: wait for the collectives still in flight and drop their decisions (call it
-        on every rank before destroying the process group, or to stop swapping)."""
-        for work in ([self._gather[0].work] if self._gather else []) + ([self._table[0]] if self._table else []):
-            if work is not None:
-                work.wait()
-        self._gather = self._table = None
+        """Wait for what is in flight: the outcome of swaps started (applied or, when a rank
+        failed, raised here) and, in overlap mode, the exchange whose decisions are then dropped.
+        Call it on every rank before destroying the process group, or to stop swapping."""
+        rnd, self._round = self._round, None
+        try:
+            self._settle()
+        finally:
+            if rnd is not None:
+                rnd.msg.wait()
 
     def swap(self, layer: str | int, a: int, b: int) -> SwapRecord:
         """Swap experts ``a`` and ``b`` of ``layer`` (its name or runtime id) now, whatever the
@@ -228,18 +286,26 @@ class ExpertSwapper:
                              f"[0, {lay.num_experts}), got {a} and {b}")
         if lay.swap_blocker:
             raise ValueError(f"layer {lay.name}: cannot swap its experts: {lay.swap_blocker}")
+        self._settle()  # the placement this swap starts from is the one in force everywhere
         nan = float("nan")
-        return self._apply([(lay, (a, b, lay.last_dimension or 0, nan, nan, nan, nan))])[0]
+        self._in_step = True
+        try:
+            return self._apply([(lay, (a, b, lay.last_dimension or 0, nan, nan, nan, nan))])[0]
+        finally:
+            self._in_step = False
 
     # internals ------------------------------------------------------------------------------
 
     def _cpu_group(self) -> Any:
-        """The gloo group the swapper's own collectives use (routing, decisions, agreement: small CPU
-        tensors, also when the model's collectives run on NCCL; and in overlap mode kept apart from
-        the model's). Made at the first use, which every rank reaches in the same call."""
+        """The gloo group the swapper's own exchanges use (routing, decisions, outcomes: small CPU
+        tensors, also when the model's collectives run on NCCL; and in overlap mode kept apart
+        from the model's). Made at the first use, which every rank reaches in the same call."""
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    def _post(self, world: int, **kw: Any) -> _Message:
+        return _Message(self._cpu_group(), world, **kw)
 
     def _find(self, layer: str | int) -> runtime.EPLayer:
         for lay in self.layers():
@@ -260,6 +326,8 @@ class ExpertSwapper:
         all_opts = [self.options(lay) for lay in layers]
         if len({o.every for o in all_opts}) > 1:
             raise ValueError("expert swap: every layer of the model must use the same 'every'")
+        if len({o.overlap for o in all_opts}) > 1:
+            raise ValueError("expert swap: every layer of the model must use the same 'overlap'")
         for lay, opts in zip(layers, all_opts, strict=True):
             if lay.swap_blocker:
                 raise ValueError(f"layer {lay.name}: cannot swap its experts: {lay.swap_blocker}")
@@ -272,58 +340,77 @@ class ExpertSwapper:
         return layers, all_opts
 
     def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[tuple[Any, ...] | None]:
-        routings, self.capacity = _gather_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity,
-                                                  self._cpu_group())
-        table = self._table_rows(layers, opts, routings)
-        dist.all_reduce(table, group=self._cpu_group())  # each row was filled by one rank: the sum is its decision
-        return _decisions(table)
+        """Sync mode: exchange the routing (a second time, with room for the largest, when some
+        rank's did not fit; always on the first call), compute this rank's rows, exchange them."""
+        world = layers[0].comm.world
+        topks = [lay.last_topk for lay in layers]
+        for _ in range(2):
+            routings, self.capacity = self._post(world, topks=topks, capacity=self.capacity).routing(layers[0].comm)
+            if routings is not None:
+                table = self._table_rows(layers, opts, routings)
+                return _decisions(self._post(world, table=table).table())
+        raise AssertionError("unreachable: the second exchange has room for every rank's routing")
 
     def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
-                    routings: list[tuple[np.ndarray, np.ndarray]]) -> Tensor:
+                    routings: list[tuple[np.ndarray, np.ndarray]], pending: Sequence[_Pending] = ()) -> Tensor:
         """This rank's rows of the decision table (one row per layer: swap?, a, b, d, objective
-        before/after, predicted before/after; zeros in the rows other ranks decide)."""
+        before/after, predicted before/after; zeros in the rows other ranks decide), on the
+        placements with the ``pending`` moves in force (every rank's placement once the swaps
+        started succeed; decisions are dropped where one fails)."""
         world, me = layers[0].comm.world, layers[0].comm.position
         table = torch.zeros(len(layers), 8, dtype=torch.float64)
         for i, lay in enumerate(layers):
             if i % world == me:
-                table[i] = torch.tensor(self._decide_layer(lay, opts[i], *routings[i]), dtype=torch.float64)
+                table[i] = torch.tensor(self._decide_layer(lay, opts[i], _planned(lay, pending), *routings[i]),
+                                        dtype=torch.float64)
         return table
 
     def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:
-        """One call of overlap mode: (1) apply the decisions whose all-reduce the previous call
-        posted, to layers whose placement has not changed since they were made (only an explicit
-        ``swap()`` in between changes it); (2) compute Q* on the routing the previous call's all-gather
-        brought and post the decision all-reduce; (3) on a deciding call, post the all-gather of
-        this step's routing. Every rank makes the same calls in the same order on the swapper's
-        own process group, so the model's collectives never wait on these."""
+        """One call of overlap mode: (1) read the message the previous call posted; (2) start the
+        swaps it decided, unless a swap of that call failed on some rank or a layer's placement
+        changed since (only an explicit ``swap()`` in between changes it); (3) compute Q* on the
+        routing it carried; (4) post one message with this step's routing (on a deciding call),
+        those decisions and the outcome of the swaps started in (2). Ranks outside a swap's pair
+        move its placement when that message arrives: at the next forward of the layer
+        (``runtime.EPLayer.settle``) or the next call, whichever comes first."""
         t0 = time.perf_counter()
+        self._settle()
+        comm, world = layers[0].comm, layers[0].comm.world
         records: list[SwapRecord] = []
+        outcome: list[bool] = []
+        pending: list[_Pending] = []
+        error: BaseException | None = None
+        swaps: list[tuple[runtime.EPLayer, tuple[Any, ...]]] = []
         migration_s = 0.0
-        if self._table is not None:
-            work, table, lays, versions = self._table
-            self._table = None
-            work.wait()
-            t1 = time.perf_counter()
-            records = self._apply([(lay, dec) for lay, dec, v in zip(lays, _decisions(table), versions, strict=True)
-                                   if dec is not None and lay.version == v])
-            migration_s = time.perf_counter() - t1
-        if self._gather is not None:
-            (pending, lays, lay_opts), self._gather = self._gather, None
-            routings, self.capacity = _read_routing(pending, lays[0].comm)
-            if routings is not None:  # else the capacity grew: the next round has room
-                table = self._table_rows(lays, lay_opts, routings)
-                work = dist.all_reduce(table, group=self._cpu_group(), async_op=True)
-                self._table = (work, table, lays, [lay.version for lay in lays])
-        if self.calls % opts[0].every == 0:
-            self._gather = (_post_routing([lay.last_topk for lay in layers], layers[0].comm, self.capacity,
-                                          self._cpu_group(), async_op=True), layers, opts)
+        routings = None
+        rnd, self._round = self._round, None
+        if rnd is not None:
+            if rnd.versions is not None and all(rnd.msg.outcome()):
+                swaps = [(lay, dec) for lay, dec, v in zip(rnd.table_layers, _decisions(rnd.msg.table()),
+                                                           rnd.versions, strict=True)
+                         if dec is not None and lay.version == v]
+                t1 = time.perf_counter()
+                records, outcome, pending, error = self._start(swaps)
+                migration_s = time.perf_counter() - t1
+            if rnd.route_layers:
+                routings, self.capacity = rnd.msg.routing(comm)  # None: the capacity grew, the next round has room
+        table, versions, table_layers = None, None, []
+        if routings is not None and rnd is not None:  # decided on the placements after this call's swaps
+            table_layers = rnd.route_layers
+            table = self._table_rows(table_layers, rnd.route_opts, routings, pending)
+            versions = [lay.version + sum(p.lay is lay for p in pending) for lay in table_layers]
+        deciding = self.calls % opts[0].every == 0
+        topks = [lay.last_topk for lay in layers] if deciding else None
+        msg = self._post(world, outcome=outcome, table=table, topks=topks, capacity=self.capacity, async_op=True)
+        self._round = _Round(msg, layers if deciding else [], opts, table_layers, versions)
+        if outcome:
+            self._await(_Outcome(msg, pending, error, [lay for lay, _ in swaps if lay.slot_params]))
         self.history.append(StepTiming(self.calls, time.perf_counter() - t0 - migration_s, migration_s,
                                        len(records)))
         return records
 
-    def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, topk: np.ndarray, token_rank: np.ndarray
-                      ) -> list[float]:
-        placement = lay.expert_pos_E.cpu().numpy().astype(np.int64)
+    def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
+                      token_rank: np.ndarray) -> list[float]:
         d = lay.last_dimension or lay.dimension or 1
         if opts.policy == "hierd":
             assert lay.cost is not None
@@ -350,45 +437,91 @@ class ExpertSwapper:
         stats = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=placement, token_rank=token_rank)
         return float(lay.cost.times_s(stats)[d - 1])
 
-    def _apply(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]]) -> list[SwapRecord]:
-        """Apply swaps (one per layer at most): move the experts of sharded layers, agree in one
-        all-reduce that every rank succeeded, then write the received rows and update the
-        placements. On any rank's failure every rank raises and nothing of these swaps is
-        written. A rank whose transfer failed still takes part in the later layers' transfers, so
-        no peer waits for it."""
-        moves: list[tuple[list[tuple[Tensor, Tensor]], int]] = []
+    def _start(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]]
+               ) -> tuple[list[SwapRecord], list[bool], list[_Pending], BaseException | None]:
+        """Start swaps (one per layer at most), in order, on every rank: layers whose experts every
+        rank holds move their placement now (nothing can fail); for sharded layers the two ranks
+        holding the experts move the rows (``_migrate``: both write, or neither) and their
+        placement, and every other rank keeps the swap pending until the outcome arrives. Returns
+        the records, this rank's outcome per sharded swap (False where its transfer failed), the
+        pending moves and its first error. A rank whose transfer failed still takes part in the
+        later layers' transfers, so no peer waits for it."""
+        records: list[SwapRecord] = []
+        outcome: list[bool] = []
+        pending: list[_Pending] = []
         error: BaseException | None = None
-        for lay, (a, b, *_) in swaps:
-            if lay.slot_params:
-                pa, pb = int(lay.expert_pos_E[a]), int(lay.expert_pos_E[b])
-                try:
-                    moves.append(_migrate(lay, a, b, pa, pb, self.optimizer))
-                except Exception as e:  # reported to every rank below, then raised here
-                    error = error or e
-                    moves.append(([], 0))
-            else:
-                moves.append(([], 0))
-        if any(lay.slot_params for lay, _ in swaps):
-            ok = torch.tensor([0 if error else 1], dtype=torch.int64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._cpu_group())
-            if error is not None:
-                raise error
-            if not int(ok):
-                pairs = ", ".join(f"{lay.name}: {dec[0]}<->{dec[1]}" for lay, dec in swaps)
-                raise RuntimeError(f"expert swap ({pairs}) failed on another rank (see its error); the placements "
-                                   "and every expert weight stay as they were")
-        records = []
-        for (lay, (a, b, d, obj_before, obj_after, pred_before, pred_after)), (pending, moved) in zip(
-                swaps, moves, strict=True):
-            with torch.no_grad():
-                _commit([dst for dst, _ in pending], [src for _, src in pending])
+        for lay, (a, b, d, obj_before, obj_after, pred_before, pred_after) in swaps:
             pa, pb = int(lay.expert_pos_E[a]), int(lay.expert_pos_E[b])
-            lay.move_experts(a, b)
             rec = SwapRecord(self.calls, lay.name, (a, b), (pa, pb), d, obj_before, obj_after, pred_before,
-                             pred_after, moved)
+                             pred_after, 0)
+            if not lay.slot_params:
+                lay.move_experts(a, b)
+                lay.swaps.append(rec)
+                records.append(rec)
+                continue
+            if lay.comm.position not in (pa, pb):
+                pending.append(_Pending(lay, a, b, rec, len(outcome)))
+                outcome.append(True)
+                records.append(rec)
+                continue
+            try:
+                writes, moved = _migrate(lay, a, b, pa, pb, self.optimizer)
+            except Exception as e:  # the outcome tells every rank; raised here once the outcome is out
+                error = error or e
+                outcome.append(False)
+                continue
+            outcome.append(True)
+            with torch.no_grad():
+                _commit([dst for dst, _ in writes], [src for _, src in writes])
+            lay.move_experts(a, b)
+            rec = dataclasses.replace(rec, moved_bytes=moved)
             lay.swaps.append(rec)
             records.append(rec)
+        return records, outcome, pending, error
+
+    def _apply(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]]) -> list[SwapRecord]:
+        """Sync mode: start the swaps, exchange their outcome and put them in force everywhere or,
+        where some rank failed, nowhere (then every rank raises here and nothing of that swap is
+        written)."""
+        records, outcome, pending, error = self._start(swaps)
+        if outcome:
+            msg = self._post(swaps[0][0].comm.world, outcome=outcome)
+            self._await(_Outcome(msg, pending, error, []))
+            self._settle()
+        elif error is not None:
+            raise error
         return records
+
+    def _await(self, out: _Outcome) -> None:
+        """Leave ``out`` to be read by the next forward of its layers (the first of them reads it,
+        on every rank alike: every rank hooks the same layers) or the next swapper call."""
+        self._outcome = out
+        for lay in out.layers:
+            lay.settle_hook = self._settle
+
+    def _settle(self) -> None:
+        """Read the outcome of the swaps started and put the successful ones in force on the ranks
+        outside their pairs (the placement update); then, if some rank failed its part of a swap
+        (that swap is dropped: its rows never left, its placement stays), raise on every rank:
+        the pair's own error, or a RuntimeError on the others."""
+        out, self._outcome = self._outcome, None
+        if out is None:
+            return
+        for lay in out.layers:
+            lay.settle_hook = None
+        t0 = time.perf_counter()
+        ok = out.msg.outcome()
+        if not self._in_step and self.history:  # waited outside step(): the call that started them pays
+            self.history[-1].settle_s += time.perf_counter() - t0
+        for p in out.pending:
+            if ok[p.index]:
+                p.lay.move_experts(p.a, p.b)
+                p.lay.swaps.append(p.record)
+        if out.error is not None:
+            raise out.error
+        if not all(ok):
+            raise RuntimeError(f"an expert swap started in swapper call {self.calls} failed on another rank (see "
+                               "its error); the placements and every expert weight stay as they were")
 
 
 def expert_swapper(model: nn.Module, optimizer: torch.optim.Optimizer | None, **options: Any) -> ExpertSwapper:
@@ -418,69 +551,92 @@ def smart_matrix(topk: np.ndarray, num_experts: int, placement: np.ndarray, worl
     return q
 
 
-@dataclass
-class _Gather:
-    """An all-gather of every rank's routing, posted by ``_post_routing`` (``work`` None once done)."""
+class _Message:
+    """One round of the swapper's own exchange: every rank sends one int32 buffer to every rank
+    (``all_to_all_single`` of ``world`` copies), [per-swap outcome | per-layer routing sizes |
+    table rows as float64 | routing ids padded to ``capacity``]. On gloo that is one round of
+    direct sends: with 8 ranks on 2 cores it takes about 3.7 ms where an ``all_reduce`` of 16
+    values takes 17 ms and an ``all_gather`` 10 ms (several rounds between neighbours, each
+    waiting for a rank to be scheduled; measured idle, after a barrier). The layout's four sizes
+    are the same on every rank (they come from agreed decisions and earlier rounds), so no size
+    is sent.
 
-    work: Any
-    gathered: list[Tensor]
-    ks: list[int]  # K of each layer
-    capacity: int
+    outcome: 1 where this rank's part of a swap succeeded (ranks outside the pair send 1);
+    read: the minimum over ranks. table: the decision rows this rank computed, zero elsewhere;
+    read: the sum over ranks. routing: this rank's [T, K] ids of each layer's last forward."""
+
+    def __init__(self, group: Any, world: int, *, outcome: Sequence[bool] = (), table: Tensor | None = None,
+                 topks: Sequence[Tensor] | None = None, capacity: int = 0, async_op: bool = False) -> None:
+        self.world = world
+        self.num_out = len(outcome)
+        self.num_rows = 0 if table is None else table.shape[0]
+        self.num_layers = 0 if topks is None else len(topks)
+        self.capacity = capacity if topks is not None else 0
+        self.ks = [] if topks is None else [t.shape[1] for t in topks]
+        head = self.num_out + self.num_layers
+        self.table_at = head + head % 2  # float64 rows start on an 8-byte boundary
+        self.ids_at = self.table_at + 16 * self.num_rows
+        buf = torch.zeros(self.ids_at + self.capacity, dtype=torch.int32)
+        buf[: self.num_out] = torch.tensor([int(ok) for ok in outcome], dtype=torch.int32)
+        if table is not None:
+            buf[self.table_at: self.ids_at].view(torch.float64).copy_(table.reshape(-1))
+        if topks is not None:
+            flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
+            sizes = [f.numel() for f in flat]
+            buf[self.num_out: head] = torch.tensor(sizes, dtype=torch.int32)
+            if flat and sum(sizes) <= self.capacity:
+                buf[self.ids_at: self.ids_at + sum(sizes)] = torch.cat(flat)
+        self.recv = torch.empty(world * buf.numel(), dtype=torch.int32)
+        self.work = dist.all_to_all_single(self.recv, buf.repeat(world), group=group, async_op=async_op)
+        self.rows = self.recv.view(world, -1)  # [sender's global rank, buffer]
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def outcome(self) -> list[bool]:
+        self.wait()
+        return [bool(v) for v in self.rows[:, : self.num_out].min(0).values.tolist()] if self.num_out else []
+
+    def table(self) -> Tensor:
+        """[rows, 8] float64: the rows every rank filled, summed (each row filled by one rank)."""
+        self.wait()
+        parts = [self.rows[r, self.table_at: self.ids_at].clone().view(torch.float64) for r in range(self.world)]
+        return torch.stack(parts).sum(0).view(self.num_rows, 8)
+
+    def routing(self, comm: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]] | None, int]:
+        """Every rank's routing of each layer ([sum of T, K] expert ids, [sum of T] source mesh
+        position), identical on every rank, and the capacity to use next; None (with twice the
+        largest size as the capacity) when some rank's ids did not fit, which every rank sees
+        alike in the sizes."""
+        self.wait()
+        head = self.num_out + self.num_layers
+        sizes = self.rows[:, self.num_out: head].numpy()
+        longest = int(sizes.sum(1).max()) if self.num_layers else 0
+        if longest > self.capacity:
+            return None, 2 * longest
+        out = []
+        offsets = [self.ids_at] * self.world
+        for i, k in enumerate(self.ks):
+            parts, sources = [], []
+            for pos in range(self.world):
+                rank = comm.ranks[pos]  # rows are by global rank; mesh positions map through comm.ranks
+                n = int(sizes[rank, i])
+                parts.append(self.rows[rank, offsets[pos]: offsets[pos] + n].numpy().reshape(-1, k))
+                sources.append(np.full(n // k if k else 0, pos, dtype=np.int64))
+                offsets[pos] += n
+            out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
+        return out, self.capacity
 
 
-def _post_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any = None,
-                  async_op: bool = False) -> _Gather:
-    """Post one all-gather on ``group`` of [per-layer sizes | ids padded to ``capacity``] (the
-    same on every rank); with ``async_op`` it is in flight when this returns."""
-    num_layers = len(topks)
-    flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
-    sizes = [f.numel() for f in flat]
-    buf = torch.zeros(num_layers + capacity, dtype=torch.int32)
-    buf[:num_layers] = torch.tensor(sizes, dtype=torch.int32)
-    if sum(sizes) <= capacity and flat:
-        buf[num_layers: num_layers + sum(sizes)] = torch.cat(flat)
-    gathered = [torch.empty_like(buf) for _ in range(comm.world)]
-    work = dist.all_gather(gathered, buf, group=group, async_op=async_op)
-    return _Gather(work, gathered, [t.shape[1] for t in topks], capacity)
-
-
-def _read_routing(g: _Gather, comm: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]] | None, int]:
-    """Wait for ``g`` and unpack it: every rank's routing of each layer ([sum of T, K] expert ids,
-    [sum of T] source mesh position), identical on every rank, and the capacity to use next; None
-    (with twice the largest size as the capacity) when some rank's ids did not fit, which every
-    rank sees alike in the sizes."""
-    if g.work is not None:
-        g.work.wait()
-    num_layers = len(g.ks)
-    longest = max(int(x[:num_layers].sum()) for x in g.gathered)
-    if longest > g.capacity:
-        return None, 2 * longest
-    # dist.all_gather orders by global rank; mesh positions map to ranks through comm.ranks
-    out = []
-    offsets = [num_layers] * comm.world
-    for i, k in enumerate(g.ks):
-        parts, sources = [], []
-        for pos in range(comm.world):
-            x = g.gathered[comm.ranks[pos]]
-            n = int(x[i])
-            parts.append(x[offsets[pos]: offsets[pos] + n].numpy().reshape(-1, k))
-            sources.append(np.full(n // k if k else 0, pos, dtype=np.int64))
-            offsets[pos] += n
-        out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
-    return out, g.capacity
-
-
-def _gather_routing(topks: Sequence[Tensor], comm: Any, capacity: int, group: Any = None
-                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """Every rank's routing of each layer (see ``_read_routing``) and the capacity to use next
-    time: one all-gather, and a second with room for twice the largest when some rank's ids did
-    not fit. The first call passes capacity 0 and so always takes two."""
-    for attempt in range(2):
-        routings, capacity = _read_routing(_post_routing(topks, comm, capacity, group), comm)
-        if routings is not None:
-            return routings, capacity
-        assert attempt == 0
-    raise AssertionError("unreachable: the second gather has room for every rank's routing")
+def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
+    """The layer's placement with the ``pending`` moves in force."""
+    placement = lay.expert_pos_E.cpu().numpy().astype(np.int64)
+    for p in pending:
+        if p.lay is lay:
+            placement[[p.a, p.b]] = placement[[p.b, p.a]]
+    return placement
 
 
 def _decisions(table: Tensor) -> list[tuple[Any, ...] | None]:
@@ -554,7 +710,8 @@ def _migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: 
              ) -> tuple[list[tuple[Tensor, Tensor]], int]:
     """Transfer experts a (on position pa) and b (on pb) of a sharded layer: returns the writes
     still to do, (this rank's row, its new content), and the bytes this rank sent. Writes
-    nothing."""
+    nothing. The two ranks exchange what they will send (both stop alike if it differs), the
+    rows, and a last flag each: both return only if both received everything, else both raise."""
     comm = lay.comm
     me = comm.position
     if me not in (pa, pb):
@@ -581,13 +738,26 @@ def _migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: 
                          "state, or scalar optimizer state such as Adam's step that differs); step both alike")
     payload = torch.cat([r.detach().contiguous().view(-1).view(torch.uint8) for r in rows]) if rows else \
         torch.empty(0, dtype=torch.uint8)
-    received = _exchange(payload, peer, payload)
-    pending, offset = [], 0
-    for r in rows:
-        nbytes = r.numel() * r.element_size()
-        pending.append((r, received[offset: offset + nbytes].clone().view(r.dtype).view(r.shape)))
-        offset += nbytes
-    return pending, int(payload.numel()) + int(sig.numel()) * 8
+    failure: Exception | None = None
+    pending = []
+    try:
+        received = _exchange(payload, peer, payload)
+        offset = 0
+        for r in rows:
+            nbytes = r.numel() * r.element_size()
+            pending.append((r, received[offset: offset + nbytes].clone().view(r.dtype).view(r.shape)))
+            offset += nbytes
+    except Exception as e:  # told to the peer below, then raised
+        failure = e
+    # the two sides agree before either writes: one whose transfer failed tells the other
+    flag = torch.tensor([0 if failure else 1], dtype=torch.int64)
+    peer_ok = int(_exchange(flag, peer, flag)[0])
+    if failure is not None:
+        raise failure
+    if not peer_ok:
+        raise RuntimeError(f"layer {lay.name}: rank {peer} failed to receive expert {mine} (see its error); "
+                           f"nothing of the swap of experts {a} and {b} is written")
+    return pending, int(payload.numel()) + int(sig.numel()) * 8 + 8
 
 
 def _commit(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:

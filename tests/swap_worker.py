@@ -180,6 +180,59 @@ def case_invariants() -> dict[str, Any]:
     return out
 
 
+def case_overlap_interrupted() -> dict[str, Any]:
+    """Overlap mode: a decided swap whose row transfer fails on one of its two ranks. That pair
+    raises in step(); every other rank moved nothing yet and raises at its next forward, when it
+    reads the outcome. Then every rank has the placement and the expert -> checksum map of
+    before, and training goes on with eager DDP's losses."""
+    mesh = make_mesh(PARAMS["shape"])
+    data = batches(PARAMS["steps"])
+    torch._dynamo.reset()
+    eager = tiny("grouped_gemm", PARAMS.get("E", 8))
+    opt_e = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    ref = [train_step(eager, eager, opt_e, b, None) for b in data]
+    model, compiled, report = build("shard", "grouped_gemm", mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    swapper = moe_compile.expert_swapper(compiled, opt, overlap=True)
+    real_exchange = swap._exchange
+    out: dict[str, Any] = {"raised": [], "losses": [], "ref": ref}
+
+    def failing_exchange(send: torch.Tensor, peer: int, recv_like: torch.Tensor) -> torch.Tensor:
+        got = real_exchange(send, peer, recv_like)
+        if send.dtype == torch.uint8 and dist.get_rank() < peer:  # the rows, on one side of the pair
+            raise ConnectionError("injected: link failed after the transfer")
+        return got
+
+    def guarded(label: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ConnectionError, RuntimeError) as e:
+            out["raised"].append({"at": label, "error": f"{type(e).__name__}: {e}"})
+
+    for step, b in enumerate(data):
+        out["losses"].append(train_step(compiled, model, opt, b, report))
+        # whether this call starts a swap is in the message in flight, alike on every rank (read
+        # here, privately, only to inject a failure into the first one)
+        rnd = swapper._round
+        starts = rnd is not None and rnd.versions is not None and any(
+            dec is not None for dec in swap._decisions(rnd.msg.table()))
+        if not starts or "before" in out:
+            guarded(f"step {step}", swapper.step)
+            continue
+        out["before"] = {"sums": expert_checksums(swapper, opt), "placement": placements(swapper)}
+        swap._exchange = failing_exchange  # type: ignore[assignment]
+        try:
+            guarded("failing step", swapper.step)
+        finally:
+            swap._exchange = real_exchange  # type: ignore[assignment]
+        guarded("next forward", lambda b=b: compiled(b[:, :-1], b[:, 1:]))  # nothing trains here
+        out["after"] = {"sums": expert_checksums(swapper, opt), "placement": placements(swapper)}
+    swapper.flush()
+    out["placement"] = placements(swapper)
+    out["started"] = sum(t.swaps for t in swapper.history)
+    return out
+
+
 def case_two_models() -> dict[str, Any]:
     """Two models of one class compiled with equal options in one process: Dynamo runs both on
     one compiled graph; each must still run on its own shards and placement (a swap in one

@@ -108,6 +108,26 @@ def test_overlapped_swaps_keep_the_losses() -> None:
         assert r["placement"] == results[0]["adam/shard"]["placement"], "ranks disagree on the placement"
 
 
+def test_overlapped_swap_interrupted_on_one_rank_moves_nothing() -> None:
+    """Overlap mode, one side of a decided swap fails after the rows crossed: step() returns on
+    every rank and every rank raises at its next forward, where it reads the outcome (the same
+    point everywhere, so no rank is left waiting in a collective); placements and every expert's
+    rows stay as they were, and training goes on with eager DDP's losses."""
+    results = run_ranks(4, "overlap_interrupted", timeout_s=300, worker="swap_worker.py", shape=[2, 2], E=8,
+                        steps=6)
+    for rank, res in enumerate(results):
+        assert [r["at"] for r in res["raised"]] == ["next forward"], f"rank {rank}: {res['raised']}"
+    errors = [res["raised"][0]["error"] for res in results]
+    assert sum("injected" in e for e in errors) == 1, errors
+    assert sum("failed to receive" in e for e in errors) == 1, errors
+    assert sum("failed on another rank" in e for e in errors) == 2, errors
+    for rank, res in enumerate(results):
+        assert res["after"] == res["before"], f"rank {rank}: the failed swap moved or changed something"
+        assert res["placement"] == results[0]["placement"], "ranks disagree on the placement"
+        for got, want in zip(res["losses"], res["ref"], strict=True):
+            assert abs(got - want) <= TOL * abs(want), f"rank {rank}: loss {got} vs {want} without swaps"
+
+
 @pytest.mark.parametrize("kind", ["grouped_gemm", "expert_loop"])
 def test_training_with_swaps_equals_training_without(kind: str) -> None:
     modes = ["shard", "replicated"] if kind == "grouped_gemm" else ["replicated"]
