@@ -32,14 +32,14 @@ Per step and variant: the predicted HD-d time of every layer (``EPLayer.last_tim
 forward's max-reduced statistics under the placement of that step: one dispatch all-to-all), the
 payload bytes per mesh level the layers sent in the step (``EPLayer.last_step_bytes()``: dispatch
 and combine, forward and backward), the measured dispatch + combine wall seconds
-(``EPLayer.step_comm_s``, both directions), the training step's wall time (zero_grad, forward,
-backward, gradient averaging, Adam step; after a barrier), and for the swapping variants the
-swapper's ``decision_s`` / ``migration_s`` (``ExpertSwapper.history``, after a barrier) and swaps.
-Where the swap time goes is measured from outside by wrapping moe_compile.swap's internals in
-timers at run time (nothing in moe_compile is edited): the routing all-gathers, Q (the cost
-model's swap matrix, or Smart's), the predicted times of a chosen swap, the rest of the decision
-(the all-reduce that hands out the decisions, waiting for the ranks computing Q), the row
-exchange (p2p), the commit and the rest of the migration (the agreement all-reduce).
+(``EPLayer.step_comm_s``, both directions), the training step's wall time (forward, backward,
+gradient averaging, Adam step, zero_grad; after a barrier), and for the swapping variants the
+swapper's ``decision_s`` / ``migration_s`` (``ExpertSwapper.history``, after a barrier), its
+``settle_s`` (overlap mode: the wait for a swap's outcome at the next forward) and swaps. Where
+the swap time goes is measured from outside by wrapping moe_compile.swap's internals in timers at
+run time (nothing in moe_compile is edited): the swapper's exchanges of all ranks (posting and
+waiting), Q (the cost model's swap matrix, or Smart's), the predicted times of a chosen swap, the
+two ranks' row exchange (p2p) and the commit.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def instrument_swap() -> None:
     """Wrap the functions ``ExpertSwapper.step`` calls in timers (run time only; the wrapped
     functions are called as before). Each part sums into PARTS while a step runs."""
-    swap._post_routing = _timed("gather_s", swap._post_routing)  # type: ignore[assignment]
-    swap._read_routing = _timed("gather_s", swap._read_routing)  # type: ignore[assignment]
+    swap._Message.__init__ = _timed("exchange_s", swap._Message.__init__)  # type: ignore[method-assign]
+    swap._Message.wait = _timed("exchange_s", swap._Message.wait)  # type: ignore[method-assign]
     swap.smart_matrix = _timed("q_s", swap.smart_matrix)  # type: ignore[assignment]
     cost_hiermoe.HDCostModel.swap_matrix = _timed("q_s", cost_hiermoe.HDCostModel.swap_matrix)  # type: ignore[method-assign]
     swap.ExpertSwapper._decide_layer = _timed("decide_layer_s", swap.ExpertSwapper._decide_layer)  # type: ignore[method-assign]
@@ -155,11 +155,13 @@ class Runner:
         return self.swapper.layers()
 
     def train_step(self, ids_BS: Tensor, world: int) -> float:
-        self.opt.zero_grad(set_to_none=True)
+        """The issue's loop: forward, backward, (gradient averaging,) optimizer step, zero_grad;
+        swapper.step() comes after it, so a swap moves weights and optimizer state, no gradients."""
         loss = self.module(ids_BS[:, :-1], ids_BS[:, 1:])
         loss.backward()
         average_gradients(self.model, self.shards, world)
         self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
 
@@ -210,6 +212,7 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
     records: dict[str, list[dict[str, Any]]] = {r.name: [] for r in runners}
     routing_diffs = 0
     routing_log: dict[str, list[list[Any]]] = {r.name: [] for r in runners}  # [step][layer] this rank's [T, K]
+    timings: dict[str, list[swap.StepTiming]] = {r.name: [] for r in runners}
     for step in range(1, args.steps + 1):
         ids_BS = batches[step]
         order = runners[step % len(runners):] + runners[: step % len(runners)]
@@ -244,6 +247,7 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
                 wall_s = time.perf_counter() - t1
                 timing = r.swapper.history[-1]
                 assert timing.step == r.swapper.calls
+                timings[r.name].append(timing)  # settle_s grows at the variant's next forward
                 rec.update(decision_s=timing.decision_s, migration_s=timing.migration_s, swap_wall_s=wall_s,
                            swaps=[{"layer": s.layer, "experts": list(s.experts), "ranks": list(s.ranks),
                                    "dimension": s.dimension, "objective_before": s.objective_before,
@@ -263,6 +267,8 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
     for r in runners:  # overlap mode: nothing left in flight (undecided rounds are dropped)
         if r.swapper is not None:
             r.swapper.flush()
+        for rec, timing in zip([x for x in records[r.name] if "decision_s" in x], timings[r.name], strict=True):
+            rec["settle_s"] = timing.settle_s
 
     # Step 3: the losses must agree (a swap never changes what the model computes).
     worst = 0.0
@@ -376,19 +382,18 @@ def aggregate(res: dict[str, Any], names: tuple[str, ...]) -> dict[str, list[dic
             if "decision_s" in r0:
                 row["decision_s"] = max(p["decision_s"] for p in per)
                 row["migration_s"] = max(p["migration_s"] for p in per)
-                row["swap_s"] = max(p["decision_s"] + p["migration_s"] for p in per)
+                row["settle_s"] = max(p["settle_s"] for p in per)
+                row["swap_s"] = max(p["decision_s"] + p["migration_s"] + p["settle_s"] for p in per)
                 row["swap_wall_s"] = max(p["swap_wall_s"] for p in per)
                 row["overhead"] = row["swap_s"] / row["step_s"]
                 row["swaps"] = r0["swaps"]
-                row["per_rank"].update({k: [p[k] for p in per] for k in ("decision_s", "migration_s", "swap_wall_s",
-                                                                          "parts")})
+                row["per_rank"].update({k: [p[k] for p in per] for k in ("decision_s", "migration_s", "settle_s",
+                                                                          "swap_wall_s", "parts")})
                 row["per_rank"]["moved_bytes"] = [sum(s["moved_bytes"] for s in p["swaps"]) for p in per]
                 row["moved_bytes_sum"] = sum(s["moved_bytes"] for p in per for s in p["swaps"])
                 row["parts_max"] = {k: max(p["parts"][k] for p in per) for k in PART_NAMES}
-                row["decision_rest_max"] = max(p["decision_s"] - p["parts"]["gather_s"] - p["parts"]["decide_layer_s"]
-                                               for p in per)
-                row["migration_rest_max"] = max(p["migration_s"] - p["parts"]["migrate_s"] - p["parts"]["commit_s"]
-                                                for p in per)
+                row["rest_max"] = max(p["decision_s"] + p["migration_s"] - sum(p["parts"][k] for k in (
+                    "exchange_s", "decide_layer_s", "migrate_s", "commit_s")) for p in per)
             steps.append(row)
         out[name] = steps
     return out

@@ -12,7 +12,7 @@ ZIPF_EXPONENT = 1.2
 VARIANTS = (("HD-d* no swap", None), ("HierD-ES", "hierd"), ("Smart", "smart"))
 BASE = VARIANTS[0][0]
 DISTRIBUTIONS = ("uniform", "zipf")
-PART_NAMES = ("gather_s", "q_s", "predicted_s", "decide_layer_s", "migrate_s", "commit_s")
+PART_NAMES = ("exchange_s", "q_s", "predicted_s", "decide_layer_s", "migrate_s", "commit_s")
 
 
 def med(xs: list[float]) -> float:
@@ -35,10 +35,9 @@ def summarize(steps: list[dict[str, Any]], window: int, node: str) -> dict[str, 
         s.update(swaps=sum(len(r["swaps"]) for r in rows),
                  overhead_median=med([r["overhead"] for r in rows]), overhead_max=max(r["overhead"] for r in rows),
                  decision_s=med([r["decision_s"] for r in rows]), migration_s=med([r["migration_s"] for r in rows]),
-                 swap_s=med([r["swap_s"] for r in rows]),
-                 parts={k: med([r["parts_max"][k] for r in rows]) for k in PART_NAMES},
-                 decision_rest_s=med([r["decision_rest_max"] for r in rows]),
-                 migration_rest_s=med([r["migration_rest_max"] for r in rows]))
+                 settle_s=med([r.get("settle_s", 0.0) for r in rows]), swap_s=med([r["swap_s"] for r in rows]),
+                 parts={k: med([r["parts_max"].get(k, float("nan")) for r in rows]) for k in PART_NAMES},
+                 rest_s=med([r.get("rest_max", float("nan")) for r in rows]))
     return s
 
 
@@ -58,8 +57,8 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
                "swaps", "d used"]
     lines_tab += ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     over_headers = ["distribution", "steps", "variant", "overhead median %", "overhead max %", "decision ms",
-                    "migration ms", "gather ms", "Q ms", "predicted ms", "decide rest ms", "p2p ms", "commit ms",
-                    "migration rest ms", "swaps"]
+                    "migration ms", "settle ms", "exchanges ms", "Q ms", "predicted ms", "p2p ms", "commit ms",
+                    "rest ms", "swaps"]
     over = ["| " + " | ".join(over_headers) + " |", "|" + "|".join("---" for _ in over_headers) + "|"]
     console_lines = []
     for dres in payload["distributions"]:
@@ -83,10 +82,10 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
                     p = s["parts"]
                     over.append("| " + " | ".join([
                         kind, label, name, f"{s['overhead_median'] * 100:.2f}", f"{s['overhead_max'] * 100:.2f}",
-                        f"{s['decision_s'] * 1e3:.2f}", f"{s['migration_s'] * 1e3:.2f}",
-                        f"{p['gather_s'] * 1e3:.2f}", f"{p['q_s'] * 1e3:.2f}", f"{p['predicted_s'] * 1e3:.2f}",
-                        f"{s['decision_rest_s'] * 1e3:.2f}", f"{p['migrate_s'] * 1e3:.2f}",
-                        f"{p['commit_s'] * 1e3:.3f}", f"{s['migration_rest_s'] * 1e3:.2f}", str(s["swaps"])]) + " |")
+                        f"{s['decision_s'] * 1e3:.2f}", f"{s['migration_s'] * 1e3:.2f}", f"{s['settle_s'] * 1e3:.2f}",
+                        f"{p['exchange_s'] * 1e3:.2f}", f"{p['q_s'] * 1e3:.2f}", f"{p['predicted_s'] * 1e3:.2f}",
+                        f"{p['migrate_s'] * 1e3:.2f}", f"{p['commit_s'] * 1e3:.3f}", f"{s['rest_s'] * 1e3:.2f}",
+                        str(s["swaps"])]) + " |")
                 console_lines.append(
                     f"{kind:8s} {label:8s} {name:14s} pred {s['pred_s'] * 1e3:7.2f} ms "
                     f"({_ratio(s['pred_s'], b['pred_s'])}) exact {s['exact_pred_s'] * 1e3:7.2f} ms "
@@ -155,29 +154,31 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         "apart), of the busiest rank and over all ranks. \"rank load max/mean\": (token, expert) pairs the busiest "
         "rank's experts compute over the mean (the worse layer), what Smart balances. \"d+c ms measured\": wall seconds in dispatch + combine, "
         "both directions, all layers (`EPLayer.step_comm_s`), the slowest rank's. \"step ms\": the training step "
-        "(zero_grad, forward, backward, gradient all-reduce, Adam), after a barrier, the slowest rank's; the swap is "
+        "(forward, backward, gradient all-reduce, Adam, zero_grad), after a barrier, the slowest rank's; the swap is "
         "not in it. \"vs no swap\": median / median of `HD-d* no swap`.", "",
         "## Traffic and time", "", *lines_tab, "",
         "## Overhead of swapping every step", "",
-        "overhead = (decision_s + migration_s) / step time, per step (`ExpertSwapper.history`; slowest rank's swap "
-        "over the slowest rank's step; `swapper.step()` starts after a barrier, so it does not include waiting for "
-        "ranks still in their training step). Parts, slowest rank's, timed by wrapping moe_compile.swap's functions "
-        "at run time: gather = the all-gathers of the routing (`_post_routing` + `_read_routing`); Q = the swap matrix "
+        "overhead = (decision_s + migration_s + settle_s) / step time, per step (`ExpertSwapper.history`; slowest "
+        "rank's swap over the slowest rank's step; `swapper.step()` starts after a barrier, so it does not include "
+        "waiting for ranks still in their training step). settle = overlap mode's wait for the outcome of the swaps "
+        "a call started, at the variant's next forward (inside that step's time as well). Parts, slowest rank's, "
+        "timed by wrapping moe_compile.swap's functions at run time: exchanges = the swapper's exchanges of all "
+        "ranks inside `step()` (`_Message`: one `all_to_all_single` each, posting and waiting: routing, decisions, "
+        "outcome), including the wait for ranks still computing Q or moving rows; Q = the swap matrix "
         "(`HDCostModel.swap_matrix` for HierD-ES, `smart_matrix` for Smart) on the ranks that decide a layer (layer "
-        "i on rank i mod world); predicted = the two predicted times of a chosen swap (`_predicted`); decide rest = "
-        "decision - gather - the per-layer decisions: the all-reduce handing out the decisions, including the wait "
-        "for the deciding ranks; p2p = `_migrate` (signature and row exchange between the two ranks); commit = "
-        "writing the received rows; migration rest = the agreement all-reduce and the placement update. Each "
-        "part is its own max over ranks, so they do not add up: a rank outside a swap's pair spends the pair's "
-        "exchange waiting in the agreement all-reduce (its migration rest).", "",
+        "i on rank i mod world); predicted = the two predicted times of a chosen swap (`_predicted`); p2p = "
+        "`_migrate` (what each side sends, the rows and a last flag, between the two ranks of a swap); commit = "
+        "writing the received rows; rest = decision + migration - exchanges - the per-layer decisions (Q, "
+        "predicted) - p2p - commit, per rank. Each part is its own max over ranks, so they do not add up.", "",
         *([] if not payload.get("overlap") else [
-            "Overlap mode (`expert_swap: {'overlap': True}`): `swapper.step()` posts the routing all-gather and the "
-            "decision all-reduce on the swapper's own gloo group and does not wait for them; the next call reads "
-            "them, so a swap is applied two calls after the step whose routing decided it. Here gather = posting "
-            "this call's all-gather and reading the previous one's (normally already done), decide rest = posting "
-            "the all-reduce and waiting for the previous one. Those collectives run in the background during the "
-            "following training steps of all three variants (they alternate), on the same cores: whatever they "
-            "cost beyond that lands in every variant's step time, not in the overhead column.", ""]),
+            "Overlap mode (`expert_swap: {'overlap': True}`): `swapper.step()` posts one message (this step's "
+            "routing, the decisions computed on the previous one, the outcome of the swaps it started) on the "
+            "swapper's own gloo group and does not wait for it; the next call reads it, so a swap starts two calls "
+            "after the step whose routing decided it, and the ranks outside its pair put it in force at their next "
+            "forward (settle). Here exchanges = posting this call's message and reading the previous one (normally "
+            "already arrived). The exchanges run in the background during the following training steps of all "
+            "three variants (they alternate), on the same cores: whatever they cost beyond that lands in every "
+            "variant's step time, not in the overhead column.", ""]),
         *over,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -227,18 +227,27 @@ class ExpertSwapper:
     _outcome: _Outcome | None = None  # swaps started whose outcome this rank has not read yet
     _in_step: bool = False
     _group: Any = None
+    _layers: tuple[int, list[runtime.EPLayer]] = (-1, [])  # (runtime layers seen, this model's)
+    _options: dict[int, tuple[Any, SwapOptions]] = field(default_factory=dict)  # layer id -> (its swap_options, merged)
 
     def layers(self) -> list[runtime.EPLayer]:
-        """The expert-parallel layers of this model that have been compiled, in layer-id order."""
-        mine = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
-        return [lay for lay in runtime.layers() if lay.tensors and any(id(t) in mine for t in lay.tensors)]
+        """The expert-parallel layers of this model that have been compiled, in layer-id order
+        (looked up again when a compile registered new layers)."""
+        every = runtime.layers()
+        if self._layers[0] != len(every):
+            mine = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
+            self._layers = (len(every), [lay for lay in every
+                                         if lay.tensors and any(id(t) in mine for t in lay.tensors)])
+        return list(self._layers[1])
 
     def options(self, lay: runtime.EPLayer) -> SwapOptions:
-        base = lay.swap_options or SwapOptions()
-        merged = {**base.__dict__, **self.overrides}
-        opts = parse_swap_options(merged)
-        assert opts is not None
-        return opts
+        cached = self._options.get(lay.layer_id)
+        if cached is None or cached[0] is not lay.swap_options:
+            base = lay.swap_options or SwapOptions()
+            opts = parse_swap_options({**base.__dict__, **self.overrides})
+            assert opts is not None
+            cached = self._options[lay.layer_id] = (lay.swap_options, opts)
+        return cached[1]
 
     def step(self) -> list[SwapRecord]:
         """Decide and apply this step's swaps (collective: every rank calls it). Returns the swaps
@@ -342,26 +351,30 @@ class ExpertSwapper:
     def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[tuple[Any, ...] | None]:
         """Sync mode: exchange the routing (a second time, with room for the largest, when some
         rank's did not fit; always on the first call), compute this rank's rows, exchange them."""
-        world = layers[0].comm.world
+        comm = layers[0].comm
         topks = [lay.last_topk for lay in layers]
+        deciders = _deciders(len(layers), comm.world, set())
         for _ in range(2):
-            routings, self.capacity = self._post(world, topks=topks, capacity=self.capacity).routing(layers[0].comm)
+            msg = self._post(comm.world, topks=topks, capacity=self.capacity)
+            routings, self.capacity = msg.routing(comm, [d == comm.position for d in deciders])
             if routings is not None:
-                table = self._table_rows(layers, opts, routings)
-                return _decisions(self._post(world, table=table).table())
+                table = self._table_rows(layers, opts, routings, deciders)
+                return _decisions(self._post(comm.world, table=table).table())
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
 
     def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
-                    routings: list[tuple[np.ndarray, np.ndarray]], pending: Sequence[_Pending] = ()) -> Tensor:
+                    routings: list[tuple[np.ndarray, np.ndarray] | None], deciders: list[int],
+                    pending: Sequence[_Pending] = ()) -> Tensor:
         """This rank's rows of the decision table (one row per layer: swap?, a, b, d, objective
         before/after, predicted before/after; zeros in the rows other ranks decide), on the
         placements with the ``pending`` moves in force (every rank's placement once the swaps
         started succeed; decisions are dropped where one fails)."""
-        world, me = layers[0].comm.world, layers[0].comm.position
+        me = layers[0].comm.position
         table = torch.zeros(len(layers), 8, dtype=torch.float64)
         for i, lay in enumerate(layers):
-            if i % world == me:
-                table[i] = torch.tensor(self._decide_layer(lay, opts[i], _planned(lay, pending), *routings[i]),
+            routing = routings[i]
+            if deciders[i] == me and routing is not None:
+                table[i] = torch.tensor(self._decide_layer(lay, opts[i], _planned(lay, pending), *routing),
                                         dtype=torch.float64)
         return table
 
@@ -392,12 +405,15 @@ class ExpertSwapper:
                 t1 = time.perf_counter()
                 records, outcome, pending, error = self._start(swaps)
                 migration_s = time.perf_counter() - t1
-            if rnd.route_layers:
-                routings, self.capacity = rnd.msg.routing(comm)  # None: the capacity grew, the next round has room
+            # Q* on ranks outside this call's pairs where there are any, so no rank does both
+            busy = {int(lay.expert_pos_E[dec[i]]) for lay, dec in swaps if lay.slot_params for i in (0, 1)}
+            deciders = _deciders(len(rnd.route_layers), world, busy)
+            if rnd.route_layers:  # None: the capacity grew, the next round has room
+                routings, self.capacity = rnd.msg.routing(comm, [d == comm.position for d in deciders])
         table, versions, table_layers = None, None, []
         if routings is not None and rnd is not None:  # decided on the placements after this call's swaps
             table_layers = rnd.route_layers
-            table = self._table_rows(table_layers, rnd.route_opts, routings, pending)
+            table = self._table_rows(table_layers, rnd.route_opts, routings, deciders, pending)
             versions = [lay.version + sum(p.lay is lay for p in pending) for lay in table_layers]
         deciding = self.calls % opts[0].every == 0
         topks = [lay.last_topk for lay in layers] if deciding else None
@@ -605,20 +621,26 @@ class _Message:
         parts = [self.rows[r, self.table_at: self.ids_at].clone().view(torch.float64) for r in range(self.world)]
         return torch.stack(parts).sum(0).view(self.num_rows, 8)
 
-    def routing(self, comm: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]] | None, int]:
-        """Every rank's routing of each layer ([sum of T, K] expert ids, [sum of T] source mesh
-        position), identical on every rank, and the capacity to use next; None (with twice the
-        largest size as the capacity) when some rank's ids did not fit, which every rank sees
-        alike in the sizes."""
+    def routing(self, comm: Any, wanted: Sequence[bool]) -> tuple[list[tuple[np.ndarray, np.ndarray] | None] | None,
+                                                                  int]:
+        """Every rank's routing of each ``wanted`` layer ([sum of T, K] expert ids, [sum of T]
+        source mesh position; None for the others), identical on every rank, and the capacity to
+        use next; None (with twice the largest size as the capacity) when some rank's ids did not
+        fit, which every rank sees alike in the sizes."""
         self.wait()
         head = self.num_out + self.num_layers
         sizes = self.rows[:, self.num_out: head].numpy()
         longest = int(sizes.sum(1).max()) if self.num_layers else 0
         if longest > self.capacity:
             return None, 2 * longest
-        out = []
+        out: list[tuple[np.ndarray, np.ndarray] | None] = []
         offsets = [self.ids_at] * self.world
         for i, k in enumerate(self.ks):
+            if not wanted[i]:
+                for pos in range(self.world):
+                    offsets[pos] += int(sizes[comm.ranks[pos], i])
+                out.append(None)
+                continue
             parts, sources = [], []
             for pos in range(self.world):
                 rank = comm.ranks[pos]  # rows are by global rank; mesh positions map through comm.ranks
@@ -628,6 +650,13 @@ class _Message:
                 offsets[pos] += n
             out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
         return out, self.capacity
+
+
+def _deciders(num_layers: int, world: int, busy: set[int]) -> list[int]:
+    """The mesh position that computes each layer's Q*: layer i on the i-th rank (mod) of those
+    not in ``busy`` (the same on every rank: ``busy`` comes from agreed decisions)."""
+    free = [pos for pos in range(world) if pos not in busy] or list(range(world))
+    return [free[i % len(free)] for i in range(num_layers)]
 
 
 def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
@@ -745,7 +774,10 @@ def _migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: 
         offset = 0
         for r in rows:
             nbytes = r.numel() * r.element_size()
-            pending.append((r, received[offset: offset + nbytes].clone().view(r.dtype).view(r.shape)))
+            chunk = received[offset: offset + nbytes]
+            if offset % r.element_size():  # a view of another dtype must start on its alignment
+                chunk = chunk.clone()
+            pending.append((r, chunk.view(r.dtype).view(r.shape)))
             offset += nbytes
     except Exception as e:  # told to the peer below, then raised
         failure = e
