@@ -305,28 +305,32 @@ def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -
     grp = r.placement // (r.num_ranks // num_groups)  # [E] expert -> group at this level
     base = r.counts(level, split).astype(np.float64)  # [X, U]
     pos, num_pos, mult = r.relays(split)
-    pos = np.zeros(r.topk.shape[0], dtype=np.int64) if pos is None else pos
 
-    e = np.sort(r.topk, axis=1)
-    num_k = e.shape[1]
-    valid = np.ones(e.shape, dtype=bool)  # each expert once per token
-    valid[:, 1:] = e[:, 1:] != e[:, :-1]
-    g = grp[e]
-    same = (g[:, :, None] == g[:, None, :]) & valid[:, None, :]  # [T, K, K']
-    alone = valid & (same.sum(-1) == 1)
-    group_first = valid & ~(same & np.tri(num_k, k=-1, dtype=bool)).any(-1)
+    # each token's entries sorted by (group, expert): a group's entries form one run, with the
+    # repeats of an expert next to each other; [T, K] passes, keys int32 where they fit
+    num_k = r.topk.shape[1]
+    key = np.sort(grp[r.topk] * num_experts + r.topk, axis=1)
+    small = np.int32 if num_pos * num_experts * max(num_experts, num_groups) < 2**31 else np.int64
+    e, g = (key % num_experts).astype(small), (key // num_experts).astype(small)
+    valid = np.ones(key.shape, dtype=bool)  # each expert once per token
+    valid[:, 1:] = key[:, 1:] != key[:, :-1]
+    group_first = np.ones(key.shape, dtype=bool)  # the first entry of its group's run
+    group_first[:, 1:] = g[:, 1:] != g[:, :-1]
+    run_last = key.copy()  # the last key of each entry's run
+    for k in range(num_k - 2, -1, -1):
+        np.copyto(run_last[:, k], run_last[:, k + 1], where=~group_first[:, k + 1])
+    alone = group_first & (run_last == key)  # the run holds one expert: the only one of its group
     off_diag = ~np.eye(num_k, dtype=bool)
 
-    pe = pos[:, None] * num_experts + e  # [T, K]
+    pe = e if pos is None else pos.astype(small)[:, None] * num_experts + e  # [T, K]
     alone_cnt = np.bincount(pe[alone], minlength=num_pos * num_experts).reshape(num_pos, num_experts)
     sel_cnt = np.bincount(pe[valid], minlength=num_pos * num_experts).reshape(num_pos, num_experts)
     ax_w = alone[:, :, None] & valid[:, None, :] & off_diag
-    ax_key = pe[:, :, None] * num_experts + e[:, None, :]
-    ax = np.bincount(ax_key[ax_w], minlength=num_pos * num_experts ** 2)
+    ax = np.bincount((pe[:, :, None] * num_experts + e[:, None, :])[ax_w], minlength=num_pos * num_experts ** 2)
     ax = ax.reshape(num_pos, num_experts, num_experts)
     ne_w = valid[:, :, None] & group_first[:, None, :]
-    ne_key = pe[:, :, None] * num_groups + g[:, None, :]
-    nonempty = np.bincount(ne_key[ne_w], minlength=num_pos * num_experts * num_groups)
+    nonempty = np.bincount((pe[:, :, None] * num_groups + g[:, None, :])[ne_w],
+                           minlength=num_pos * num_experts * num_groups)
     b_cnt = sel_cnt[:, :, None] - nonempty.reshape(num_pos, num_experts, num_groups)  # [X, E, U]
 
     new_ga = np.full((num_experts, num_experts), -np.inf)

@@ -329,12 +329,16 @@ def test_swap_counts_match_the_papers_fig_7():
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (4,)])
 @pytest.mark.parametrize("kind", ["max", "smooth", "lse"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed):
+@pytest.mark.parametrize("repeats", [False, True])
+def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats):
+    """Also with routings that name an expert twice for a token (it receives the token once)."""
     rng = np.random.default_rng(seed)
     num_ranks = math.prod(sizes)
     num_experts = 2 * num_ranks if num_ranks < 8 else num_ranks
     num_tokens = 30
     topk = uniform_topk(rng, num_tokens, num_experts, 3)
+    if repeats:
+        topk[::3, 2] = topk[::3, 0]
     topo = topology(sizes, tuple(10.0 * 4 ** i for i in range(len(sizes))))
     model = hm.HDCostModel(topo, Workload(num_tokens, 64, 32, num_experts, 3))
     for token_rank, placement in ((None, None),
