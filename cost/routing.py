@@ -310,8 +310,9 @@ def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -
     # repeats of an expert next to each other; [T, K] passes, keys int32 where they fit
     num_k = r.topk.shape[1]
     key = np.sort(grp[r.topk] * num_experts + r.topk, axis=1)
-    small = np.int32 if num_pos * num_experts * max(num_experts, num_groups) < 2**31 else np.int64
-    e, g = (key % num_experts).astype(small), (key // num_experts).astype(small)
+    small = np.dtype(np.int32 if num_pos * num_experts * max(num_experts, num_groups) < 2**31 else np.int64)
+    e: np.ndarray = (key % num_experts).astype(small)
+    g: np.ndarray = (key // num_experts).astype(small)
     valid = np.ones(key.shape, dtype=bool)  # each expert once per token
     valid[:, 1:] = key[:, 1:] != key[:, :-1]
     group_first = np.ones(key.shape, dtype=bool)  # the first entry of its group's run
@@ -322,7 +323,7 @@ def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -
     alone = group_first & (run_last == key)  # the run holds one expert: the only one of its group
     off_diag = ~np.eye(num_k, dtype=bool)
 
-    pe = e if pos is None else pos.astype(small)[:, None] * num_experts + e  # [T, K]
+    pe: np.ndarray = e if pos is None else pos.astype(small)[:, None] * num_experts + e  # [T, K]
     alone_cnt = np.bincount(pe[alone], minlength=num_pos * num_experts).reshape(num_pos, num_experts)
     sel_cnt = np.bincount(pe[valid], minlength=num_pos * num_experts).reshape(num_pos, num_experts)
     ax_w = alone[:, :, None] & valid[:, None, :] & off_diag
