@@ -100,8 +100,8 @@ class EPLayer:
     # an expert swap moves; empty when every rank holds every expert
     slot_params: tuple[Any, ...] = ()
     swap_options: Any = None  # moe_compile.swap.SwapOptions from options["expert_swap"]
-    # a swap this rank is outside of, started by the swapper, whose outcome (every rank's success)
-    # is still in flight: called before anything reads the placement (see settle)
+    # set while swaps the swapper started on this layer wait for their outcome (every rank's
+    # success): called before anything reads the placement (see settle)
     settle_hook: Any = None
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
