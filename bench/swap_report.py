@@ -163,11 +163,11 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         "waiting for ranks still in their training step). settle = overlap mode's wait for the outcome of the swaps "
         "a call started, at the variant's next forward (inside that step's time as well). Parts, slowest rank's, "
         "timed by wrapping moe_compile.swap's functions at run time: exchanges = the swapper's exchanges of all "
-        "ranks inside `step()` (`_Message`: one `all_to_all_single` each, posting and waiting: routing, decisions, "
+        "ranks inside `step()` (`swap_transfer.Message`: one `all_to_all_single` each, posting and waiting: routing, decisions, "
         "outcome), including the wait for ranks still computing Q or moving rows; Q = the swap matrix "
         "(`HDCostModel.swap_matrix` for HierD-ES, `smart_matrix` for Smart) on the ranks that decide a layer (layer "
         "i on rank i mod world); predicted = the two predicted times of a chosen swap (`_predicted`); p2p = "
-        "`_migrate` (what each side sends, the rows and a last flag, between the two ranks of a swap); commit = "
+        "`swap_transfer.migrate` (what each side sends, the rows and a last flag, between the two ranks of a swap); commit = "
         "writing the received rows; rest = decision + migration - exchanges - the per-layer decisions (Q, "
         "predicted) - p2p - commit, per rank. Each part is its own max over ranks, so they do not add up.", "",
         *([] if not payload.get("overlap") else [

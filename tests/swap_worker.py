@@ -24,7 +24,7 @@ import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers
 from ep_worker import PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
 
 import moe_compile  # noqa: E402
-from moe_compile import parallel, runtime, swap  # noqa: E402
+from moe_compile import parallel, runtime, swap, swap_transfer  # noqa: E402
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -127,7 +127,7 @@ def case_invariants() -> dict[str, Any]:
     lay = swapper.layers()[0]
     a, b = 2, E - 2
     holder = lay.placement()[a]
-    real_exchange = swap._exchange
+    real_exchange = swap_transfer.exchange
     calls = {"n": 0}
 
     def failing_exchange(send: torch.Tensor, peer: int, recv_like: torch.Tensor) -> torch.Tensor:
@@ -138,14 +138,14 @@ def case_invariants() -> dict[str, Any]:
         return got
 
     if lay.comm.position == holder:
-        swap._exchange = failing_exchange  # type: ignore[assignment]
+        swap_transfer.exchange = failing_exchange  # type: ignore[assignment]
     errors = []
     try:
         swapper.swap(layer, a, b)
     except (ConnectionError, RuntimeError) as e:
         errors.append(f"{type(e).__name__}: {e}")
     finally:
-        swap._exchange = real_exchange  # type: ignore[assignment]
+        swap_transfer.exchange = real_exchange  # type: ignore[assignment]
     out["interrupted"] = errors
     check("after interrupted swap")
     # scalar optimizer state that differs between the two ranks: refused on both, nothing moved
@@ -194,7 +194,7 @@ def case_overlap_interrupted() -> dict[str, Any]:
     model, compiled, report = build("shard", "grouped_gemm", mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     swapper = moe_compile.expert_swapper(compiled, opt, overlap=True)
-    real_exchange = swap._exchange
+    real_exchange = swap_transfer.exchange
     out: dict[str, Any] = {"raised": [], "losses": [], "ref": ref}
 
     def failing_exchange(send: torch.Tensor, peer: int, recv_like: torch.Tensor) -> torch.Tensor:
@@ -220,11 +220,11 @@ def case_overlap_interrupted() -> dict[str, Any]:
             guarded(f"step {step}", swapper.step)
             continue
         out["before"] = {"sums": expert_checksums(swapper, opt), "placement": placements(swapper)}
-        swap._exchange = failing_exchange  # type: ignore[assignment]
+        swap_transfer.exchange = failing_exchange  # type: ignore[assignment]
         try:
             guarded("failing step", swapper.step)
         finally:
-            swap._exchange = real_exchange  # type: ignore[assignment]
+            swap_transfer.exchange = real_exchange  # type: ignore[assignment]
         guarded("next forward", lambda b=b: compiled(b[:, :-1], b[:, 1:]))  # nothing trains here
         out["after"] = {"sums": expert_checksums(swapper, opt), "placement": placements(swapper)}
     swapper.flush()
