@@ -95,7 +95,7 @@ def instrument_swap() -> None:
     swap_transfer.Message.__init__ = _timed("exchange_s", swap_transfer.Message.__init__)  # type: ignore[method-assign]
     swap_transfer.Message.wait = _timed("exchange_s", swap_transfer.Message.wait)  # type: ignore[method-assign]
     swap.smart_matrix = _timed("q_s", swap.smart_matrix)  # type: ignore[assignment]
-    cost_hiermoe.HDCostModel.swap_matrix = _timed("q_s", cost_hiermoe.HDCostModel.swap_matrix)  # type: ignore[method-assign]
+    cost_hiermoe.HDCostModel.swap_matrices = _timed("q_s", cost_hiermoe.HDCostModel.swap_matrices)  # type: ignore[method-assign]
     swap.ExpertSwapper._decide_layer = _timed("decide_layer_s", swap.ExpertSwapper._decide_layer)  # type: ignore[method-assign]
     swap.ExpertSwapper._predicted = staticmethod(_timed("predicted_s", swap.ExpertSwapper._predicted))  # type: ignore[method-assign]
     swap_transfer.migrate = _timed("migrate_s", swap_transfer.migrate)  # type: ignore[assignment]
@@ -141,7 +141,7 @@ class Runner:
         self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager"}
         if policy is not None:
             self.options["expert_swap"] = {"every": 1, "policy": policy, "overlap": args.overlap,
-                                           "threshold": args.threshold}
+                                           "threshold": args.threshold, "payback": args.payback}
         self.module: Any = None
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.swapper: swap.ExpertSwapper | None = None
@@ -249,6 +249,7 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
                 assert timing.step == r.swapper.calls
                 timings[r.name].append(timing)  # settle_s grows at the variant's next forward
                 rec.update(decision_s=timing.decision_s, migration_s=timing.migration_s, swap_wall_s=wall_s,
+                           cpu_s=timing.cpu_s,
                            swaps=[{"layer": s.layer, "experts": list(s.experts), "ranks": list(s.ranks),
                                    "dimension": s.dimension, "objective_before": s.objective_before,
                                    "objective_after": s.objective_after,
@@ -386,6 +387,8 @@ def aggregate(res: dict[str, Any], names: tuple[str, ...]) -> dict[str, list[dic
                 row["swap_s"] = max(p["decision_s"] + p["migration_s"] + p["settle_s"] for p in per)
                 row["swap_wall_s"] = max(p["swap_wall_s"] for p in per)
                 row["overhead"] = row["swap_s"] / row["step_s"]
+                row["cpu_s"] = max(p["cpu_s"] for p in per)
+                row["cpu_overhead"] = row["cpu_s"] / row["step_s"]
                 row["swaps"] = r0["swaps"]
                 row["per_rank"].update({k: [p[k] for p in per] for k in ("decision_s", "migration_s", "settle_s",
                                                                           "swap_wall_s", "parts")})
@@ -460,7 +463,8 @@ def worker(args: argparse.Namespace) -> None:
             "command": " ".join(["python bench/bench_swap.py", *args.argv]), "machine": machine_info(loadavg),
             "world": dist.get_world_size(), "mesh": dict(zip(args.mesh_names, args.mesh_sizes)),
             "topology": topo, "calibration": fit_info, "steps": args.steps, "window": args.window, "lr": args.lr,
-            "loss_rtol": args.loss_rtol, "overlap": args.overlap, "threshold": args.threshold, "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
+            "loss_rtol": args.loss_rtol, "overlap": args.overlap, "threshold": args.threshold, "payback": args.payback,
+            "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
             "model": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "experts", "top_k", "vocab",
                                                     "batch", "seq")},
             "distributions": results,
@@ -509,6 +513,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=900.0, help="process group timeout, seconds")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="expert_swap threshold: swap only when the objective drops by more than this fraction")
+    p.add_argument("--payback", type=float, default=0.0,
+                   help="expert_swap payback: swap only when the predicted a2a time saved over this many steps "
+                        "exceeds the predicted time to move the two experts (0: off)")
     p.add_argument("--overlap", action="store_true",
                    help="swappers in overlap mode (collectives in flight across steps; default results path "
                         "bench/results/swap_overlap)")

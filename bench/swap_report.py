@@ -37,7 +37,9 @@ def summarize(steps: list[dict[str, Any]], window: int, node: str) -> dict[str, 
                  decision_s=med([r["decision_s"] for r in rows]), migration_s=med([r["migration_s"] for r in rows]),
                  settle_s=med([r.get("settle_s", 0.0) for r in rows]), swap_s=med([r["swap_s"] for r in rows]),
                  parts={k: med([r["parts_max"].get(k, float("nan")) for r in rows]) for k in PART_NAMES},
-                 rest_s=med([r.get("rest_max", float("nan")) for r in rows]))
+                 rest_s=med([r.get("rest_max", float("nan")) for r in rows]),
+                 cpu_overhead_median=med([r.get("cpu_overhead", float("nan")) for r in rows]),
+                 cpu_s=med([r.get("cpu_s", float("nan")) for r in rows]))
     return s
 
 
@@ -56,7 +58,8 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
                "step ms", "vs no swap",
                "swaps", "d used"]
     lines_tab += ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    over_headers = ["distribution", "steps", "variant", "overhead median %", "overhead max %", "decision ms",
+    over_headers = ["distribution", "steps", "variant", "overhead median %", "overhead max %", "CPU %", "CPU ms",
+                    "decision ms",
                     "migration ms", "settle ms", "exchanges ms", "Q ms", "predicted ms", "p2p ms", "commit ms",
                     "rest ms", "swaps"]
     over = ["| " + " | ".join(over_headers) + " |", "|" + "|".join("---" for _ in over_headers) + "|"]
@@ -82,6 +85,7 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
                     p = s["parts"]
                     over.append("| " + " | ".join([
                         kind, label, name, f"{s['overhead_median'] * 100:.2f}", f"{s['overhead_max'] * 100:.2f}",
+                        f"{s['cpu_overhead_median'] * 100:.2f}", f"{s['cpu_s'] * 1e3:.2f}",
                         f"{s['decision_s'] * 1e3:.2f}", f"{s['migration_s'] * 1e3:.2f}", f"{s['settle_s'] * 1e3:.2f}",
                         f"{p['exchange_s'] * 1e3:.2f}", f"{p['q_s'] * 1e3:.2f}", f"{p['predicted_s'] * 1e3:.2f}",
                         f"{p['migrate_s'] * 1e3:.2f}", f"{p['commit_s'] * 1e3:.3f}", f"{s['rest_s'] * 1e3:.2f}",
@@ -141,7 +145,10 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         "Variants, trained side by side from the same weights on the same batches, alternating every step (order "
         "rotated by one per step): `HD-d* no swap` (contiguous placement), `HierD-ES` (`swapper.step()` after every "
         "optimizer step, policy `hierd`: HierMoE Section IV, Q* with the smooth max, gamma 10"
-        + (f", threshold {payload['threshold']}" if payload.get("threshold") else "") + ") and `Smart` (policy "
+        + (f", threshold {payload['threshold']}" if payload.get("threshold") else "")
+        + (f"; both swapping variants with payback {payload['payback']:g} steps: a swap only where the predicted all-to-all time it saves over "
+           f"{payload['payback']:g} training steps exceeds the predicted time to move its two experts"
+           if payload.get("payback") else "") + ") and `Smart` (policy "
         "`smart`: minimize the busiest rank's raw (token, expert) count, the paper's HD2-MoE-Smart baseline). A swap "
         f"never changes what the model computes; checked: {checks}.", "",
         "Columns (medians over the steps named): \"pred a2a ms\": the cost model's HD-d time of one dispatch "
@@ -161,13 +168,19 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         "overhead = (decision_s + migration_s + settle_s) / step time, per step (`ExpertSwapper.history`; slowest "
         "rank's swap over the slowest rank's step; `swapper.step()` starts after a barrier, so it does not include "
         "waiting for ranks still in their training step). settle = overlap mode's wait for the outcome of the swaps "
-        "a call started, at the variant's next forward (inside that step's time as well). Parts, slowest rank's, "
+        "a call started, at the variant's next forward (inside that step's time as well). CPU % = `StepTiming.cpu_s` "
+        "(the CPU time of the thread calling `step()`, inside it: the swapper's own work, without waiting for other "
+        "ranks or for a core) over the step time, slowest rank's; with 8 ranks on 2 cores the wall time of any "
+        "step() part includes the time other ranks' processes hold the cores. Parts, slowest rank's, "
         "timed by wrapping moe_compile.swap's functions at run time: exchanges = the swapper's exchanges of all "
         "ranks inside `step()` (`swap_transfer.Message`: one `all_to_all_single` each, posting and waiting: routing, decisions, "
         "outcome), including the wait for ranks still computing Q or moving rows; Q = the swap matrix "
-        "(`HDCostModel.swap_matrix` for HierD-ES, `smart_matrix` for Smart) on the ranks that decide a layer (layer "
-        "i on rank i mod world); predicted = the two predicted times of a chosen swap (`_predicted`); p2p = "
-        "`swap_transfer.migrate` (what each side sends, the rows and a last flag, between the two ranks of a swap); commit = "
+        "(`HDCostModel.swap_matrices` for HierD-ES: Q* with the smooth max and with the plain max, whose entries "
+        "are the predicted times, from one pass over the tokens; `smart_matrix` for Smart) on the ranks that decide "
+        "a layer (layer i on rank i mod world); predicted = Smart's two predicted times of a chosen swap "
+        "(`_predicted`); p2p = "
+        "`swap_transfer.migrate` (one message each way between the two ranks of a swap: a description of what "
+        "each side sends and its rows); commit = "
         "writing the received rows; rest = decision + migration - exchanges - the per-layer decisions (Q, "
         "predicted) - p2p - commit, per rank. Each part is its own max over ranks, so they do not add up.", "",
         *([] if not payload.get("overlap") else [

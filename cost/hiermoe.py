@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import sympy as sp
 
-from moe_compile.cost.routing import HDStatistics, Kind, hd_statistics, swap_statistics
+from moe_compile.cost.routing import HDStatistics, Kind, hd_statistics, swap_statistics_kinds
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
 
@@ -240,6 +240,16 @@ class HDCostModel:
         """(Q_d, d): HierMoE Eq. 8-9, Q_d[r, c] the predicted HD-d seconds after experts r and c swap
         places (the max over destinations replaced by Eq. 11's smooth-max or log-sum-exp when asked).
         d defaults to d* of the unswapped placement, giving Q* (Section IV-A)."""
+        qs, d = self.swap_matrices(topk_idx, d=d, kinds=(kind,), gamma=gamma, placement=placement,
+                                   token_rank=token_rank, method=method)
+        return qs[0], d
+
+    def swap_matrices(self, topk_idx: Any, *, kinds: Sequence[Kind], d: int | None = None, gamma: float = 10.0,
+                      placement: Any = None, token_rank: Any = None,
+                      method: Literal["incremental", "brute_force"] = "incremental") -> tuple[list[np.ndarray], int]:
+        """``swap_matrix`` for several aggregations from one pass over the tokens: e.g. Q* with the
+        smooth max to minimize and with the plain max, whose [r, c] / diagonal are the predicted
+        t_d (Eq. 3) after / before a swap."""
         num_experts, sizes = self.workload.num_experts, self.topology.sizes
         if d is None:
             d = self.optimal_dimension(hd_statistics(topk_idx, num_experts, sizes, placement=placement,
@@ -248,10 +258,10 @@ class HDCostModel:
             raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
         # t_d reads Inter-level-1..d-1 and Intra-level-(d-1) only (values() order: inter, then intra)
         used = [*range(d - 1), self.num_levels - 1 + d - 1]
-        swap = swap_statistics(topk_idx, num_experts, sizes, kind=kind, gamma=gamma, placement=placement,
-                               token_rank=token_rank, method=method, phases=used)
-        q = self._hd(*swap.values())[d - 1]
-        return np.broadcast_to(q, (num_experts, num_experts)).copy(), d
+        swaps = swap_statistics_kinds(topk_idx, num_experts, sizes, kinds=kinds, gamma=gamma, placement=placement,
+                                      token_rank=token_rank, method=method, phases=used)
+        out = [np.broadcast_to(self._hd(*swap.values())[d - 1], (num_experts, num_experts)).copy() for swap in swaps]
+        return out, d
 
 
 def best_swap(q: np.ndarray) -> tuple[int, int, float]:

@@ -155,30 +155,45 @@ def swap_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int],
     ``brute_force`` recomputes ``hd_statistics`` for each of the E(E-1)/2 placements
     (O(E^2*D*T*K)); ``incremental`` adjusts the unswapped counts with Fig. 8's four cases
     (O(D*(T*K^2 + X*E^2)), X = relays per destination)."""
+    return swap_statistics_kinds(topk_idx, num_experts, group_sizes, kinds=(kind,), gamma=gamma,
+                                 placement=placement, token_rank=token_rank, method=method, phases=phases)[0]
+
+
+def swap_statistics_kinds(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, kinds: Sequence[Kind],
+                          gamma: float = 10.0, placement: Any = None, token_rank: Any = None,
+                          method: Literal["incremental", "brute_force"] = "incremental",
+                          phases: Sequence[int] | None = None) -> list[SwapStatistics]:
+    """``swap_statistics`` for several aggregations at once (e.g. the smooth max Q* minimizes
+    and the plain max the predicted times use): the incremental method's token passes, the
+    costly part, run once for all of them."""
     r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank)
     num_levels = r.num_levels
     # (group level, relay split) of Inter-level-1..D-1, then of Intra-level-0..D-1
     phase_keys = [(lv, lv) for lv in range(1, num_levels)] + [(num_levels, i + 1) for i in range(num_levels)]
     if method == "incremental":
         wanted = range(len(phase_keys)) if phases is None else set(phases)
-        mats = [_swap_phase(r, level, split, kind, gamma) if i in wanted else np.zeros((num_experts, num_experts))
-                for i, (level, split) in enumerate(phase_keys)]
+        zeros = [np.zeros((num_experts, num_experts)) for _ in kinds]
+        per_phase = [_swap_phase(r, level, split, kinds, gamma) if i in wanted else zeros
+                     for i, (level, split) in enumerate(phase_keys)]
+        per_kind = [[m[j] for m in per_phase] for j in range(len(kinds))]
     elif method == "brute_force":
-        mats = [np.empty((num_experts, num_experts)) for _ in phase_keys]
-        for m, v in zip(mats, hd_statistics(topk_idx, num_experts, r.sizes, placement=r.placement,
-                                            token_rank=token_rank).values(kind, gamma)):
-            np.fill_diagonal(m, v)
+        per_kind = [[np.empty((num_experts, num_experts)) for _ in phase_keys] for _ in kinds]
+        base = hd_statistics(topk_idx, num_experts, r.sizes, placement=r.placement, token_rank=token_rank)
+        for mats, kind in zip(per_kind, kinds, strict=True):
+            for m, v in zip(mats, base.values(kind, gamma)):
+                np.fill_diagonal(m, v)
         for a in range(num_experts):
             for b in range(a + 1, num_experts):
                 swapped = r.placement.copy()
                 swapped[[a, b]] = swapped[[b, a]]
                 stats = hd_statistics(topk_idx, num_experts, r.sizes, placement=swapped,
                                       token_rank=token_rank)
-                for m, v in zip(mats, stats.values(kind, gamma)):
-                    m[a, b] = m[b, a] = v
+                for mats, kind in zip(per_kind, kinds, strict=True):
+                    for m, v in zip(mats, stats.values(kind, gamma)):
+                        m[a, b] = m[b, a] = v
     else:
         raise ValueError(f"method must be 'incremental' or 'brute_force', got {method!r}")
-    return SwapStatistics(tuple(mats[:num_levels - 1]), tuple(mats[num_levels - 1:]))
+    return [SwapStatistics(tuple(mats[:num_levels - 1]), tuple(mats[num_levels - 1:])) for mats in per_kind]
 
 
 # internals ----------------------------------------------------------------------------------------
@@ -292,7 +307,7 @@ def _first_difference(sizes: tuple[int, ...]) -> np.ndarray:
     return out.ravel()
 
 
-def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -> np.ndarray:
+def _swap_phase(r: _Routing, level: int, split: int, kinds: Sequence[Kind], gamma: float) -> list[np.ndarray]:
     """Incremental Z for one phase (HierMoE Section IV-A, Fig. 8): for a token that selects expert a
     but not b (a in group ga, b in group gb != ga), swapping a and b
       - lowers ga's count by one iff a is the token's only selected expert in ga (cases 2, 4),
@@ -300,7 +315,8 @@ def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -
     a token selecting both or neither changes nothing. Summed over tokens:
       new[ga](a, b) = old[ga] - alone[a] + AX[a, b] + B[b, ga],   new[gb](a, b) = new[ga](b, a),
     alone[a]: tokens with a alone in its group; AX[a, b]: those of them that also select b;
-    B[b, g]: tokens that select b and nothing in g. Per relay position, then max over relays."""
+    B[b, g]: tokens that select b and nothing in g. Per relay position, then max over relays;
+    then each of ``kinds``' aggregations over groups."""
     num_experts, num_groups = r.num_experts, r.groups[level]
     grp = r.placement // (r.num_ranks // num_groups)  # [E] expert -> group at this level
     base = r.counts(level, split).astype(np.float64)  # [X, U]
@@ -340,11 +356,15 @@ def _swap_phase(r: _Routing, level: int, split: int, kind: Kind, gamma: float) -
         np.maximum(new_ga, base[x, grp][:, None] + mult * delta, out=new_ga)
     z = base.max(0)
 
-    to_dom, op, from_dom = _domain(kind, gamma)
-    excl = _exclusion_table(to_dom(z), op)[grp[:, None], grp[None, :]]
-    out = from_dom(op(op(excl, to_dom(new_ga)), to_dom(new_ga.T)))
-    out[grp[:, None] == grp[None, :]] = aggregate(z, kind, gamma)  # same group: nothing moves
-    return out
+    same = grp[:, None] == grp[None, :]
+    outs = []
+    for kind in kinds:
+        to_dom, op, from_dom = _domain(kind, gamma)
+        excl = _exclusion_table(to_dom(z), op)[grp[:, None], grp[None, :]]
+        out = from_dom(op(op(excl, to_dom(new_ga)), to_dom(new_ga.T)))
+        out[same] = aggregate(z, kind, gamma)  # same group: nothing moves
+        outs.append(out)
+    return outs
 
 
 def _domain(kind: Kind, gamma: float) -> tuple[Any, Any, Any]:

@@ -19,15 +19,19 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
     (r*, c*) = argmin Q*[r, c]  (Eq. 10, Theorem 1)
     swap r*, c* if Q*[r*, c*] < (1 - threshold) * Q*[r*, r*]  (the diagonal is the placement as is)
                and the plain-max t_d (Eq. 3) after the swap is not above t_d before it (the
-               smooth-max can improve while the busiest destination gets busier)
+               smooth-max can improve while the busiest destination gets busier; Q with the
+               plain max comes from the same pass over the tokens)
+               and, with ``payback`` n, the t_d saved over n steps exceeds the predicted time to
+               move the two experts
 
 One rank per layer computes Q* (rank = layer index mod world size; they work in parallel) and an
 exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange of
 the swapper is one ``all_to_all_single`` on its own gloo group in which each rank sends the same
 small buffer to every rank (``transfer.Message``): one round of direct sends, where gloo's all-reduce and
 all-gather take several rounds between neighbours. A deciding step costs the routing exchange (all layers
-together), the decision exchange and, when a sharded layer swaps, three messages each way between
-the two ranks per swap and one outcome exchange for all swaps together (below). With
+together, with what each rank would send to move one expert of each layer), the decision
+exchange and, when a sharded layer swaps, one message each way between the two ranks per swap
+and one outcome exchange for all swaps together (below). With
 ``policy="smart"`` the pair instead minimizes the largest raw (not deduplicated) token count
 of any rank: the SmartMoE-style balancing that HierMoE's HD2-MoE-Smart baseline uses (Section
 V-B), for comparison.
@@ -38,18 +42,20 @@ Applying a swap of expert a (rank A, local slot i) and expert b (rank B, slot j)
   i / row j of every shard parameter, of its gradient if it has one, and of every optimizer state
   tensor shaped like the parameter (Adam's exp_avg, exp_avg_sq; momentum buffers). Scalar state
   (Adam's step) is per parameter, not per expert: it must be equal on A and B (it is when both
-  stepped alike) and stays. Both sides first exchange a description of what they will send and
-  stop, both, with an error if the two do not match; rows are received into new buffers, then
-  each side tells the other whether everything arrived, and both write (and move their
-  placement) only if both did. A == B swaps the two rows in place.
+  stepped alike) and stays. Each side sends one message, [description of what it sends | rows],
+  into a receive as large as the larger size the two announced in the routing exchange (a side
+  that outgrew it sends the rows in a second round, which both sides see coming); both stop with
+  an error if the descriptions differ. Each side then writes the rows it received and moves its
+  placement, keeping its own rows: if the outcome exchange says the other side failed, it puts
+  them and the placement back. A == B swaps the two rows in place.
 - weights every rank holds whole (not sharded; DDP keeps them, their gradients after the
   all-reduce and their optimizer state equal on every rank): nothing moves but the placement,
   which every rank updates at once.
 
 The other ranks learn the outcome from every rank's flag in one exchange and then update the
 layer's placement table (``runtime.EPLayer.move_experts``). If a rank's part failed, that swap
-is dropped everywhere (its rows never left, every placement stays) and every rank raises at the
-same point: inside ``step()`` / ``swap()``, or in overlap mode where the outcome is read. The
+is dropped everywhere (a side that wrote puts its rows back, every placement stays) and every
+rank raises at the same point: inside ``step()`` / ``swap()``, or in overlap mode where the outcome is read. The
 compiled graphs read the placement table at their next forward, so nothing recompiles, and the
 model computes the same function (only the place of each expert changed).
 
@@ -87,6 +93,7 @@ from moe_compile.cost.routing import _exclusion_table, hd_statistics
 
 POLICIES = ("hierd", "smart")
 KINDS = ("max", "smooth", "lse")
+A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,12 @@ class SwapOptions:
         computes Q*, and the one after starts the swaps. Decisions then use the routing of two
         steps before; only a swap's two ranks move its rows inside ``step()``, the others put it
         in force at the layer's next forward (see the module docstring).
+    payback: swap only when the predicted all-to-all time saved over this many training steps
+        exceeds the predicted time to move the two experts (default 0: no such rule). Saved per
+        step: ``A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
+        (``Level.time_s``) of the larger of the two ranks' announced ``payload_bytes`` at the
+        slowest level between them. With routing that changes every step a swap's gain may not
+        last, while its migration is paid at once.
     """
 
     every: int = 1
@@ -112,6 +125,7 @@ class SwapOptions:
     gamma: float = 10.0
     policy: str = "hierd"
     overlap: bool = False
+    payback: float = 0.0
 
 
 def parse_swap_options(raw: object) -> SwapOptions | None:
@@ -146,7 +160,10 @@ def parse_swap_options(raw: object) -> SwapOptions | None:
     overlap = raw.get("overlap", False)
     if not isinstance(overlap, bool):
         raise ValueError(f"expert_swap 'overlap' must be True or False, got {overlap!r}")
-    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap)
+    payback = raw.get("payback", 0.0)
+    if isinstance(payback, bool) or not isinstance(payback, int | float) or not 0 <= payback < float("inf"):
+        raise ValueError(f"expert_swap 'payback' must be a number of training steps >= 0 (0: off), got {payback!r}")
+    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap, float(payback))
 
 
 @dataclass(frozen=True)
@@ -163,6 +180,9 @@ class SwapRecord:
     predicted_before_s: float  # t_d (Eq. 3, plain max) on the decision's routing, before and after
     predicted_after_s: float
     moved_bytes: int  # bytes this rank sent to move the two experts (0 when they are not its own)
+    # alpha-beta seconds to move the two experts' rows between their ranks (both ways at once),
+    # from the cluster's levels and the sizes the two ranks announced (nan when not predicted)
+    predicted_migration_s: float = float("nan")
 
 
 @dataclass
@@ -176,6 +196,9 @@ class StepTiming:
     # overlap mode: waiting for the outcome of this call's swaps after step() returned (at the next
     # forward of a layer whose experts moved on other ranks, or the next swapper call)
     settle_s: float = 0.0
+    # CPU seconds of the calling thread inside step() (time.thread_time): the swapper's own work,
+    # without the waits for other ranks or for the cores that decision_s/migration_s include
+    cpu_s: float = 0.0
 
 
 @dataclass
@@ -190,13 +213,28 @@ class _Pending:
 
 
 @dataclass
+class _Written:
+    """A swap this rank is one side of and has written: undone if the other side failed."""
+
+    lay: runtime.EPLayer
+    a: int
+    b: int
+    record: SwapRecord
+    index: int  # its outcome's position in the message
+    undo: list[tuple[Tensor, Tensor]]  # this rank's rows as they were
+    peer: int  # the other side's global rank
+
+
+@dataclass
 class _Outcome:
     """Swaps started on every rank, waiting for the message that carries every rank's outcome:
-    this rank's pending placement moves, its own error (raised only once the outcome is read,
-    so every rank raises at the same point), and the layers whose next forward reads it."""
+    this rank's pending placement moves, the swaps it wrote (undone where the other side
+    failed), its own error (raised only once the outcome is read, so every rank raises at the
+    same point), and the layers whose next forward reads it."""
 
     msg: transfer.Message
     pending: list[_Pending]
+    written: list[_Written]
     error: BaseException | None
     layers: list[runtime.EPLayer]
 
@@ -211,6 +249,7 @@ class _Round:
     route_opts: list[SwapOptions]
     table_layers: list[runtime.EPLayer]
     versions: list[int] | None  # None: no decisions in it
+    payload_layers: list[runtime.EPLayer]  # whose payload_bytes it carries
 
 
 @dataclass
@@ -263,15 +302,16 @@ class ExpertSwapper:
             self.flush()  # a switch from overlap mode leaves nothing in flight
             if self.calls % opts[0].every:
                 return []
-            t0 = time.perf_counter()
-            decisions = self._decide(layers, opts)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            decisions, sizes = self._decide(layers, opts)
             t1 = time.perf_counter()
             records: list[SwapRecord] = []
             try:
                 records = self._apply([(lay, dec) for lay, dec in zip(layers, decisions, strict=True)
-                                       if dec is not None])
+                                       if dec is not None], sizes)
             finally:
-                self.history.append(StepTiming(self.calls, t1 - t0, time.perf_counter() - t1, len(records)))
+                self.history.append(StepTiming(self.calls, t1 - t0, time.perf_counter() - t1, len(records),
+                                               cpu_s=time.thread_time() - c0))
             return records
         finally:
             self._in_step = False
@@ -300,7 +340,7 @@ class ExpertSwapper:
         nan = float("nan")
         self._in_step = True
         try:
-            return self._apply([(lay, (a, b, lay.last_dimension or 0, nan, nan, nan, nan))])[0]
+            return self._apply([(lay, (a, b, lay.last_dimension or 0, nan, nan, nan, nan, nan))], {})[0]
         finally:
             self._in_step = False
 
@@ -344,39 +384,45 @@ class ExpertSwapper:
             if lay.last_topk is None:
                 raise ValueError(f"layer {lay.name} has not run a forward yet; call swapper.step() after a "
                                  "training step")
-            if opts.policy == "hierd" and lay.cost is None:
+            if (opts.policy == "hierd" or opts.payback) and lay.cost is None:
                 raise ValueError(f"layer {lay.name}: expert swap predicts HierD-AlltoAll times from the cluster's "
                                  "alpha/beta; compile with options['topology'] (a TOML from moe-calibrate)")
         return layers, all_opts
 
-    def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[tuple[Any, ...] | None]:
-        """Sync mode: exchange the routing (a second time, with room for the largest, when some
-        rank's did not fit; always on the first call), compute this rank's rows, exchange them."""
+    def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]
+                ) -> tuple[list[tuple[Any, ...] | None], dict[int, np.ndarray]]:
+        """Sync mode: exchange the routing and every rank's ``payload_bytes`` (a second time, with
+        room for the largest routing, when some rank's did not fit; always on the first call),
+        compute this rank's rows, exchange them. Returns the decisions and the sizes."""
         comm = layers[0].comm
         topks = [lay.last_topk for lay in layers]
         deciders = _deciders(len(layers), comm.world, set())
         for _ in range(2):
-            msg = self._post(comm.world, topks=topks, capacity=self.capacity)
+            msg = self._post(comm.world, topks=topks, capacity=self.capacity, payload=self._payloads(layers))
             routings, self.capacity = msg.routing(comm, [d == comm.position for d in deciders])
             if routings is not None:
-                table = self._table_rows(layers, opts, routings, deciders)
-                return _decisions(self._post(comm.world, table=table).table())
+                sizes = _sizes(layers, msg)
+                table = self._table_rows(layers, opts, routings, deciders, sizes)
+                return _decisions(self._post(comm.world, table=table).table()), sizes
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
+
+    def _payloads(self, layers: Sequence[runtime.EPLayer]) -> list[int]:
+        return [transfer.payload_bytes(lay, self.optimizer) for lay in layers]
 
     def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
                     routings: list[tuple[np.ndarray, np.ndarray] | None], deciders: list[int],
-                    pending: Sequence[_Pending] = ()) -> Tensor:
+                    sizes: Mapping[int, np.ndarray], pending: Sequence[_Pending] = ()) -> Tensor:
         """This rank's rows of the decision table (one row per layer: swap?, a, b, d, objective
         before/after, predicted before/after; zeros in the rows other ranks decide), on the
         placements with the ``pending`` moves in force (every rank's placement once the swaps
         started succeed; decisions are dropped where one fails)."""
         me = layers[0].comm.position
-        table = torch.zeros(len(layers), 8, dtype=torch.float64)
+        table = torch.zeros(len(layers), transfer.TABLE_COLS, dtype=torch.float64)
         for i, lay in enumerate(layers):
             routing = routings[i]
             if deciders[i] == me and routing is not None:
-                table[i] = torch.tensor(self._decide_layer(lay, opts[i], _planned(lay, pending), *routing),
-                                        dtype=torch.float64)
+                table[i] = torch.tensor(self._decide_layer(lay, opts[i], _planned(lay, pending), *routing,
+                                                           sizes.get(lay.layer_id)), dtype=torch.float64)
         return table
 
     def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:
@@ -387,7 +433,7 @@ class ExpertSwapper:
         those decisions and the outcome of the swaps started in (2). Ranks outside a swap's pair
         move its placement when that message arrives: at the next forward of the layer
         (``runtime.EPLayer.settle``) or the next call, whichever comes first."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._settle()
         comm, world = layers[0].comm, layers[0].comm.world
         records: list[SwapRecord] = []
@@ -397,14 +443,17 @@ class ExpertSwapper:
         swaps: list[tuple[runtime.EPLayer, tuple[Any, ...]]] = []
         migration_s = 0.0
         routings = None
+        written: list[_Written] = []
+        sizes: dict[int, np.ndarray] = {}
         rnd, self._round = self._round, None
         if rnd is not None:
+            sizes = _sizes(rnd.payload_layers, rnd.msg)
             if rnd.versions is not None and all(rnd.msg.outcome()):
                 swaps = [(lay, dec) for lay, dec, v in zip(rnd.table_layers, _decisions(rnd.msg.table()),
                                                            rnd.versions, strict=True)
                          if dec is not None and lay.version == v]
                 t1 = time.perf_counter()
-                records, outcome, pending, error = self._start(swaps)
+                records, outcome, pending, written, error = self._start(swaps, sizes)
                 migration_s = time.perf_counter() - t1
             # Q* on ranks outside this call's pairs where there are any, so no rank does both
             busy = {int(lay.expert_pos_E[dec[i]]) for lay, dec in swaps if lay.slot_params for i in (0, 1)}
@@ -414,37 +463,48 @@ class ExpertSwapper:
         table, versions, table_layers = None, None, []
         if routings is not None and rnd is not None:  # decided on the placements after this call's swaps
             table_layers = rnd.route_layers
-            table = self._table_rows(table_layers, rnd.route_opts, routings, deciders, pending)
+            table = self._table_rows(table_layers, rnd.route_opts, routings, deciders, sizes, pending)
             versions = [lay.version + sum(p.lay is lay for p in pending) for lay in table_layers]
         deciding = self.calls % opts[0].every == 0
         topks = [lay.last_topk for lay in layers] if deciding else None
-        msg = self._post(world, outcome=outcome, table=table, topks=topks, capacity=self.capacity, async_op=True)
-        self._round = _Round(msg, layers if deciding else [], opts, table_layers, versions)
+        msg = self._post(world, outcome=outcome, table=table, topks=topks, capacity=self.capacity,
+                         payload=self._payloads(layers), async_op=True)
+        self._round = _Round(msg, layers if deciding else [], opts, table_layers, versions, layers)
         if outcome:
-            self._await(_Outcome(msg, pending, error, [lay for lay, _ in swaps if lay.slot_params]))
+            self._await(_Outcome(msg, pending, written, error, [lay for lay, _ in swaps if lay.slot_params]))
         self.history.append(StepTiming(self.calls, time.perf_counter() - t0 - migration_s, migration_s,
-                                       len(records)))
+                                       len(records), cpu_s=time.thread_time() - c0))
         return records
 
     def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
-                      token_rank: np.ndarray) -> list[float]:
+                      token_rank: np.ndarray, sizes: np.ndarray | None) -> list[float]:
         d = lay.last_dimension or lay.dimension or 1
+        q_max = None  # plain-max Q: [r, c] / diagonal = t_d after / before a swap
         if opts.policy == "hierd":
             assert lay.cost is not None
-            q, d = lay.cost.swap_matrix(topk, d=d, kind=opts.kind, gamma=opts.gamma,  # type: ignore[arg-type]
-                                        placement=placement, token_rank=token_rank)
+            kinds = (opts.kind,) if opts.kind == "max" else (opts.kind, "max")
+            qs, d = lay.cost.swap_matrices(topk, d=d, kinds=kinds, gamma=opts.gamma,  # type: ignore[arg-type]
+                                           placement=placement, token_rank=token_rank)
+            q, q_max = qs[0], qs[-1]
         else:
             q = smart_matrix(topk, lay.num_experts, placement, lay.comm.world)
         before = float(q[0, 0])
         a, b, after = best_swap(q)
+        none = [0.0] * transfer.TABLE_COLS
         if not after < (1.0 - opts.threshold) * before or placement[a] == placement[b]:
-            return [0.0] * 8
-        swapped = placement.copy()
-        swapped[[a, b]] = swapped[[b, a]]
-        pred = [self._predicted(lay, topk, token_rank, p, d) for p in (placement, swapped)]
+            return none
+        if q_max is not None:
+            pred = [float(q_max[a, a]), float(q_max[a, b])]
+        else:
+            swapped = placement.copy()
+            swapped[[a, b]] = swapped[[b, a]]
+            pred = [self._predicted(lay, topk, token_rank, p, d) for p in (placement, swapped)]
         if opts.policy == "hierd" and opts.kind != "max" and pred[1] > pred[0]:
-            return [0.0] * 8  # the smooth objective improved but the time it stands for would not
-        return [1.0, a, b, d, before, after, *pred]
+            return none  # the smooth objective improved but the time it stands for would not
+        migration = _migration_s(lay, int(placement[a]), int(placement[b]), sizes)
+        if opts.payback and not A2A_PER_STEP * (pred[0] - pred[1]) * opts.payback > migration:
+            return none  # moving the two experts costs more than it would save in `payback` steps
+        return [1.0, a, b, d, before, after, *pred, migration]
 
     @staticmethod
     def _predicted(lay: runtime.EPLayer, topk: np.ndarray, token_rank: np.ndarray, placement: np.ndarray,
@@ -454,23 +514,26 @@ class ExpertSwapper:
         stats = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=placement, token_rank=token_rank)
         return float(lay.cost.times_s(stats)[d - 1])
 
-    def _start(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]]
-               ) -> tuple[list[SwapRecord], list[bool], list[_Pending], BaseException | None]:
+    def _start(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]], sizes: Mapping[int, np.ndarray]
+               ) -> tuple[list[SwapRecord], list[bool], list[_Pending], list[_Written], BaseException | None]:
         """Start swaps (one per layer at most), in order, on every rank: layers whose experts every
         rank holds move their placement now (nothing can fail); for sharded layers the two ranks
-        holding the experts move the rows (``transfer.migrate``: both write, or neither) and their
-        placement, and every other rank keeps the swap pending until the outcome arrives. Returns
-        the records, this rank's outcome per sharded swap (False where its transfer failed), the
-        pending moves and its first error. A rank whose transfer failed still takes part in the
-        later layers' transfers, so no peer waits for it."""
+        holding the experts move the rows (``transfer.migrate``, one round trip into receives of
+        the announced ``sizes``), write them and move their placement, keeping their own rows to
+        put back if the outcome says the other side failed; every other rank keeps the swap
+        pending until the outcome arrives. Returns the records, this rank's outcome per sharded
+        swap (False where its transfer failed), the pending moves, the swaps written and its first
+        error. A rank whose transfer failed still takes part in the later layers' transfers, so no
+        peer waits for it."""
         records: list[SwapRecord] = []
         outcome: list[bool] = []
         pending: list[_Pending] = []
+        written: list[_Written] = []
         error: BaseException | None = None
-        for lay, (a, b, d, obj_before, obj_after, pred_before, pred_after) in swaps:
+        for lay, (a, b, d, obj_before, obj_after, pred_before, pred_after, migration) in swaps:
             pa, pb = int(lay.expert_pos_E[a]), int(lay.expert_pos_E[b])
             rec = SwapRecord(self.calls, lay.name, (a, b), (pa, pb), d, obj_before, obj_after, pred_before,
-                             pred_after, 0)
+                             pred_after, 0, migration)
             if not lay.slot_params:
                 lay.move_experts(a, b)
                 lay.swaps.append(rec)
@@ -481,28 +544,33 @@ class ExpertSwapper:
                 outcome.append(True)
                 records.append(rec)
                 continue
+            announced = sizes.get(lay.layer_id)
+            bound = 0 if announced is None else int(max(announced[lay.comm.ranks[pa]], announced[lay.comm.ranks[pb]]))
             try:
-                writes, moved = transfer.migrate(lay, a, b, pa, pb, self.optimizer)
+                moved = transfer.migrate(lay, a, b, pa, pb, self.optimizer, bound)
             except Exception as e:  # the outcome tells every rank; raised here once the outcome is out
                 error = error or e
                 outcome.append(False)
                 continue
-            outcome.append(True)
-            transfer.commit(writes)
+            transfer.commit(moved.writes)
             lay.move_experts(a, b)
-            rec = dataclasses.replace(rec, moved_bytes=moved)
+            rec = dataclasses.replace(rec, moved_bytes=moved.sent_bytes)
+            peer = lay.comm.ranks[pb if lay.comm.position == pa else pa]
+            written.append(_Written(lay, a, b, rec, len(outcome), moved.undo, peer))
+            outcome.append(True)
             lay.swaps.append(rec)
             records.append(rec)
-        return records, outcome, pending, error
+        return records, outcome, pending, written, error
 
-    def _apply(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]]) -> list[SwapRecord]:
+    def _apply(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]], sizes: Mapping[int, np.ndarray]
+               ) -> list[SwapRecord]:
         """Sync mode: start the swaps, exchange their outcome and put them in force everywhere or,
-        where some rank failed, nowhere (then every rank raises here and nothing of that swap is
-        written)."""
-        records, outcome, pending, error = self._start(swaps)
+        where some rank failed, nowhere (then every rank raises here and nothing of that swap
+        stays written)."""
+        records, outcome, pending, written, error = self._start(swaps, sizes)
         if outcome:
             msg = self._post(swaps[0][0].comm.world, outcome=outcome)
-            self._await(_Outcome(msg, pending, error, []))
+            self._await(_Outcome(msg, pending, written, error, []))
             self._settle()
         elif error is not None:
             raise error
@@ -518,8 +586,8 @@ class ExpertSwapper:
     def _settle(self) -> None:
         """Read the outcome of the swaps started and put the successful ones in force on the ranks
         outside their pairs (the placement update); then, if some rank failed its part of a swap
-        (that swap is dropped: its rows never left, its placement stays), raise on every rank:
-        the pair's own error, or a RuntimeError on the others."""
+        (that swap is dropped: a side that wrote puts its own rows and placement back), raise on
+        every rank: the failing side's own error, or a RuntimeError on the others."""
         out, self._outcome = self._outcome, None
         if out is None:
             return
@@ -533,8 +601,18 @@ class ExpertSwapper:
             if ok[p.index]:
                 p.lay.move_experts(p.a, p.b)
                 p.lay.swaps.append(p.record)
+        undone = [w for w in out.written if not ok[w.index]]
+        for w in undone:
+            transfer.commit(w.undo)
+            w.lay.move_experts(w.a, w.b)
+            w.lay.swaps.remove(w.record)
         if out.error is not None:
             raise out.error
+        if undone:
+            w = undone[0]
+            raise RuntimeError(f"layer {w.lay.name}: rank {w.peer} failed to receive its side of the swap of experts "
+                               f"{w.a} and {w.b} (see its error); this rank put its own rows back, so nothing of "
+                               "the swap stays written and the placement is the one before")
         if not all(ok):
             raise RuntimeError(f"an expert swap started in swapper call {self.calls} failed on another rank (see "
                                "its error); the placements and every expert weight stay as they were")
@@ -583,7 +661,27 @@ def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
     return placement
 
 
+def _sizes(layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
+    """layer id -> every rank's announced ``payload_bytes`` (by global rank), from ``msg``."""
+    got = msg.payload()
+    return {lay.layer_id: got[:, i] for i, lay in enumerate(layers)} if got.shape[1] == len(layers) else {}
+
+
+def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | None) -> float:
+    """Predicted seconds to move experts between mesh positions pa and pb: both ranks send their
+    announced ``payload_bytes`` at once over the slowest level between them (alpha + bytes * beta
+    of that level); 0 where no rows move, nan where a size or the topology is unknown."""
+    if not lay.slot_params or pa == pb:
+        return 0.0
+    if sizes is None or lay.cost is None:
+        return float("nan")
+    levels = lay.cost.topology.levels
+    coords = np.unravel_index([pa, pb], tuple(lay.comm.sizes))
+    first = next(i for i, c in enumerate(coords) if c[0] != c[1])
+    return levels[first].time_s(float(max(sizes[lay.comm.ranks[pa]], sizes[lay.comm.ranks[pb]])))
+
+
 def _decisions(table: Tensor) -> list[tuple[Any, ...] | None]:
     """The summed decision table's rows as (a, b, d, objective before/after, predicted
-    before/after), None where the layer does not swap."""
+    before/after, migration), None where the layer does not swap."""
     return [(int(row[1]), int(row[2]), int(row[3]), *row[4:]) if row[0] > 0 else None for row in table.tolist()]

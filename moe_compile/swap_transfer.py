@@ -2,14 +2,16 @@
 
 - ``Message``: one exchange of every rank with every rank on the swapper's gloo group (routing,
   decision rows, outcomes of swaps), one ``all_to_all_single`` round.
-- ``migrate`` / ``commit``: the two ranks of a swap exchange what they will send, the expert's
-  rows (weights, gradients, optimizer state) and a last flag, and write only if both received
-  everything.
+- ``migrate`` / ``commit``: the two ranks of a swap exchange one message each way, a description
+  of what they send and the expert's rows (weights, gradients, optimizer state); each writes
+  what it received, and puts its own rows back if the outcome exchange says the other side
+  failed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,11 +21,14 @@ from torch import Tensor
 
 from moe_compile import runtime
 
+TABLE_COLS = 9  # a decision row: swap?, a, b, d, objective before/after, predicted before/after, migration
+
 
 class Message:
     """One round of the swapper's own exchange: every rank sends one int32 buffer to every rank
     (``all_to_all_single`` of ``world`` copies), [per-swap outcome | per-layer routing sizes |
-    table rows as float64 | routing ids padded to ``capacity``]. On gloo that is one round of
+    table rows as float64 | per-layer ``payload_bytes`` as int64 | routing ids padded to
+    ``capacity``]. On gloo that is one round of
     direct sends: with 8 ranks on 2 cores it takes about 3.7 ms where an ``all_reduce`` of 16
     values takes 17 ms and an ``all_gather`` 10 ms (several rounds between neighbours, each
     waiting for a rank to be scheduled; measured idle, after a barrier). The layout's four sizes
@@ -32,23 +37,29 @@ class Message:
 
     outcome: 1 where this rank's part of a swap succeeded (ranks outside the pair send 1);
     read: the minimum over ranks. table: the decision rows this rank computed, zero elsewhere;
-    read: the sum over ranks. routing: this rank's [T, K] ids of each layer's last forward."""
+    read: the sum over ranks. payload: what this rank would send to move one expert of each
+    layer; read: every rank's. routing: this rank's [T, K] ids of each layer's last forward."""
 
     def __init__(self, group: Any, world: int, *, outcome: Sequence[bool] = (), table: Tensor | None = None,
-                 topks: Sequence[Tensor] | None = None, capacity: int = 0, async_op: bool = False) -> None:
+                 topks: Sequence[Tensor] | None = None, capacity: int = 0, payload: Sequence[int] = (),
+                 async_op: bool = False) -> None:
         self.world = world
         self.num_out = len(outcome)
         self.num_rows = 0 if table is None else table.shape[0]
         self.num_layers = 0 if topks is None else len(topks)
+        self.num_payload = len(payload)
         self.capacity = capacity if topks is not None else 0
         self.ks = [] if topks is None else [t.shape[1] for t in topks]
         head = self.num_out + self.num_layers
-        self.table_at = head + head % 2  # float64 rows start on an 8-byte boundary
-        self.ids_at = self.table_at + 16 * self.num_rows
+        self.table_at = head + head % 2  # float64 rows and int64 sizes start on an 8-byte boundary
+        self.payload_at = self.table_at + 2 * TABLE_COLS * self.num_rows
+        self.ids_at = self.payload_at + 2 * self.num_payload
         buf = torch.zeros(self.ids_at + self.capacity, dtype=torch.int32)
         buf[: self.num_out] = torch.tensor([int(ok) for ok in outcome], dtype=torch.int32)
         if table is not None:
-            buf[self.table_at: self.ids_at].view(torch.float64).copy_(table.reshape(-1))
+            buf[self.table_at: self.payload_at].view(torch.float64).copy_(table.reshape(-1))
+        if payload:
+            buf[self.payload_at: self.ids_at].view(torch.int64).copy_(torch.tensor(list(payload), dtype=torch.int64))
         if topks is not None:
             flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
             sizes = [f.numel() for f in flat]
@@ -69,10 +80,15 @@ class Message:
         return [bool(v) for v in self.rows[:, : self.num_out].min(0).values.tolist()] if self.num_out else []
 
     def table(self) -> Tensor:
-        """[rows, 8] float64: the rows every rank filled, summed (each row filled by one rank)."""
+        """[rows, TABLE_COLS] float64: the rows every rank filled, summed (each row filled by one rank)."""
         self.wait()
-        parts = [self.rows[r, self.table_at: self.ids_at].clone().view(torch.float64) for r in range(self.world)]
-        return torch.stack(parts).sum(0).view(self.num_rows, 8)
+        parts = [self.rows[r, self.table_at: self.payload_at].clone().view(torch.float64) for r in range(self.world)]
+        return torch.stack(parts).sum(0).view(self.num_rows, TABLE_COLS)
+
+    def payload(self) -> np.ndarray:
+        """[global rank, i]: the ``payload`` sizes each rank sent (``payload_bytes`` of layer i)."""
+        self.wait()
+        return self.rows[:, self.payload_at: self.ids_at].clone().view(torch.int64).numpy()
 
     def routing(self, comm: Any, wanted: Sequence[bool]) -> tuple[list[tuple[np.ndarray, np.ndarray] | None] | None,
                                                                   int]:
@@ -156,21 +172,74 @@ def signature(rows: Sequence[Tensor], scalars: Sequence[float], error: str | Non
     return out, error
 
 
-def exchange(send: Tensor, peer: int, recv_like: Tensor) -> Tensor:
-    recv = torch.empty_like(recv_like)
+def exchange(send: Tensor, peer: int, recv_bytes: int) -> Tensor:
+    """Send ``send`` (uint8) to ``peer`` while receiving up to ``recv_bytes`` bytes from it (gloo
+    accepts a message shorter than the buffer, and aborts the process on a longer one: a caller
+    never sends more than the peer's bound)."""
+    recv = torch.empty(recv_bytes, dtype=torch.uint8)
     for req in (dist.isend(send, peer), dist.irecv(recv, peer)):
         assert req is not None  # None only for a rank outside the group; the world holds every rank
         req.wait()
     return recv
 
 
-def migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: torch.optim.Optimizer | None
-            ) -> tuple[list[tuple[Tensor, Tensor]], int]:
-    """On a rank holding one of them, transfer experts a (on position pa) and b (on pb) of a
-    sharded layer: returns the writes
-    still to do, (this rank's row, its new content), and the bytes this rank sent. Writes
-    nothing. The two ranks exchange what they will send (both stop alike if it differs), the
-    rows, and a last flag each: both return only if both received everything, else both raise."""
+HEADER_BYTES = _SIGNATURE_LEN * 8
+
+
+def payload_bytes(lay: runtime.EPLayer, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes this rank would send to move one expert of ``lay`` (the signature and the rows; the
+    same for every slot), announced to every rank so that a swap's two ranks can post their
+    receive at once (``migrate``'s bound); 0 for a layer whose weights every rank holds."""
+    if not lay.slot_params:
+        return 0
+    rows, _, err = pieces(lay, 0, optimizer)
+    return HEADER_BYTES + (0 if err else sum(r.numel() * r.element_size() for r in rows))
+
+
+def _sent_bytes(sig: Tensor) -> int:
+    """What the side whose signature is ``sig`` sends: the header, and its rows if it packed them."""
+    if sig[0] != 1:
+        return HEADER_BYTES
+    num_rows = int(sig[1])
+    desc = sig[3: 3 + 2 * num_rows].view(-1, 2).tolist()
+    return HEADER_BYTES + sum(int(n) * torch.empty(0, dtype=_DTYPES[int(d)]).element_size() for d, n in desc)
+
+
+@dataclass
+class Moved:
+    """One side's half of a swap that has crossed: ``writes`` (this rank's row, its new content),
+    ``undo`` (the same rows' old content, to put back if the other side failed) and the bytes
+    this rank sent."""
+
+    writes: list[tuple[Tensor, Tensor]]
+    undo: list[tuple[Tensor, Tensor]]
+    sent_bytes: int
+
+
+def _views(rows: Sequence[Tensor], data: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(row, its content in ``data``): ``data`` holds the rows' bytes one after another."""
+    out, offset = [], 0
+    for r in rows:
+        nbytes = r.numel() * r.element_size()
+        chunk = data[offset: offset + nbytes]
+        if offset % r.element_size():  # a view of another dtype must start on its alignment
+            chunk = chunk.clone()
+        out.append((r, chunk.view(r.dtype).view(r.shape)))
+        offset += nbytes
+    return out
+
+
+def migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: torch.optim.Optimizer | None,
+            bound: int = 0) -> Moved:
+    """On a rank holding one of them, move experts a (on position pa) and b (on pb) of a sharded
+    layer into new buffers; writes nothing (``commit`` does). The two ranks exchange one message
+    each way, [signature | rows], into a receive of ``bound`` bytes (the larger of the two sides'
+    announced ``payload_bytes``): one round trip. A side whose message outgrew the bound (its
+    layout changed since it announced it, or no bound: ``swap()``) sends the header alone and the
+    rows in a second round, which both sides see coming from the header. Both sides compare the
+    two signatures and raise alike when they differ; a failure of one side's transfer alone is
+    told to the other by the outcome exchange that follows (``swap``), which undoes a side that
+    already wrote."""
     comm = lay.comm
     me = comm.position
     local = list(lay.local_experts)
@@ -179,13 +248,26 @@ def migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: t
         rows_b, _, _ = pieces(lay, local.index(b), optimizer)
         if err:
             raise ValueError(f"layer {lay.name}: {err}")
-        return [*zip(rows_a, [r.clone() for r in rows_b], strict=True),
-                *zip(rows_b, [r.clone() for r in rows_a], strict=True)], 0
+        old_a, old_b = [r.clone() for r in rows_a], [r.clone() for r in rows_b]
+        return Moved([*zip(rows_a, old_b, strict=True), *zip(rows_b, old_a, strict=True)],
+                     [*zip(rows_a, old_a, strict=True), *zip(rows_b, old_b, strict=True)], 0)
     mine, theirs = (a, b) if me == pa else (b, a)
     peer = comm.ranks[pb if me == pa else pa]
     rows, scalars, err = pieces(lay, local.index(mine), optimizer)
     sig, err = signature(rows, scalars, err)
-    peer_sig = exchange(sig, peer, sig)
+    parts = [sig.view(torch.uint8)] + ([] if err else [r.detach().contiguous().view(-1).view(torch.uint8)
+                                                        for r in rows])
+    payload = torch.cat(parts)
+    bound = max(bound, HEADER_BYTES)
+    first = payload if payload.numel() <= bound else payload[:HEADER_BYTES]
+    got = exchange(first, peer, bound)
+    peer_sig = got[:HEADER_BYTES].clone().view(torch.float64)
+    peer_bytes = _sent_bytes(peer_sig)
+    if payload.numel() > bound or peer_bytes > bound:  # the rows that did not fit, alike on both sides
+        rest = exchange(payload[HEADER_BYTES:] if payload.numel() > bound else payload[:0], peer,
+                        peer_bytes - HEADER_BYTES if peer_bytes > bound else 0)
+        if peer_bytes > bound:
+            got = torch.cat([got[:HEADER_BYTES], rest])
     if err or peer_sig[0] != 1:
         raise ValueError(f"layer {lay.name}: cannot swap experts {a} and {b}: "
                          + (err or f"rank {peer} could not pack expert {theirs} (see its error)"))
@@ -193,35 +275,13 @@ def migrate(lay: runtime.EPLayer, a: int, b: int, pa: int, pb: int, optimizer: t
         raise ValueError(f"layer {lay.name}: cannot swap experts {a} and {b}: rank {comm.ranks[me]} and rank {peer} "
                          "hold different things for them (gradients on one side only, different optimizer "
                          "state, or scalar optimizer state such as Adam's step that differs); step both alike")
-    payload = torch.cat([r.detach().contiguous().view(-1).view(torch.uint8) for r in rows]) if rows else \
-        torch.empty(0, dtype=torch.uint8)
-    failure: Exception | None = None
-    pending = []
-    try:
-        received = exchange(payload, peer, payload)
-        offset = 0
-        for r in rows:
-            nbytes = r.numel() * r.element_size()
-            chunk = received[offset: offset + nbytes]
-            if offset % r.element_size():  # a view of another dtype must start on its alignment
-                chunk = chunk.clone()
-            pending.append((r, chunk.view(r.dtype).view(r.shape)))
-            offset += nbytes
-    except Exception as e:  # told to the peer below, then raised
-        failure = e
-    # the two sides agree before either writes: one whose transfer failed tells the other
-    flag = torch.tensor([0 if failure else 1], dtype=torch.int64)
-    peer_ok = int(exchange(flag, peer, flag)[0])
-    if failure is not None:
-        raise failure
-    if not peer_ok:
-        raise RuntimeError(f"layer {lay.name}: rank {peer} failed to receive expert {mine} (see its error); "
-                           f"nothing of the swap of experts {a} and {b} is written")
-    return pending, int(payload.numel()) + int(sig.numel()) * 8 + 8
+    return Moved(_views(rows, got[HEADER_BYTES: peer_bytes]), _views(rows, payload[HEADER_BYTES:]),
+                 int(payload.numel()))
 
 
 def commit(writes: Sequence[tuple[Tensor, Tensor]]) -> None:
-    """Write the rows (the last step of a swap: both ranks received what they need)."""
+    """Write the rows (``Moved.writes`` once both sides hold what they need, ``Moved.undo`` to
+    put a side's own rows back)."""
     with torch.no_grad():
         for dst, src in writes:
             dst.copy_(src)

@@ -130,10 +130,10 @@ def case_invariants() -> dict[str, Any]:
     real_exchange = swap_transfer.exchange
     calls = {"n": 0}
 
-    def failing_exchange(send: torch.Tensor, peer: int, recv_like: torch.Tensor) -> torch.Tensor:
-        got = real_exchange(send, peer, recv_like)
+    def failing_exchange(send: torch.Tensor, peer: int, recv_bytes: int) -> torch.Tensor:
+        got = real_exchange(send, peer, recv_bytes)
         calls["n"] += 1
-        if calls["n"] == 2:  # signature, then the rows: fail after the rows arrived
+        if calls["n"] == 2:  # swap() announces no size: the header, then the rows; fail after the rows arrived
             raise ConnectionError("injected: link failed after the transfer")
         return got
 
@@ -197,9 +197,9 @@ def case_overlap_interrupted() -> dict[str, Any]:
     real_exchange = swap_transfer.exchange
     out: dict[str, Any] = {"raised": [], "losses": [], "ref": ref}
 
-    def failing_exchange(send: torch.Tensor, peer: int, recv_like: torch.Tensor) -> torch.Tensor:
-        got = real_exchange(send, peer, recv_like)
-        if send.dtype == torch.uint8 and dist.get_rank() < peer:  # the rows, on one side of the pair
+    def failing_exchange(send: torch.Tensor, peer: int, recv_bytes: int) -> torch.Tensor:
+        got = real_exchange(send, peer, recv_bytes)
+        if dist.get_rank() < peer:  # the header and the rows (one message), on one side of the pair
             raise ConnectionError("injected: link failed after the transfer")
         return got
 
@@ -370,6 +370,68 @@ def case_skewed() -> dict[str, Any]:
     history.append(run(PARAMS["steps"]))
     return {"history": history, "placement": lay.placement(), "hot": hot,
             "timing": [t.__dict__ for t in swapper.history]}
+
+
+def case_migrate_bounds() -> dict[str, Any]:
+    """The two ranks of a swap exchange [signature | rows] into a receive of the announced bound:
+    one round when both fit, a second round for the rows of a side that outgrew the bound (seen
+    alike on both sides), and a layout that differs between the sides refused on both, without
+    a hang. Each side's received rows must be the other side's rows, byte for byte."""
+    mesh = make_mesh(PARAMS["shape"])
+    model, compiled, report = build("shard", "grouped_gemm", mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_step(compiled, model, opt, batches(1)[0], report)  # gradients and Adam state exist
+    lay = moe_compile.expert_swapper(compiled, opt).layers()[0]
+    placement = lay.placement()
+    a, b = placement.index(0), placement.index(1)  # an expert of position 0 and one of position 1
+    me = lay.comm.position
+    slot = list(lay.local_experts).index(a if me == 0 else b)
+    full = swap_transfer.payload_bytes(lay, opt)
+    real_exchange = swap_transfer.exchange
+    out: dict[str, Any] = {"full": full}
+
+    def rows_bytes(slot: int) -> bytes:
+        rows, _, _ = swap_transfer.pieces(lay, slot, opt)
+        return b"".join(r.contiguous().numpy().tobytes() for r in rows)
+
+    def attempt(label: str, bound: int) -> None:
+        calls = []
+
+        def counted(send: torch.Tensor, peer: int, recv_bytes: int) -> torch.Tensor:
+            calls.append((int(send.numel()), recv_bytes))
+            return real_exchange(send, peer, recv_bytes)
+
+        swap_transfer.exchange = counted  # type: ignore[assignment]
+        try:
+            moved = swap_transfer.migrate(lay, a, b, 0, 1, opt, bound)
+            got = b"".join(src.contiguous().numpy().tobytes() for _, src in moved.writes)
+            theirs: list[str] = ["", ""]
+            dist.all_gather_object(theirs, hashlib.sha256(rows_bytes(slot)).hexdigest())
+            out[label] = {"rounds": len(calls), "calls": calls, "error": None,
+                          "matches_peer": hashlib.sha256(got).hexdigest() == theirs[1 - me],
+                          "undo_is_mine": b"".join(old.contiguous().numpy().tobytes()
+                                                   for _, old in moved.undo) == rows_bytes(slot)}
+        except ValueError as e:
+            out[label] = {"rounds": len(calls), "calls": calls, "error": str(e)}
+        finally:
+            swap_transfer.exchange = real_exchange  # type: ignore[assignment]
+
+    attempt("no_bound", 0)
+    attempt("announced", full)
+    attempt("roomy", 2 * full)
+    attempt("short_both", full - 8)
+    # gradients on one side only: that side's message outgrows the bound the other side announced
+    grads = [p.grad for p in lay.slot_params]
+    if me == 1:
+        for p in lay.slot_params:
+            p.grad = None
+    sizes: list[int] = [0, 0]
+    dist.all_gather_object(sizes, swap_transfer.payload_bytes(lay, opt))
+    out["sizes_differ"] = sizes
+    attempt("layouts_differ", min(sizes))
+    for p, g in zip(lay.slot_params, grads, strict=True):
+        p.grad = g
+    return out
 
 
 def main() -> None:

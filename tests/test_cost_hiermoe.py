@@ -349,6 +349,13 @@ def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats):
             slow, _ = model.swap_matrix(topk, d=d, kind=kind, placement=placement, token_rank=token_rank,
                                         method="brute_force")
             np.testing.assert_allclose(fast, slow, rtol=1e-10, atol=0)
+            # several aggregations from one pass: each the brute force of its own kind
+            both, _ = model.swap_matrices(topk, d=d, kinds=(kind, "max"), placement=placement,
+                                          token_rank=token_rank)
+            slow_max, _ = model.swap_matrix(topk, d=d, kind="max", placement=placement, token_rank=token_rank,
+                                            method="brute_force")
+            np.testing.assert_allclose(both[0], slow, rtol=1e-10, atol=0)
+            np.testing.assert_allclose(both[1], slow_max, rtol=1e-10, atol=0)
 
 
 def test_best_swap_is_the_argmin_and_helps_a_skewed_placement():

@@ -207,3 +207,22 @@ def test_expert_swap_needs_a_mesh() -> None:
     with pytest.raises(ValueError, match="give a mesh"):
         parse_options({"expert_swap": {"every": 1}})
     assert parse_options({"expert_swap": False}).expert_swap is None
+
+
+def test_migrate_fits_the_announced_bound_in_one_round() -> None:
+    """A swap's two ranks move [signature | rows] in one exchange when the announced bound holds
+    both messages, in two (the header, then the rows) when it does not (no bound, or one side
+    outgrew it), and refuse alike on both sides when their layouts differ: each side receives
+    exactly the other side's rows and keeps its own to put back."""
+    results = run_ranks(2, "migrate_bounds", timeout_s=240, worker="swap_worker.py", shape=[2], E=4)
+    for rank, res in enumerate(results):
+        full = res["full"]
+        for label, rounds in (("no_bound", 2), ("announced", 1), ("roomy", 1), ("short_both", 2)):
+            r = res[label]
+            assert r["error"] is None, f"rank {rank}, {label}: {r['error']}"
+            assert r["rounds"] == rounds, f"rank {rank}, {label}: {r['calls']}"
+            assert r["matches_peer"] and r["undo_is_mine"], f"rank {rank}, {label}: rows differ"
+        assert res["announced"]["calls"] == [[full, full]], res["announced"]["calls"]
+        r = res["layouts_differ"]
+        assert res["sizes_differ"][0] > res["sizes_differ"][1], res["sizes_differ"]
+        assert r["rounds"] == 2 and "hold different things" in (r["error"] or ""), f"rank {rank}: {r}"
