@@ -434,6 +434,35 @@ def case_migrate_bounds() -> dict[str, Any]:
     return out
 
 
+def case_payback() -> dict[str, Any]:
+    """The payback rule on a sharded layer trained with Adam: for each payback (steps), the swaps
+    step() decides, each with its predicted migration time and the one this test expects from
+    the mesh's links (build()'s topology: alpha 20 us, 1 Gbit/s between nodes, 100 inside) and
+    the bytes of one expert's rows (weights and Adam's two moments, gradients being None after
+    zero_grad) plus the description both sides send."""
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for payback in PARAMS["paybacks"]:
+        model, compiled, report = build("shard", "grouped_gemm", mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        swapper = moe_compile.expert_swapper(compiled, opt, payback=payback)
+        made = []
+        for b in batches(PARAMS["steps"]):
+            train_step(compiled, model, opt, b, report)
+            opt.zero_grad(set_to_none=True)
+            for rec in swapper.step():
+                lay = swapper._find(rec.layer)
+                row_bytes = sum(p[0].numel() * p.element_size() * 3 for p in lay.slot_params)  # weight, 2 moments
+                per_node = mesh.mesh.numel() // mesh.mesh.shape[0]  # mesh positions are row-major
+                gbps = 1.0 if rec.ranks[0] // per_node != rec.ranks[1] // per_node else 100.0
+                expected = 2e-5 + (row_bytes + swap_transfer.HEADER_BYTES) * 8 / (gbps * 1e9)
+                made.append({"experts": list(rec.experts), "migration_s": rec.predicted_migration_s,
+                             "expected_s": expected, "saved_s": rec.predicted_before_s - rec.predicted_after_s})
+        swapper.flush()
+        out[str(payback)] = made
+    return out
+
+
 def main() -> None:
     ep_worker.PARAMS.update(PARAMS)
     case = sys.argv[1]

@@ -191,6 +191,8 @@ def test_smart_matrix_matches_brute_force() -> None:
     ({"gamma": -1}, "'gamma' must be a positive number"),
     ({"policy": "random"}, "'policy' must be one of"),
     ({"overlap": 1}, "'overlap' must be True or False"),
+    ({"payback": -1}, "'payback' must be a number of training steps"),
+    ({"payback": float("inf")}, "'payback' must be a number of training steps"),
     ({"evry": 1}, "unknown expert_swap setting"),
     ("yes", "must be True or a dict"),
 ])
@@ -226,3 +228,22 @@ def test_migrate_fits_the_announced_bound_in_one_round() -> None:
         r = res["layouts_differ"]
         assert res["sizes_differ"][0] > res["sizes_differ"][1], res["sizes_differ"]
         assert r["rounds"] == 2 and "hold different things" in (r["error"] or ""), f"rank {rank}: {r}"
+
+
+def test_payback_rule_keeps_only_swaps_that_repay_their_migration() -> None:
+    """Without the rule HierD-ES swaps on this routing; each swap's predicted migration time is the
+    alpha-beta time of one expert's rows over the slowest link between its two ranks. A payback
+    of 1e-9 steps (no saving repays any migration) stops every swap; a huge one keeps those whose
+    plain-max time drops."""
+    results = run_ranks(4, "payback", timeout_s=300, worker="swap_worker.py", shape=[2, 2], E=8, steps=4,
+                        paybacks=[0.0, 1e-9, 1e12])
+    for rank, res in enumerate(results):
+        free, tight, loose = res["0.0"], res["1e-09"], res["1000000000000.0"]
+        assert free, f"rank {rank}: HierD-ES made no swap without the rule; the test needs one"
+        for s in free:
+            assert s["migration_s"] == pytest.approx(s["expected_s"], rel=1e-9), f"rank {rank}: {s}"
+            # the smooth max may improve while the busiest destination stays (saved 0), never worse
+            assert s["saved_s"] >= 0, f"rank {rank}: a swap the plain max predicts slower: {s}"
+        assert tight == [], f"rank {rank}: swaps whose saving cannot repay their migration: {tight}"
+        # any positive saving repays in 1e12 steps; a swap that only improves the smooth max does not
+        assert loose and all(s["saved_s"] > 0 for s in loose), f"rank {rank}: {loose}"
