@@ -254,7 +254,8 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
                                    "dimension": s.dimension, "objective_before": s.objective_before,
                                    "objective_after": s.objective_after,
                                    "predicted_before_s": s.predicted_before_s,
-                                   "predicted_after_s": s.predicted_after_s, "moved_bytes": s.moved_bytes}
+                                   "predicted_after_s": s.predicted_after_s, "moved_bytes": s.moved_bytes,
+                                   "predicted_migration_s": s.predicted_migration_s}
                                   for s in made],
                            parts={p: PARTS.get(p, 0.0) for p in PART_NAMES})
             records[r.name].append(rec)
