@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,8 +157,8 @@ class Report:
             swapped = [r for r in parallel if r.parallel and r.parallel["swaps"]]
             if swapped:
                 table = Table(title="expert swaps (HierD-ES): placement = mesh position of each expert")
-                for col in ("layer", "swaps", "last swaps: experts (positions) predicted ms before -> after",
-                            "placement"):
+                for col in ("layer", "swaps", "last swaps: experts (positions) predicted ms before -> after "
+                            "[migration]", "placement"):
                     table.add_column(col, overflow="fold")
                 for r in swapped:
                     p = r.parallel
@@ -165,6 +166,8 @@ class Report:
                     last = "; ".join(f"step {w['step']}: {w['experts'][0]}<->{w['experts'][1]} "
                                      f"({w['ranks'][0]}<->{w['ranks'][1]}) "
                                      f"{w['predicted_before_s'] * 1e3:.3g} -> {w['predicted_after_s'] * 1e3:.3g}"
+                                     + (f" [{w['predicted_migration_s'] * 1e3:.3g}]"
+                                        if not math.isnan(w.get("predicted_migration_s", math.nan)) else "")
                                      for w in p["swaps"][-3:])
                     table.add_row(escape(r.name), str(len(p["swaps"])), last, " ".join(map(str, p["placement"])))
                 console.print(table)
