@@ -172,8 +172,8 @@ def swap_statistics_kinds(topk_idx: Any, num_experts: int, group_sizes: Sequence
     phase_keys = [(lv, lv) for lv in range(1, num_levels)] + [(num_levels, i + 1) for i in range(num_levels)]
     if method == "incremental":
         wanted = range(len(phase_keys)) if phases is None else set(phases)
-        zeros = [np.zeros((num_experts, num_experts)) for _ in kinds]
-        per_phase = [_swap_phase(r, level, split, kinds, gamma) if i in wanted else zeros
+        per_phase = [_swap_phase(r, level, split, kinds, gamma) if i in wanted
+                     else [np.zeros((num_experts, num_experts)) for _ in kinds]
                      for i, (level, split) in enumerate(phase_keys)]
         per_kind = [[m[j] for m in per_phase] for j in range(len(kinds))]
     elif method == "brute_force":

@@ -167,7 +167,7 @@ class Report:
                                      f"({w['ranks'][0]}<->{w['ranks'][1]}) "
                                      f"{w['predicted_before_s'] * 1e3:.3g} -> {w['predicted_after_s'] * 1e3:.3g}"
                                      + (f" [{w['predicted_migration_s'] * 1e3:.3g}]"
-                                        if not math.isnan(w.get("predicted_migration_s", math.nan)) else "")
+                                        if not math.isnan(w["predicted_migration_s"]) else "")
                                      for w in p["swaps"][-3:])
                     table.add_row(escape(r.name), str(len(p["swaps"])), last, " ".join(map(str, p["placement"])))
                 console.print(table)

@@ -664,7 +664,7 @@ def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
 def _sizes(layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
     """layer id -> every rank's announced ``payload_bytes`` (by global rank), from ``msg``."""
     got = msg.payload()
-    return {lay.layer_id: got[:, i] for i, lay in enumerate(layers)} if got.shape[1] == len(layers) else {}
+    return {lay.layer_id: got[:, i] for i, lay in enumerate(layers)}
 
 
 def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | None) -> float:

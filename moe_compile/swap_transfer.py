@@ -28,12 +28,9 @@ class Message:
     """One round of the swapper's own exchange: every rank sends one int32 buffer to every rank
     (``all_to_all_single`` of ``world`` copies), [per-swap outcome | per-layer routing sizes |
     table rows as float64 | per-layer ``payload_bytes`` as int64 | routing ids padded to
-    ``capacity``]. On gloo that is one round of
-    direct sends: with 8 ranks on 2 cores it takes about 3.7 ms where an ``all_reduce`` of 16
-    values takes 17 ms and an ``all_gather`` 10 ms (several rounds between neighbours, each
-    waiting for a rank to be scheduled; measured idle, after a barrier). The layout's four sizes
-    are the same on every rank (they come from agreed decisions and earlier rounds), so no size
-    is sent.
+    ``capacity``], by ``runtime.exchange_with_all``: one round of direct sends on gloo. The
+    layout's sizes are the same on every rank (they come from agreed decisions, the model's
+    layers and earlier rounds), so no size is sent.
 
     outcome: 1 where this rank's part of a swap succeeded (ranks outside the pair send 1);
     read: the minimum over ranks. table: the decision rows this rank computed, zero elsewhere;
@@ -66,9 +63,7 @@ class Message:
             buf[self.num_out: head] = torch.tensor(sizes, dtype=torch.int32)
             if flat and sum(sizes) <= self.capacity:
                 buf[self.ids_at: self.ids_at + sum(sizes)] = torch.cat(flat)
-        self.recv = torch.empty(world * buf.numel(), dtype=torch.int32)
-        self.work = dist.all_to_all_single(self.recv, buf.repeat(world), group=group, async_op=async_op)
-        self.rows = self.recv.view(world, -1)  # [sender's global rank, buffer]
+        self.rows, self.work = runtime.exchange_with_all(buf, world, group, async_op)  # [sender's global rank, buffer]
 
     def wait(self) -> None:
         if self.work is not None:
