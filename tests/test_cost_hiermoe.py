@@ -14,6 +14,7 @@ import sympy as sp
 import torch
 
 from moe_compile.cost import hiermoe as hm
+from moe_compile.cost import routing
 from moe_compile.cost.routing import (
     aggregate,
     dedup_counts,
@@ -330,12 +331,16 @@ def test_swap_counts_match_the_papers_fig_7():
 @pytest.mark.parametrize("kind", ["max", "smooth", "lse"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("repeats", [False, True])
-def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats):
-    """Also with routings that name an expert twice for a token (it receives the token once)."""
+@pytest.mark.parametrize("dense", [True, False])
+def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats, dense, monkeypatch):
+    """Also with routings that name an expert twice for a token (it receives the token once), and
+    with every rank as many tokens (the counts' batched path) or not (one product per relay), and
+    Fig. 8's counts from products of the selection matrices (dense) or from bincounts."""
+    monkeypatch.setattr(routing, "DENSE_COUNTS_RATIO", 10**9 if dense else 0)
     rng = np.random.default_rng(seed)
     num_ranks = math.prod(sizes)
     num_experts = 2 * num_ranks if num_ranks < 8 else num_ranks
-    num_tokens = 30
+    num_tokens = 24  # divisible by every num_ranks here
     topk = uniform_topk(rng, num_tokens, num_experts, 3)
     if repeats:
         topk[::3, 2] = topk[::3, 0]
@@ -343,6 +348,8 @@ def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats):
     model = hm.HDCostModel(topo, Workload(num_tokens, 64, 32, num_experts, 3))
     for token_rank, placement in ((None, None),
                                   (rng.integers(0, num_ranks, num_tokens),
+                                   rng.permutation(np.arange(num_experts) % num_ranks)),
+                                  (np.arange(num_tokens) % num_ranks,
                                    rng.permutation(np.arange(num_experts) % num_ranks))):
         for d in range(1, len(sizes) + 1):
             fast, _ = model.swap_matrix(topk, d=d, kind=kind, placement=placement, token_rank=token_rank)
