@@ -21,6 +21,7 @@ Assumptions:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -267,6 +268,12 @@ class HDCostModel:
 def best_swap(q: np.ndarray) -> tuple[int, int, float]:
     """HierMoE Eq. 10: (r*, c*) = argmin Q*[r, c] over pairs r < c, with its value. Compare the value
     with Q*[0, 0] (no swap) before swapping."""
-    r, c = np.triu_indices(q.shape[0], k=1)
+    r, c = _pairs(q.shape[0])
     best = int(np.argmin(q[r, c]))
     return int(r[best]), int(c[best]), float(q[r[best], c[best]])
+
+
+@functools.lru_cache(maxsize=8)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index pairs r < c of an [n, n] matrix, row by row (made once per n: every decision reads them)."""
+    return np.triu_indices(n, k=1)

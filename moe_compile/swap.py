@@ -269,6 +269,7 @@ class ExpertSwapper:
     _group: Any = None
     _layers: tuple[int, list[runtime.EPLayer]] = (-1, [])  # (runtime layers seen, this model's)
     _options: dict[int, tuple[Any, SwapOptions]] = field(default_factory=dict)  # layer id -> (its swap_options, merged)
+    _payload_sizes: dict[int, tuple[Any, int]] = field(default_factory=dict)  # layer id -> (what moves, bytes)
 
     def layers(self) -> list[runtime.EPLayer]:
         """The expert-parallel layers of this model that have been compiled, in layer-id order
@@ -407,22 +408,32 @@ class ExpertSwapper:
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
 
     def _payloads(self, layers: Sequence[runtime.EPLayer]) -> list[int]:
-        return [transfer.payload_bytes(lay, self.optimizer) for lay in layers]
+        """Every layer's ``payload_bytes``, recomputed when what moves with an expert may have
+        changed: a gradient came or went, or the optimizer state's keys did (a stale size would
+        only cost ``migrate`` a second round, never a wrong transfer)."""
+        out = []
+        state = self.optimizer.state if self.optimizer is not None else {}
+        for lay in layers:
+            key = tuple((p.grad is None, tuple(state.get(p, ()))) for p in lay.slot_params)
+            cached = self._payload_sizes.get(lay.layer_id)
+            if cached is None or cached[0] != key:
+                cached = self._payload_sizes[lay.layer_id] = (key, transfer.payload_bytes(lay, self.optimizer))
+            out.append(cached[1])
+        return out
 
     def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
                     routings: list[tuple[np.ndarray, np.ndarray] | None], deciders: list[int],
-                    sizes: Mapping[int, np.ndarray], pending: Sequence[_Pending] = ()) -> Tensor:
+                    sizes: Mapping[int, np.ndarray], pending: Sequence[_Pending] = ()) -> np.ndarray:
         """This rank's rows of the decision table (one row per layer: swap?, a, b, d, objective
         before/after, predicted before/after; zeros in the rows other ranks decide), on the
         placements with the ``pending`` moves in force (every rank's placement once the swaps
         started succeed; decisions are dropped where one fails)."""
         me = layers[0].comm.position
-        table = torch.zeros(len(layers), transfer.TABLE_COLS, dtype=torch.float64)
+        table = np.zeros((len(layers), transfer.TABLE_COLS))
         for i, lay in enumerate(layers):
             routing = routings[i]
             if deciders[i] == me and routing is not None:
-                table[i] = torch.tensor(self._decide_layer(lay, opts[i], _planned(lay, pending), *routing,
-                                                           sizes.get(lay.layer_id)), dtype=torch.float64)
+                table[i] = self._decide_layer(lay, opts[i], _planned(lay, pending), *routing, sizes.get(lay.layer_id))
         return table
 
     def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:
@@ -681,7 +692,7 @@ def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | Non
     return levels[first].time_s(float(max(sizes[lay.comm.ranks[pa]], sizes[lay.comm.ranks[pb]])))
 
 
-def _decisions(table: Tensor) -> list[tuple[Any, ...] | None]:
+def _decisions(table: np.ndarray) -> list[tuple[Any, ...] | None]:
     """The summed decision table's rows as (a, b, d, objective before/after, predicted
     before/after, migration), None where the layer does not swap."""
     return [(int(row[1]), int(row[2]), int(row[3]), *row[4:]) if row[0] > 0 else None for row in table.tolist()]

@@ -37,7 +37,7 @@ class Message:
     read: the sum over ranks. payload: what this rank would send to move one expert of each
     layer; read: every rank's. routing: this rank's [T, K] ids of each layer's last forward."""
 
-    def __init__(self, group: Any, world: int, *, outcome: Sequence[bool] = (), table: Tensor | None = None,
+    def __init__(self, group: Any, world: int, *, outcome: Sequence[bool] = (), table: np.ndarray | None = None,
                  topks: Sequence[Tensor] | None = None, capacity: int = 0, payload: Sequence[int] = (),
                  async_op: bool = False) -> None:
         self.world = world
@@ -51,39 +51,41 @@ class Message:
         self.table_at = head + head % 2  # float64 rows and int64 sizes start on an 8-byte boundary
         self.payload_at = self.table_at + 2 * TABLE_COLS * self.num_rows
         self.ids_at = self.payload_at + 2 * self.num_payload
-        buf = torch.zeros(self.ids_at + self.capacity, dtype=torch.int32)
-        buf[: self.num_out] = torch.tensor([int(ok) for ok in outcome], dtype=torch.int32)
+        # built in numpy: a dozen small torch ops cost more than the exchange's own CPU time
+        buf = np.zeros(self.ids_at + self.capacity, dtype=np.int32)
+        buf[: self.num_out] = outcome
         if table is not None:
-            buf[self.table_at: self.payload_at].view(torch.float64).copy_(table.reshape(-1))
-        if payload:
-            buf[self.payload_at: self.ids_at].view(torch.int64).copy_(torch.tensor(list(payload), dtype=torch.int64))
+            buf[self.table_at: self.payload_at].view(np.float64)[:] = table.reshape(-1)
+        buf[self.payload_at: self.ids_at].view(np.int64)[:] = payload
         if topks is not None:
-            flat = [t.detach().to("cpu", torch.int32).reshape(-1) for t in topks]
-            sizes = [f.numel() for f in flat]
-            buf[self.num_out: head] = torch.tensor(sizes, dtype=torch.int32)
+            flat = [t.detach().to("cpu", torch.int32).reshape(-1).numpy() for t in topks]
+            sizes = [f.size for f in flat]
+            buf[self.num_out: head] = sizes
             if flat and sum(sizes) <= self.capacity:
-                buf[self.ids_at: self.ids_at + sum(sizes)] = torch.cat(flat)
-        self.rows, self.work = runtime.exchange_with_all(buf, world, group, async_op)  # [sender's global rank, buffer]
+                np.concatenate(flat, out=buf[self.ids_at: self.ids_at + sum(sizes)])
+        rows, self.work = runtime.exchange_with_all(torch.from_numpy(buf), world, group, async_op)
+        self._rows: np.ndarray = rows.numpy()  # [sender's global rank, buffer]; filled once waited
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
 
-    def outcome(self) -> list[bool]:
+    @property
+    def rows(self) -> np.ndarray:
         self.wait()
-        return [bool(v) for v in self.rows[:, : self.num_out].min(0).values.tolist()] if self.num_out else []
+        return self._rows
 
-    def table(self) -> Tensor:
+    def outcome(self) -> list[bool]:
+        return [bool(v) for v in self.rows[:, : self.num_out].min(0)] if self.num_out else []
+
+    def table(self) -> np.ndarray:
         """[rows, TABLE_COLS] float64: the rows every rank filled, summed (each row filled by one rank)."""
-        self.wait()
-        parts = [self.rows[r, self.table_at: self.payload_at].clone().view(torch.float64) for r in range(self.world)]
-        return torch.stack(parts).sum(0).view(self.num_rows, TABLE_COLS)
+        return self.rows[:, self.table_at: self.payload_at].view(np.float64).sum(0).reshape(self.num_rows, TABLE_COLS)
 
     def payload(self) -> np.ndarray:
         """[global rank, i]: the ``payload`` sizes each rank sent (``payload_bytes`` of layer i)."""
-        self.wait()
-        return self.rows[:, self.payload_at: self.ids_at].clone().view(torch.int64).numpy()
+        return self.rows[:, self.payload_at: self.ids_at].view(np.int64)
 
     def routing(self, comm: Any, wanted: Sequence[bool]) -> tuple[list[tuple[np.ndarray, np.ndarray] | None] | None,
                                                                   int]:
@@ -91,9 +93,9 @@ class Message:
         source mesh position; None for the others), identical on every rank, and the capacity to
         use next; None (with twice the largest size as the capacity) when some rank's ids did not
         fit, which every rank sees alike in the sizes."""
-        self.wait()
+        rows = self.rows
         head = self.num_out + self.num_layers
-        sizes = self.rows[:, self.num_out: head].numpy()
+        sizes = rows[:, self.num_out: head]
         longest = int(sizes.sum(1).max()) if self.num_layers else 0
         if longest > self.capacity:
             return None, 2 * longest
@@ -109,7 +111,7 @@ class Message:
             for pos in range(self.world):
                 rank = comm.ranks[pos]  # rows are by global rank; mesh positions map through comm.ranks
                 n = int(sizes[rank, i])
-                parts.append(self.rows[rank, offsets[pos]: offsets[pos] + n].numpy().reshape(-1, k))
+                parts.append(rows[rank, offsets[pos]: offsets[pos] + n].reshape(-1, k))
                 sources.append(np.full(n // k if k else 0, pos, dtype=np.int64))
                 offsets[pos] += n
             out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
