@@ -24,11 +24,12 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                and, with ``payback`` n, the t_d saved over n steps exceeds the predicted time to
                move the two experts
 
-One rank per layer computes Q* (rank = layer index mod world size; they work in parallel) and an
-exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange of
-the swapper is one ``all_to_all_single`` on its own gloo group in which each rank sends the same
-small buffer to every rank (``transfer.Message``): one round of direct sends, where gloo's all-reduce and
-all-gather take several rounds between neighbours. A deciding step costs the routing exchange (all layers
+One rank per layer computes Q* (rank = layer index mod world size, fixed; they work in parallel)
+and an exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange
+of the swapper is one ``all_to_all_single`` on its own gloo group in which each rank sends the
+same small header to every rank and a layer's routing ids to that layer's decider alone
+(``transfer.Message``): one round of direct sends, where gloo's all-reduce and all-gather take
+several rounds between neighbours. A deciding step costs the routing exchange (all layers
 together, with what each rank would send to move one expert of each layer), the decision
 exchange and, when a sharded layer swaps, one message each way between the two ranks per swap
 and one outcome exchange for all swaps together (below). With
@@ -356,7 +357,7 @@ class ExpertSwapper:
         return self._group
 
     def _post(self, world: int, **kw: Any) -> transfer.Message:
-        return transfer.Message(self._cpu_group(), world, **kw)
+        return transfer.Message(self._cpu_group(), world, dist.get_rank(), **kw)
 
     def _find(self, layer: str | int) -> runtime.EPLayer:
         for lay in self.layers():
@@ -397,13 +398,13 @@ class ExpertSwapper:
         compute this rank's rows, exchange them. Returns the decisions and the sizes."""
         comm = layers[0].comm
         topks = [lay.last_topk for lay in layers]
-        deciders = _deciders(len(layers), comm.world, set())
         for _ in range(2):
-            msg = self._post(comm.world, topks=topks, capacity=self.capacity, payload=self._payloads(layers))
-            routings, self.capacity = msg.routing(comm, [d == comm.position for d in deciders])
+            msg = self._post(comm.world, topks=topks, deciders=_deciders(comm, len(layers)), capacity=self.capacity,
+                             payload=self._payloads(layers))
+            routings, self.capacity = msg.routing(comm)
             if routings is not None:
                 sizes = _sizes(layers, msg)
-                table = self._table_rows(layers, opts, routings, deciders, sizes)
+                table = self._table_rows(layers, opts, routings, sizes)
                 return _decisions(self._post(comm.world, table=table).table()), sizes
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
 
@@ -422,17 +423,16 @@ class ExpertSwapper:
         return out
 
     def _table_rows(self, layers: list[runtime.EPLayer], opts: list[SwapOptions],
-                    routings: list[tuple[np.ndarray, np.ndarray] | None], deciders: list[int],
+                    routings: list[tuple[np.ndarray, np.ndarray] | None],
                     sizes: Mapping[int, np.ndarray], pending: Sequence[_Pending] = ()) -> np.ndarray:
         """This rank's rows of the decision table (one row per layer: swap?, a, b, d, objective
-        before/after, predicted before/after; zeros in the rows other ranks decide), on the
-        placements with the ``pending`` moves in force (every rank's placement once the swaps
-        started succeed; decisions are dropped where one fails)."""
-        me = layers[0].comm.position
+        before/after, predicted before/after; zeros in the rows other ranks decide: those whose
+        routing it did not receive), on the placements with the ``pending`` moves in force (every
+        rank's placement once the swaps started succeed; decisions are dropped where one fails)."""
         table = np.zeros((len(layers), transfer.TABLE_COLS))
         for i, lay in enumerate(layers):
             routing = routings[i]
-            if deciders[i] == me and routing is not None:
+            if routing is not None:
                 table[i] = self._decide_layer(lay, opts[i], _planned(lay, pending), *routing, sizes.get(lay.layer_id))
         return table
 
@@ -466,20 +466,17 @@ class ExpertSwapper:
                 t1 = time.perf_counter()
                 records, outcome, pending, written, error = self._start(swaps, sizes)
                 migration_s = time.perf_counter() - t1
-            # Q* on ranks outside this call's pairs where there are any, so no rank does both
-            busy = {int(lay.expert_pos_E[dec[i]]) for lay, dec in swaps if lay.slot_params for i in (0, 1)}
-            deciders = _deciders(len(rnd.route_layers), world, busy)
             if rnd.route_layers:  # None: the capacity grew, the next round has room
-                routings, self.capacity = rnd.msg.routing(comm, [d == comm.position for d in deciders])
+                routings, self.capacity = rnd.msg.routing(comm)
         table, versions, table_layers = None, None, []
         if routings is not None and rnd is not None:  # decided on the placements after this call's swaps
             table_layers = rnd.route_layers
-            table = self._table_rows(table_layers, rnd.route_opts, routings, deciders, sizes, pending)
+            table = self._table_rows(table_layers, rnd.route_opts, routings, sizes, pending)
             versions = [lay.version + sum(p.lay is lay for p in pending) for lay in table_layers]
         deciding = self.calls % opts[0].every == 0
         topks = [lay.last_topk for lay in layers] if deciding else None
-        msg = self._post(world, outcome=outcome, table=table, topks=topks, capacity=self.capacity,
-                         payload=self._payloads(layers), async_op=True)
+        msg = self._post(world, outcome=outcome, table=table, topks=topks, deciders=_deciders(comm, len(layers)),
+                         capacity=self.capacity, payload=self._payloads(layers), async_op=True)
         self._round = _Round(msg, layers if deciding else [], opts, table_layers, versions, layers)
         if outcome:
             self._await(_Outcome(msg, pending, written, error, [lay for lay, _ in swaps if lay.slot_params]))
@@ -656,11 +653,10 @@ def smart_matrix(topk: np.ndarray, num_experts: int, placement: np.ndarray, worl
     return q
 
 
-def _deciders(num_layers: int, world: int, busy: set[int]) -> list[int]:
-    """The mesh position that computes each layer's Q*: layer i on the i-th rank (mod) of those
-    not in ``busy`` (the same on every rank: ``busy`` comes from agreed decisions)."""
-    free = [pos for pos in range(world) if pos not in busy] or list(range(world))
-    return [free[i % len(free)] for i in range(num_layers)]
+def _deciders(comm: Any, num_layers: int) -> list[int]:
+    """The global rank that computes each layer's Q* (and alone receives its routing): layer i
+    on mesh position i mod world, fixed, so that a rank posting its routing knows where it goes."""
+    return [comm.ranks[i % comm.world] for i in range(num_layers)]
 
 
 def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:

@@ -25,46 +25,64 @@ TABLE_COLS = 9  # a decision row: swap?, a, b, d, objective before/after, predic
 
 
 class Message:
-    """One round of the swapper's own exchange: every rank sends one int32 buffer to every rank
-    (``all_to_all_single`` of ``world`` copies), [per-swap outcome | per-layer routing sizes |
-    table rows as float64 | per-layer ``payload_bytes`` as int64 | routing ids padded to
-    ``capacity``], by ``runtime.exchange_with_all``: one round of direct sends on gloo. The
+    """One round of the swapper's own exchange: every rank sends every rank one int32 buffer,
+    [per-swap outcome | per-layer routing sizes | table rows as float64 | per-layer
+    ``payload_bytes`` as int64], and to the rank that decides a layer (``deciders``) also its
+    routing ids of that layer, padded to ``capacity``: one ``all_to_all_single`` (uneven splits),
+    one round of direct sends on gloo, in which no rank receives routing it does not read. The
     layout's sizes are the same on every rank (they come from agreed decisions, the model's
-    layers and earlier rounds), so no size is sent.
+    layers, the deciders and earlier rounds), so no size is sent.
 
     outcome: 1 where this rank's part of a swap succeeded (ranks outside the pair send 1);
     read: the minimum over ranks. table: the decision rows this rank computed, zero elsewhere;
     read: the sum over ranks. payload: what this rank would send to move one expert of each
-    layer; read: every rank's. routing: this rank's [T, K] ids of each layer's last forward."""
+    layer; read: every rank's. routing: this rank's [T, K] ids of each layer's last forward, sent
+    to the global rank ``deciders[i]`` only; ``capacity`` bounds the ids one rank sends one
+    decider (all its layers together)."""
 
-    def __init__(self, group: Any, world: int, *, outcome: Sequence[bool] = (), table: np.ndarray | None = None,
-                 topks: Sequence[Tensor] | None = None, capacity: int = 0, payload: Sequence[int] = (),
+    def __init__(self, group: Any, world: int, rank: int, *, outcome: Sequence[bool] = (),
+                 table: np.ndarray | None = None, topks: Sequence[Tensor] | None = None,
+                 deciders: Sequence[int] = (), capacity: int = 0, payload: Sequence[int] = (),
                  async_op: bool = False) -> None:
-        self.world = world
+        self.world, self.rank = world, rank
         self.num_out = len(outcome)
         self.num_rows = 0 if table is None else table.shape[0]
         self.num_layers = 0 if topks is None else len(topks)
         self.num_payload = len(payload)
         self.capacity = capacity if topks is not None else 0
         self.ks = [] if topks is None else [t.shape[1] for t in topks]
+        self.deciders = list(deciders) if topks is not None else []
+        if len(self.deciders) != self.num_layers:
+            raise ValueError(f"a routing message needs one decider per layer, got {len(self.deciders)} for "
+                             f"{self.num_layers} layers")
         head = self.num_out + self.num_layers
         self.table_at = head + head % 2  # float64 rows and int64 sizes start on an 8-byte boundary
         self.payload_at = self.table_at + 2 * TABLE_COLS * self.num_rows
-        self.ids_at = self.payload_at + 2 * self.num_payload
+        self.ids_at = self.payload_at + 2 * self.num_payload  # the header's length
+        to = [self.capacity if dst in self.deciders else 0 for dst in range(world)]  # ids each rank receives
+        starts = np.concatenate([[0], np.cumsum(np.add(to, self.ids_at))])
         # built in numpy: a dozen small torch ops cost more than the exchange's own CPU time
-        buf = np.zeros(self.ids_at + self.capacity, dtype=np.int32)
-        buf[: self.num_out] = outcome
+        buf = np.zeros(int(starts[-1]), dtype=np.int32)
+        head_row = buf[: self.ids_at]
+        head_row[: self.num_out] = outcome
         if table is not None:
-            buf[self.table_at: self.payload_at].view(np.float64)[:] = table.reshape(-1)
-        buf[self.payload_at: self.ids_at].view(np.int64)[:] = payload
+            head_row[self.table_at: self.payload_at].view(np.float64)[:] = table.reshape(-1)
+        head_row[self.payload_at:].view(np.int64)[:] = payload
         if topks is not None:
-            flat = [t.detach().to("cpu", torch.int32).reshape(-1).numpy() for t in topks]
-            sizes = [f.size for f in flat]
-            buf[self.num_out: head] = sizes
-            if flat and sum(sizes) <= self.capacity:
-                np.concatenate(flat, out=buf[self.ids_at: self.ids_at + sum(sizes)])
-        rows, self.work = runtime.exchange_with_all(torch.from_numpy(buf), world, group, async_op)
-        self._rows: np.ndarray = rows.numpy()  # [sender's global rank, buffer]; filled once waited
+            flat = [_ids(t) for t in topks]
+            head_row[self.num_out: head] = [f.size for f in flat]
+            for dst in set(self.deciders):
+                mine = [f for f, d in zip(flat, self.deciders, strict=True) if d == dst]
+                if sum(f.size for f in mine) <= self.capacity:  # else every rank sees it in the sizes
+                    at = int(starts[dst]) + self.ids_at
+                    np.concatenate(mine, out=buf[at: at + sum(f.size for f in mine)], casting="same_kind")
+        for dst in range(1, world):
+            buf[starts[dst]: starts[dst] + self.ids_at] = head_row
+        self.width = self.ids_at + to[rank]
+        recv = torch.empty(world * self.width, dtype=torch.int32)
+        self.work = dist.all_to_all_single(recv, torch.from_numpy(buf), [self.width] * world,
+                                           [self.ids_at + n for n in to], group=group, async_op=async_op)
+        self._rows: np.ndarray = recv.numpy().reshape(world, self.width)  # [sender's global rank, ...]; once waited
 
     def wait(self) -> None:
         if self.work is not None:
@@ -87,35 +105,40 @@ class Message:
         """[global rank, i]: the ``payload`` sizes each rank sent (``payload_bytes`` of layer i)."""
         return self.rows[:, self.payload_at: self.ids_at].view(np.int64)
 
-    def routing(self, comm: Any, wanted: Sequence[bool]) -> tuple[list[tuple[np.ndarray, np.ndarray] | None] | None,
-                                                                  int]:
-        """Every rank's routing of each ``wanted`` layer ([sum of T, K] expert ids, [sum of T]
-        source mesh position; None for the others), identical on every rank, and the capacity to
-        use next; None (with twice the largest size as the capacity) when some rank's ids did not
-        fit, which every rank sees alike in the sizes."""
+    def routing(self, comm: Any) -> tuple[list[tuple[np.ndarray, np.ndarray] | None] | None, int]:
+        """Every rank's routing of each layer this rank decides ([sum of T, K] expert ids, [sum of
+        T] source mesh position; None for the other layers), identical to what any other decider
+        would read, and the capacity to use next; None (with twice the largest need as the
+        capacity) when some rank's ids for some decider did not fit, which every rank sees alike
+        in the sizes."""
         rows = self.rows
-        head = self.num_out + self.num_layers
-        sizes = rows[:, self.num_out: head]
-        longest = int(sizes.sum(1).max()) if self.num_layers else 0
+        sizes = rows[:, self.num_out: self.num_out + self.num_layers]  # [sender, layer]
+        longest = 0
+        for dst in set(self.deciders):
+            cols = [i for i, d in enumerate(self.deciders) if d == dst]
+            longest = max(longest, int(sizes[:, cols].sum(1).max()))
         if longest > self.capacity:
             return None, 2 * longest
-        out: list[tuple[np.ndarray, np.ndarray] | None] = []
-        offsets = [self.ids_at] * self.world
+        out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self.num_layers
+        offsets = np.full(self.world, self.ids_at)
         for i, k in enumerate(self.ks):
-            if not wanted[i]:
-                for pos in range(self.world):
-                    offsets[pos] += int(sizes[comm.ranks[pos], i])
-                out.append(None)
+            if self.deciders[i] != self.rank:
                 continue
             parts, sources = [], []
             for pos in range(self.world):
                 rank = comm.ranks[pos]  # rows are by global rank; mesh positions map through comm.ranks
                 n = int(sizes[rank, i])
-                parts.append(rows[rank, offsets[pos]: offsets[pos] + n].reshape(-1, k))
+                parts.append(rows[rank, offsets[rank]: offsets[rank] + n].reshape(-1, k))
                 sources.append(np.full(n // k if k else 0, pos, dtype=np.int64))
-                offsets[pos] += n
-            out.append((np.concatenate(parts).astype(np.int64), np.concatenate(sources)))
+                offsets[rank] += n
+            out[i] = (np.concatenate(parts).astype(np.int64), np.concatenate(sources))
         return out, self.capacity
+
+
+def _ids(topk: Tensor) -> np.ndarray:
+    """A layer's [T, K] routing ids, flat, as numpy (a view where the tensor is on the CPU)."""
+    t = topk.detach()
+    return (t if t.device.type == "cpu" else t.cpu()).reshape(-1).numpy()
 
 
 def pieces(lay: runtime.EPLayer, slot: int, optimizer: torch.optim.Optimizer | None
