@@ -207,7 +207,10 @@ class HDCostModel:
         self.num_levels = len(topology.levels)
         subs = symbol_values(topology, workload)
         dims = range(1, self.num_levels + 1)
-        self._hd = sp.lambdify(stat_symbols(self.num_levels), [t_d_expr(d).subs(subs) for d in dims], "numpy")
+        t_d = [t_d_expr(d).subs(subs) for d in dims]
+        self._hd = sp.lambdify(stat_symbols(self.num_levels), t_d, "numpy")
+        # t_d alone, for swap_matrices' [E, E] arguments (all D of them cost D times as much)
+        self._hd_each = [sp.lambdify(stat_symbols(self.num_levels), t, "numpy") for t in t_d]
         self._nodedup = sp.lambdify(copy_symbols(self.num_levels),
                                     [t_hier_nodedup_expr(d).subs(subs) for d in dims], "numpy")
 
@@ -261,7 +264,8 @@ class HDCostModel:
         used = [*range(d - 1), self.num_levels - 1 + d - 1]
         swaps = swap_statistics_kinds(topk_idx, num_experts, sizes, kinds=kinds, gamma=gamma, placement=placement,
                                       token_rank=token_rank, method=method, phases=used)
-        out = [np.broadcast_to(self._hd(*swap.values())[d - 1], (num_experts, num_experts)).copy() for swap in swaps]
+        out = [np.broadcast_to(self._hd_each[d - 1](*swap.values()), (num_experts, num_experts)).copy()
+               for swap in swaps]
         return out, d
 
 

@@ -241,21 +241,12 @@ class _Routing:
                                  "pass a placement (expert -> rank) or change the expert count")
             per_rank = num_experts // self.num_ranks
             self.placement = np.arange(num_experts) // per_rank
-            # a shift is ~10x faster than int64 floor division, and per_rank is usually a power of 2
-            # int32 from here on: half the memory traffic of int64 in every pass below
-            shift = per_rank.bit_length() - 1
-            ranks = np.empty(topk.shape, dtype=np.int32)
-            if per_rank == 1 << shift:
-                np.right_shift(topk, shift, out=ranks, casting="unsafe")
-            else:
-                np.floor_divide(topk, per_rank, out=ranks, casting="unsafe")
         else:
             self.placement = _numpy(placement).astype(np.int64)
             if self.placement.shape != (num_experts,) or self.placement.min() < 0 \
                     or self.placement.max() >= self.num_ranks:
                 raise ValueError(f"placement must map each of the {num_experts} experts to a rank in "
                                  f"[0, {self.num_ranks})")
-            ranks = np.take(self.placement.astype(np.int32), topk)
         self.token_rank = None if token_rank is None else _numpy(token_rank).astype(np.int64)
         if self.token_rank is not None and self.token_rank.shape != topk.shape[:1]:
             raise ValueError(f"token_rank must hold one rank per token ({topk.shape[0]}), "
@@ -266,6 +257,17 @@ class _Routing:
         self.topk = topk
         if not tables:
             return
+        # each entry's rank, int32 from here on: half the memory traffic of int64 in every pass below
+        if placement is None:
+            # a shift is ~10x faster than int64 floor division, and per_rank is usually a power of 2
+            shift = per_rank.bit_length() - 1
+            ranks = np.empty(topk.shape, dtype=np.int32)
+            if per_rank == 1 << shift:
+                np.right_shift(topk, shift, out=ranks, casting="unsafe")
+            else:
+                np.floor_divide(topk, per_rank, out=ranks, casting="unsafe")
+        else:
+            ranks = np.take(self.placement.astype(np.int32), topk)
         # Step 1: sort each token's ranks; a sorted row is sorted at every coarser level too.
         ranks.sort(axis=1)
         # Step 2: each (token, k) entry's first_level (0-based): the first level at which its rank's

@@ -458,16 +458,18 @@ class ExpertSwapper:
         sizes: dict[int, np.ndarray] = {}
         rnd, self._round = self._round, None
         if rnd is not None:
-            sizes = _sizes(rnd.payload_layers, rnd.msg)
             if rnd.versions is not None and all(rnd.msg.outcome()):
                 swaps = [(lay, dec) for lay, dec, v in zip(rnd.table_layers, _decisions(rnd.msg.table()),
                                                            rnd.versions, strict=True)
                          if dec is not None and lay.version == v]
+            if rnd.route_layers:  # None: the capacity grew, the next round has room
+                routings, self.capacity = rnd.msg.routing(comm)
+            if swaps or (routings is not None and any(r is not None for r in routings)):  # read where used
+                sizes = _sizes(rnd.payload_layers, rnd.msg)
+            if swaps:
                 t1 = time.perf_counter()
                 records, outcome, pending, written, error = self._start(swaps, sizes)
                 migration_s = time.perf_counter() - t1
-            if rnd.route_layers:  # None: the capacity grew, the next round has room
-                routings, self.capacity = rnd.msg.routing(comm)
         table, versions, table_layers = None, None, []
         if routings is not None and rnd is not None:  # decided on the placements after this call's swaps
             table_layers = rnd.route_layers

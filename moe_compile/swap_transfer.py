@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,8 @@ TABLE_COLS = 9  # a decision row: swap?, a, b, d, objective before/after, predic
 
 class Message:
     """One round of the swapper's own exchange: every rank sends every rank one int32 buffer,
-    [per-swap outcome | per-layer routing sizes | table rows as float64 | per-layer
-    ``payload_bytes`` as int64], and to the rank that decides a layer (``deciders``) also its
+    [per-swap outcome | per-layer routing sizes, the ids it has for its busiest decider | table
+    rows as float64 | per-layer ``payload_bytes`` as int64], and to the rank that decides a layer (``deciders``) also its
     routing ids of that layer, padded to ``capacity``: one ``all_to_all_single`` (uneven splits),
     one round of direct sends on gloo, in which no rank receives routing it does not read. The
     layout's sizes are the same on every rank (they come from agreed decisions, the model's
@@ -55,14 +56,15 @@ class Message:
         if len(self.deciders) != self.num_layers:
             raise ValueError(f"a routing message needs one decider per layer, got {len(self.deciders)} for "
                              f"{self.num_layers} layers")
-        head = self.num_out + self.num_layers
+        head = self.num_out + self.num_layers + (topks is not None)
         self.table_at = head + head % 2  # float64 rows and int64 sizes start on an 8-byte boundary
         self.payload_at = self.table_at + 2 * TABLE_COLS * self.num_rows
         self.ids_at = self.payload_at + 2 * self.num_payload  # the header's length
         to = [self.capacity if dst in self.deciders else 0 for dst in range(world)]  # ids each rank receives
-        starts = np.concatenate([[0], np.cumsum(np.add(to, self.ids_at))])
+        splits = [self.ids_at + n for n in to]
+        starts = [0, *itertools.accumulate(splits)]
         # built in numpy: a dozen small torch ops cost more than the exchange's own CPU time
-        buf = np.zeros(int(starts[-1]), dtype=np.int32)
+        buf = np.zeros(starts[-1], dtype=np.int32)
         head_row = buf[: self.ids_at]
         head_row[: self.num_out] = outcome
         if table is not None:
@@ -70,18 +72,21 @@ class Message:
         head_row[self.payload_at:].view(np.int64)[:] = payload
         if topks is not None:
             flat = [_ids(t) for t in topks]
-            head_row[self.num_out: head] = [f.size for f in flat]
+            need = 0
             for dst in set(self.deciders):
                 mine = [f for f, d in zip(flat, self.deciders, strict=True) if d == dst]
-                if sum(f.size for f in mine) <= self.capacity:  # else every rank sees it in the sizes
-                    at = int(starts[dst]) + self.ids_at
-                    np.concatenate(mine, out=buf[at: at + sum(f.size for f in mine)], casting="same_kind")
+                n = sum(f.size for f in mine)
+                need = max(need, n)
+                if n <= self.capacity:  # else every rank sees it in the header
+                    at = starts[dst] + self.ids_at
+                    np.concatenate(mine, out=buf[at: at + n], casting="same_kind")
+            head_row[self.num_out: head] = [*(f.size for f in flat), need]
         for dst in range(1, world):
             buf[starts[dst]: starts[dst] + self.ids_at] = head_row
         self.width = self.ids_at + to[rank]
         recv = torch.empty(world * self.width, dtype=torch.int32)
-        self.work = dist.all_to_all_single(recv, torch.from_numpy(buf), [self.width] * world,
-                                           [self.ids_at + n for n in to], group=group, async_op=async_op)
+        self.work = dist.all_to_all_single(recv, torch.from_numpy(buf), [self.width] * world, splits,
+                                           group=group, async_op=async_op)
         self._rows: np.ndarray = recv.numpy().reshape(world, self.width)  # [sender's global rank, ...]; once waited
 
     def wait(self) -> None:
@@ -110,13 +115,10 @@ class Message:
         T] source mesh position; None for the other layers), identical to what any other decider
         would read, and the capacity to use next; None (with twice the largest need as the
         capacity) when some rank's ids for some decider did not fit, which every rank sees alike
-        in the sizes."""
+        in the headers."""
         rows = self.rows
         sizes = rows[:, self.num_out: self.num_out + self.num_layers]  # [sender, layer]
-        longest = 0
-        for dst in set(self.deciders):
-            cols = [i for i, d in enumerate(self.deciders) if d == dst]
-            longest = max(longest, int(sizes[:, cols].sum(1).max()))
+        longest = int(rows[:, self.num_out + self.num_layers].max()) if self.num_layers else 0
         if longest > self.capacity:
             return None, 2 * longest
         out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self.num_layers
@@ -137,8 +139,7 @@ class Message:
 
 def _ids(topk: Tensor) -> np.ndarray:
     """A layer's [T, K] routing ids, flat, as numpy (a view where the tensor is on the CPU)."""
-    t = topk.detach()
-    return (t if t.device.type == "cpu" else t.cpu()).reshape(-1).numpy()
+    return (topk if topk.is_cpu else topk.cpu()).detach().numpy().reshape(-1)
 
 
 def pieces(lay: runtime.EPLayer, slot: int, optimizer: torch.optim.Optimizer | None
