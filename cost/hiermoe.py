@@ -232,6 +232,20 @@ class HDCostModel:
         fn = self._hd if dedup else self._nodedup
         return np.asarray(fn(*values), dtype=np.float64)
 
+    def swap_floor_s(self, stats: HDStatistics, d: int) -> tuple[float, float]:
+        """(t_d now, a lower bound on t_d after any one swap of two experts) from one placement's
+        statistics. A swap moves two experts, so in every phase it changes the counts of at most
+        two destinations (the groups, or ranks, of the two experts at that phase's level: Fig. 8's
+        Group1..4 are those two); every other destination keeps its count, so the phase's max is
+        at least the third largest destination count (0 with two destinations or fewer). t_d
+        (Eq. 3) grows with each phase's max, so it is at least t_d of those. A swap decision that
+        needs a minimum saving (``payback``) can skip Q* when t_d now minus this bound is below it."""
+        if not 1 <= d <= self.num_levels:
+            raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
+        third = [float(np.partition(p, p.size - 3)[p.size - 3]) if p.size >= 3 else 0.0
+                 for p in (*stats.p_inter, *stats.p_intra)]
+        return float(self._hd(*stats.values())[d - 1]), float(self._hd(*third)[d - 1])
+
     def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:
         """d* (Eq. 6, Alg. 1) from fresh routing: statistics, then the lambdified times."""
         stats = hd_statistics(topk_idx, self.workload.num_experts, self.topology.sizes, placement=placement,

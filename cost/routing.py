@@ -242,12 +242,12 @@ class _Routing:
             per_rank = num_experts // self.num_ranks
             self.placement = np.arange(num_experts) // per_rank
         else:
-            self.placement = _numpy(placement).astype(np.int64)
+            self.placement = _numpy(placement).astype(np.int64, copy=False)  # read only
             if self.placement.shape != (num_experts,) or self.placement.min() < 0 \
                     or self.placement.max() >= self.num_ranks:
                 raise ValueError(f"placement must map each of the {num_experts} experts to a rank in "
                                  f"[0, {self.num_ranks})")
-        self.token_rank = None if token_rank is None else _numpy(token_rank).astype(np.int64)
+        self.token_rank = None if token_rank is None else _numpy(token_rank).astype(np.int64, copy=False)
         if self.token_rank is not None and self.token_rank.shape != topk.shape[:1]:
             raise ValueError(f"token_rank must hold one rank per token ({topk.shape[0]}), "
                              f"got shape {self.token_rank.shape}")
@@ -288,16 +288,20 @@ class _Routing:
     def relays(self, split: int) -> tuple[np.ndarray | None, int, int]:
         """Each token's relay position (its source's coordinates split..D), the number of
         positions, and the multiplier that stands the T tokens in for every source."""
+        num_pos, mult = self.relay_positions(split)
+        return (None if self.token_rank is None else self.token_rank % num_pos), num_pos, mult
+
+    def relay_positions(self, split: int) -> tuple[int, int]:
+        """``relays`` without the per-token positions: (number of positions, multiplier)."""
         if self.token_rank is None:
-            return None, 1, self.groups[split - 1]
-        num_pos = self.num_ranks // self.groups[split - 1]
-        return self.token_rank % num_pos, num_pos, 1
+            return 1, self.groups[split - 1]
+        return self.num_ranks // self.groups[split - 1], 1
 
     def counts(self, level: int, split: int, dedup: bool = True) -> np.ndarray:
         """[relay position x, level-``level`` group j]: tokens (distinct, or copies) that the relay
         at position x sends to group j; the relays of a destination are the ranks of its
         ancestor group at level split-1, x their coordinates split..D."""
-        _, num_pos, mult = self.relays(split)
+        num_pos, mult = self.relay_positions(split)
         per_src = self.cum[:, :, level - 1 if dedup else self.num_levels]  # [source, rank]
         per_src = per_src.reshape(per_src.shape[0], self.groups[level], -1).sum(-1)  # [source, group]
         return per_src.reshape(-1, num_pos, self.groups[level]).sum(0) * mult

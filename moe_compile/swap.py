@@ -22,7 +22,10 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                smooth-max can improve while the busiest destination gets busier; Q with the
                plain max comes from the same pass over the tokens)
                and, with ``payback`` n, the t_d saved over n steps exceeds the predicted time to
-               move the two experts
+               move the two experts (Q* is then not computed at all where no swap could pass:
+               a swap changes two destinations per phase, so t_d after it is at least t_d with
+               every phase at its third busiest destination, ``HDCostModel.swap_floor_s``,
+               against the cheapest migration between any two ranks)
 
 One rank per layer computes Q* (rank = layer index mod world size, fixed; they work in parallel)
 and an exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange
@@ -77,6 +80,7 @@ placement is read, or at the next swapper call. ``step()`` returns the swaps it 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -489,6 +493,14 @@ class ExpertSwapper:
     def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
                       token_rank: np.ndarray, sizes: np.ndarray | None) -> list[float]:
         d = lay.last_dimension or lay.dimension or 1
+        none = [0.0] * transfer.TABLE_COLS
+        now = None  # t_d of the placement as is, where the payback check below computed it
+        if opts.payback and lay.slot_params and lay.cost is not None:
+            # skip Q* when not even the best conceivable swap would pass the payback rule below
+            stats = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=placement, token_rank=token_rank)
+            now, floor = lay.cost.swap_floor_s(stats, d)
+            if not A2A_PER_STEP * (now - floor) * opts.payback > _cheapest_migration_s(lay, sizes):
+                return none
         q_max = None  # plain-max Q: [r, c] / diagonal = t_d after / before a swap
         if opts.policy == "hierd":
             assert lay.cost is not None
@@ -500,7 +512,6 @@ class ExpertSwapper:
             q = smart_matrix(topk, lay.num_experts, placement, lay.comm.world)
         before = float(q[0, 0])
         a, b, after = best_swap(q)
-        none = [0.0] * transfer.TABLE_COLS
         if not after < (1.0 - opts.threshold) * before or placement[a] == placement[b]:
             return none
         if q_max is not None:
@@ -508,7 +519,8 @@ class ExpertSwapper:
         else:
             swapped = placement.copy()
             swapped[[a, b]] = swapped[[b, a]]
-            pred = [self._predicted(lay, topk, token_rank, p, d) for p in (placement, swapped)]
+            pred = [now if now is not None else self._predicted(lay, topk, token_rank, placement, d),
+                    self._predicted(lay, topk, token_rank, swapped, d)]
         if opts.policy == "hierd" and opts.kind != "max" and pred[1] > pred[0]:
             return none  # the smooth objective improved but the time it stands for would not
         migration = _migration_s(lay, int(placement[a]), int(placement[b]), sizes)
@@ -688,6 +700,16 @@ def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | Non
     coords = np.unravel_index([pa, pb], tuple(lay.comm.sizes))
     first = next(i for i, c in enumerate(coords) if c[0] != c[1])
     return levels[first].time_s(float(max(sizes[lay.comm.ranks[pa]], sizes[lay.comm.ranks[pb]])))
+
+
+def _cheapest_migration_s(lay: runtime.EPLayer, sizes: np.ndarray | None) -> float:
+    """A lower bound on ``_migration_s`` of any two different mesh positions of ``lay``: the
+    smallest announced size of its ranks over its fastest level (nan where a size or the topology
+    is unknown, as ``_migration_s``)."""
+    if sizes is None or lay.cost is None:
+        return float("nan")
+    smallest = float(min(sizes[r] for r in lay.comm.ranks))
+    return min((level.time_s(smallest) for level in lay.cost.topology.levels if level.size > 1), default=math.inf)
 
 
 def _decisions(table: np.ndarray) -> list[tuple[Any, ...] | None]:

@@ -365,6 +365,43 @@ def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats, 
             np.testing.assert_allclose(both[1], slow_max, rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (4,)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
+    """swap_floor_s: its first value is t_d of the placement as is, its second no more than t_d
+    after any one swap (recomputed on every swapped placement), on uniform and skewed routings (a
+    few hot experts); with two busy destinations it is the time with nothing sent (the other
+    destinations' count)."""
+    rng = np.random.default_rng(seed)
+    num_ranks = math.prod(sizes)
+    num_experts = 2 * num_ranks
+    num_tokens = 12 * num_ranks
+    topo = topology(sizes, tuple(10.0 * 4 ** i for i in range(len(sizes))))
+    model = hm.HDCostModel(topo, Workload(num_tokens, 64, 32, num_experts, 3))
+    uniform = uniform_topk(rng, num_tokens, num_experts, 3)
+    hot = np.where(rng.random((num_tokens, 3)) < 0.7, rng.integers(0, 3, (num_tokens, 3)), uniform)
+    for topk in (uniform, hot):
+        token_rank = rng.integers(0, num_ranks, num_tokens)
+        placement = rng.permutation(np.arange(num_experts) % num_ranks)
+        for d in range(1, len(sizes) + 1):
+            stats = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=token_rank)
+            now, floor = model.swap_floor_s(stats, d)
+            assert now == model.times_s(stats)[d - 1]
+            after = []
+            for a in range(num_experts):
+                for b in range(a + 1, num_experts):
+                    swapped = placement.copy()
+                    swapped[[a, b]] = swapped[[b, a]]
+                    after.append(model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
+                                                             token_rank=token_rank))[d - 1])
+            assert floor <= min(after) * (1 + 1e-12), (d, floor, min(after))
+    # two busy ranks of four (every token to experts 0 and 2): ranks 2 and 3 receive nothing
+    topk = np.tile([[0, 2]], (8, 1))
+    stats = hd_statistics(topk, 8, (4,), placement=np.arange(8) // 2)
+    model = hm.HDCostModel(topology((4,), (10.0,)), Workload(8, 64, 32, 8, 2))
+    now, floor = model.swap_floor_s(stats, 1)
+    assert floor == model.times_s(hd_statistics(np.zeros((0, 2), dtype=np.int64), 8, (4,)))[0] < now
+
 def test_best_swap_is_the_argmin_and_helps_a_skewed_placement():
     """Experts 0 and 1 share rank 0 and each is picked by half the tokens (never both), so rank 0
     receives every token; the best swap moves one of them away, and its predicted time equals the
