@@ -115,6 +115,35 @@ def hd_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *
     return HDStatistics(r.sizes, p_inter, p_intra, c_inter, c_intra)
 
 
+def phase_counts(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], phases: Sequence[int], *,
+                 placement: Any = None, token_rank: Any = None) -> list[np.ndarray]:
+    """``hd_statistics``' duplicate-free arrays of the given ``phases`` only (indices in
+    ``HDStatistics.values()`` order: Inter-level-1..D-1, then Intra-level-0..D-1), each from one
+    scatter of the [T, K] ids into a 0/1 [T, groups] hit table summed per relay (one product
+    with the relays' one-hot; float32, exact below 2**24 tokens), O(T*(K+U)): for the few phases
+    one t_d reads, without ``hd_statistics``' sort of every token's ranks."""
+    r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank, tables=False)
+    keys = [(lv, lv) for lv in range(1, r.num_levels)] + [(r.num_levels, i + 1) for i in range(r.num_levels)]
+    num_tokens = r.topk.shape[0]
+    dtype = np.float32 if num_tokens < 2**24 else np.float64
+    out = []
+    for i in phases:
+        level, split = keys[i]
+        num_groups = r.groups[level]
+        grp = r.placement // (r.num_ranks // num_groups)  # [E] expert -> group at this level
+        hit = np.zeros((num_tokens, num_groups), dtype=dtype)  # 1: the token sends one copy to group j
+        hit.ravel()[(np.arange(num_tokens) * num_groups)[:, None] + grp[r.topk]] = 1.0
+        pos, num_pos, mult = r.relays(split)
+        if pos is None:
+            per_relay = hit.sum(0, keepdims=True)
+        else:
+            relay = np.zeros((num_tokens, num_pos), dtype=dtype)
+            relay.ravel()[np.arange(num_tokens) * num_pos + pos] = 1.0
+            per_relay = relay.T @ hit
+        out.append(per_relay.max(0).astype(np.int64) * mult)
+    return out
+
+
 def aggregate(values: Any, kind: Kind = "max", gamma: float = 10.0) -> Any:
     """Reduce the last axis: ``max``; ``smooth`` = HierMoE Eq. 11,
     max(x) * (sum_i (x_i / max(x))^gamma)^(1/gamma), 0 for all-zero x; ``lse`` = ln sum_i exp(x_i)

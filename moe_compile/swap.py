@@ -497,8 +497,7 @@ class ExpertSwapper:
         now = None  # t_d of the placement as is, where the payback check below computed it
         if opts.payback and lay.slot_params and lay.cost is not None:
             # skip Q* when not even the best conceivable swap would pass the payback rule below
-            stats = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=placement, token_rank=token_rank)
-            now, floor = lay.cost.swap_floor_s(stats, d)
+            now, floor = lay.cost.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
             if not A2A_PER_STEP * (now - floor) * opts.payback > _cheapest_migration_s(lay, sizes):
                 return none
         q_max = None  # plain-max Q: [r, c] / diagonal = t_d after / before a swap

@@ -385,8 +385,12 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
         placement = rng.permutation(np.arange(num_experts) % num_ranks)
         for d in range(1, len(sizes) + 1):
             stats = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=token_rank)
-            now, floor = model.swap_floor_s(stats, d)
+            now, floor = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
             assert now == model.times_s(stats)[d - 1]
+            # the phases one t_d reads, read alone: hd_statistics' arrays
+            for i, c in enumerate(routing.phase_counts(topk, num_experts, sizes, range(2 * len(sizes) - 1),
+                                                       placement=placement, token_rank=token_rank)):
+                np.testing.assert_array_equal(c, (*stats.p_inter, *stats.p_intra)[i])
             after = []
             for a in range(num_experts):
                 for b in range(a + 1, num_experts):
@@ -397,9 +401,8 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
             assert floor <= min(after) * (1 + 1e-12), (d, floor, min(after))
     # two busy ranks of four (every token to experts 0 and 2): ranks 2 and 3 receive nothing
     topk = np.tile([[0, 2]], (8, 1))
-    stats = hd_statistics(topk, 8, (4,), placement=np.arange(8) // 2)
     model = hm.HDCostModel(topology((4,), (10.0,)), Workload(8, 64, 32, 8, 2))
-    now, floor = model.swap_floor_s(stats, 1)
+    now, floor = model.swap_floor_s(topk, 1)
     assert floor == model.times_s(hd_statistics(np.zeros((0, 2), dtype=np.int64), 8, (4,)))[0] < now
 
 def test_best_swap_is_the_argmin_and_helps_a_skewed_placement():
