@@ -275,6 +275,7 @@ class ExpertSwapper:
     _layers: tuple[int, list[runtime.EPLayer]] = (-1, [])  # (runtime layers seen, this model's)
     _options: dict[int, tuple[Any, SwapOptions]] = field(default_factory=dict)  # layer id -> (its swap_options, merged)
     _payload_sizes: dict[int, tuple[Any, int]] = field(default_factory=dict)  # layer id -> (what moves, bytes)
+    _checked: tuple[Any, ...] = ()  # (layers seen, their options) that _checked_layers last found consistent
 
     def layers(self) -> list[runtime.EPLayer]:
         """The expert-parallel layers of this model that have been compiled, in layer-id order
@@ -380,19 +381,24 @@ class ExpertSwapper:
                              "with options={'mesh': ..., 'topology': ..., 'expert_swap': {...}} and call "
                              "swapper.step() after a training step")
         all_opts = [self.options(lay) for lay in layers]
-        if len({o.every for o in all_opts}) > 1:
-            raise ValueError("expert swap: every layer of the model must use the same 'every'")
-        if len({o.overlap for o in all_opts}) > 1:
-            raise ValueError("expert swap: every layer of the model must use the same 'overlap'")
-        for lay, opts in zip(layers, all_opts, strict=True):
+        key = (self._layers[0], tuple(all_opts))  # the same layers and options: checked before
+        if key != self._checked:
+            if len({o.every for o in all_opts}) > 1:
+                raise ValueError("expert swap: every layer of the model must use the same 'every'")
+            if len({o.overlap for o in all_opts}) > 1:
+                raise ValueError("expert swap: every layer of the model must use the same 'overlap'")
+            for lay, opts in zip(layers, all_opts, strict=True):
+                if (opts.policy == "hierd" or opts.payback) and lay.cost is None:
+                    raise ValueError(f"layer {lay.name}: expert swap predicts HierD-AlltoAll times from the "
+                                     "cluster's alpha/beta; compile with options['topology'] (a TOML from "
+                                     "moe-calibrate)")
+            self._checked = key
+        for lay in layers:  # these can change from one call to the next
             if lay.swap_blocker:
                 raise ValueError(f"layer {lay.name}: cannot swap its experts: {lay.swap_blocker}")
             if lay.last_topk is None:
                 raise ValueError(f"layer {lay.name} has not run a forward yet; call swapper.step() after a "
                                  "training step")
-            if (opts.policy == "hierd" or opts.payback) and lay.cost is None:
-                raise ValueError(f"layer {lay.name}: expert swap predicts HierD-AlltoAll times from the cluster's "
-                                 "alpha/beta; compile with options['topology'] (a TOML from moe-calibrate)")
         return layers, all_opts
 
     def _decide(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]
@@ -414,12 +420,12 @@ class ExpertSwapper:
 
     def _payloads(self, layers: Sequence[runtime.EPLayer]) -> list[int]:
         """Every layer's ``payload_bytes``, recomputed when what moves with an expert may have
-        changed: a gradient came or went, or the optimizer state's keys did (a stale size would
-        only cost ``migrate`` a second round, never a wrong transfer)."""
+        changed: a gradient came or went, or the number of optimizer state entries did (a stale
+        size would only cost ``migrate`` a second round, never a wrong transfer)."""
         out = []
         state = self.optimizer.state if self.optimizer is not None else {}
         for lay in layers:
-            key = tuple((p.grad is None, tuple(state.get(p, ()))) for p in lay.slot_params)
+            key = tuple((p.grad is None, len(state.get(p, ()))) for p in lay.slot_params)
             cached = self._payload_sizes.get(lay.layer_id)
             if cached is None or cached[0] != key:
                 cached = self._payload_sizes[lay.layer_id] = (key, transfer.payload_bytes(lay, self.optimizer))
@@ -714,4 +720,6 @@ def _cheapest_migration_s(lay: runtime.EPLayer, sizes: np.ndarray | None) -> flo
 def _decisions(table: np.ndarray) -> list[tuple[Any, ...] | None]:
     """The summed decision table's rows as (a, b, d, objective before/after, predicted
     before/after, migration), None where the layer does not swap."""
+    if not table[:, 0].any():
+        return [None] * table.shape[0]
     return [(int(row[1]), int(row[2]), int(row[3]), *row[4:]) if row[0] > 0 else None for row in table.tolist()]

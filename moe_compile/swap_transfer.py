@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,9 +61,7 @@ class Message:
         self.table_at = head + head % 2  # float64 rows and int64 sizes start on an 8-byte boundary
         self.payload_at = self.table_at + 2 * TABLE_COLS * self.num_rows
         self.ids_at = self.payload_at + 2 * self.num_payload  # the header's length
-        to = [self.capacity if dst in self.deciders else 0 for dst in range(world)]  # ids each rank receives
-        splits = [self.ids_at + n for n in to]
-        starts = [0, *itertools.accumulate(splits)]
+        splits, starts, self.width = _layout(world, rank, self.ids_at, self.capacity, tuple(self.deciders))
         # built in numpy: a dozen small torch ops cost more than the exchange's own CPU time
         buf = np.zeros(starts[-1], dtype=np.int32)
         head_row = buf[: self.ids_at]
@@ -83,7 +82,6 @@ class Message:
             head_row[self.num_out: head] = [*(f.size for f in flat), need]
         for dst in range(1, world):
             buf[starts[dst]: starts[dst] + self.ids_at] = head_row
-        self.width = self.ids_at + to[rank]
         recv = torch.empty(world * self.width, dtype=torch.int32)
         self.work = dist.all_to_all_single(recv, torch.from_numpy(buf), [self.width] * world, splits,
                                            group=group, async_op=async_op)
@@ -135,6 +133,16 @@ class Message:
                 offsets[rank] += n
             out[i] = (np.concatenate(parts).astype(np.int64), np.concatenate(sources))
         return out, self.capacity
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(world: int, rank: int, head: int, capacity: int, deciders: tuple[int, ...]
+            ) -> tuple[list[int], list[int], int]:
+    """A message's send splits (a header to every rank, ``capacity`` ids more to each decider),
+    where each destination's part starts, and how much this rank receives from each rank (the
+    same every call of a training run: made once)."""
+    splits = [head + (capacity if dst in deciders else 0) for dst in range(world)]
+    return splits, [0, *itertools.accumulate(splits)], splits[rank]
 
 
 def _ids(topk: Tensor) -> np.ndarray:
