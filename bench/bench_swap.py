@@ -220,14 +220,15 @@ def run_distribution(kind: str, args: argparse.Namespace, mesh: Any, topology: T
         for r in order:
             placement = [lay.placement() for lay in r.layers()]  # what this step's forward routes by
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             loss = r.train_step(ids_BS, world)
-            step_s = time.perf_counter() - t0
+            step_s, step_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
             lays = r.layers()
             topk[r.name] = [lay.last_topk.clone() for lay in lays]
             routing_log[r.name].append([t.to(torch.int16).numpy() for t in topk[r.name]])
             rec: dict[str, Any] = {
-                "step": step, "loss": loss, "step_s": step_s, "layers": [lay.name for lay in lays],
+                "step": step, "loss": loss, "step_s": step_s, "step_cpu_s": step_cpu_s,
+                "layers": [lay.name for lay in lays],
                 "placement": placement,
                 "d": [lay.last_dimension for lay in lays],
                 "pred_s": [lay.last_times_s[lay.last_dimension - 1] for lay in lays],
@@ -390,6 +391,10 @@ def aggregate(res: dict[str, Any], names: tuple[str, ...]) -> dict[str, list[dic
                 row["overhead"] = row["swap_s"] / row["step_s"]
                 row["cpu_s"] = max(p["cpu_s"] for p in per)
                 row["cpu_overhead"] = row["cpu_s"] / row["step_s"]
+                # each rank's swapper CPU over its own training-step CPU: the overhead a rank with a
+                # core of its own would see if its step were CPU-bound (older results lack it)
+                if all("step_cpu_s" in p for p in per):
+                    row["cpu_share"] = max(p["cpu_s"] / p["step_cpu_s"] for p in per)
                 row["swaps"] = r0["swaps"]
                 row["per_rank"].update({k: [p[k] for p in per] for k in ("decision_s", "migration_s", "settle_s",
                                                                           "swap_wall_s", "parts")})

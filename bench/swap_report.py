@@ -39,7 +39,8 @@ def summarize(steps: list[dict[str, Any]], window: int, node: str) -> dict[str, 
                  parts={k: med([r["parts_max"].get(k, float("nan")) for r in rows]) for k in PART_NAMES},
                  rest_s=med([r.get("rest_max", float("nan")) for r in rows]),
                  cpu_overhead_median=med([r.get("cpu_overhead", float("nan")) for r in rows]),
-                 cpu_s=med([r.get("cpu_s", float("nan")) for r in rows]))
+                 cpu_s=med([r.get("cpu_s", float("nan")) for r in rows]),
+                 cpu_share_median=med([r.get("cpu_share", float("nan")) for r in rows]))
     return s
 
 
@@ -59,7 +60,7 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
                "swaps", "d used"]
     lines_tab += ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     over_headers = ["distribution", "steps", "variant", "overhead median %", "overhead max %", "CPU %", "CPU ms",
-                    "decision ms",
+                    "CPU % of step CPU", "decision ms",
                     "migration ms", "settle ms", "exchanges ms", "Q ms", "predicted ms", "p2p ms", "commit ms",
                     "rest ms", "swaps"]
     over = ["| " + " | ".join(over_headers) + " |", "|" + "|".join("---" for _ in over_headers) + "|"]
@@ -86,6 +87,7 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
                     over.append("| " + " | ".join([
                         kind, label, name, f"{s['overhead_median'] * 100:.2f}", f"{s['overhead_max'] * 100:.2f}",
                         f"{s['cpu_overhead_median'] * 100:.2f}", f"{s['cpu_s'] * 1e3:.2f}",
+                        f"{s['cpu_share_median'] * 100:.2f}",
                         f"{s['decision_s'] * 1e3:.2f}", f"{s['migration_s'] * 1e3:.2f}", f"{s['settle_s'] * 1e3:.2f}",
                         f"{p['exchange_s'] * 1e3:.2f}", f"{p['q_s'] * 1e3:.2f}", f"{p['predicted_s'] * 1e3:.2f}",
                         f"{p['migrate_s'] * 1e3:.2f}", f"{p['commit_s'] * 1e3:.3f}", f"{s['rest_s'] * 1e3:.2f}",
@@ -171,7 +173,10 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         "a call started, at the variant's next forward (inside that step's time as well). CPU % = `StepTiming.cpu_s` "
         "(the CPU time of the thread calling `step()`, inside it: the swapper's own work, without waiting for other "
         "ranks or for a core) over the step time, slowest rank's; with 8 ranks on 2 cores the wall time of any "
-        "step() part includes the time other ranks' processes hold the cores. Parts, slowest rank's, "
+        "step() part includes the time other ranks' processes hold the cores. CPU % of step CPU = each rank's "
+        "`cpu_s` over the CPU time of its own training step (the same thread), the largest over ranks: what the "
+        "overhead would be with a core per rank and a CPU-bound step (an upper estimate: such a step also waits "
+        "for messages). Parts, slowest rank's, "
         "timed by wrapping moe_compile.swap's functions at run time: exchanges = the swapper's exchanges of all "
         "ranks inside `step()` (`swap_transfer.Message`: one `all_to_all_single` each, a small header to every rank "
         "and a layer's routing ids to the rank deciding it alone, posting and waiting: routing, decisions, "
