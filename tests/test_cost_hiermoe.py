@@ -387,10 +387,14 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
             stats = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=token_rank)
             now, floor = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
             assert now == model.times_s(stats)[d - 1]
-            # the phases one t_d reads, read alone: hd_statistics' arrays
-            for i, c in enumerate(routing.phase_counts(topk, num_experts, sizes, range(2 * len(sizes) - 1),
-                                                       placement=placement, token_rank=token_rank)):
-                np.testing.assert_array_equal(c, (*stats.p_inter, *stats.p_intra)[i])
+            # the phases one t_d reads, read alone: hd_statistics' arrays (also with the T tokens
+            # standing in for every source)
+            for sources in (token_rank, None):
+                want = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=sources)
+                got = routing.phase_counts(topk, num_experts, sizes, range(2 * len(sizes) - 1),
+                                           placement=placement, token_rank=sources)
+                for i, c in enumerate(got):
+                    np.testing.assert_array_equal(c, (*want.p_inter, *want.p_intra)[i])
             after = []
             for a in range(num_experts):
                 for b in range(a + 1, num_experts):
