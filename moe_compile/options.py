@@ -37,7 +37,7 @@ class Options:
     dedup: with a mesh, send each token once per destination group (HierMoE, default True);
         False sends one copy per (token, expert), the Megatron/HF flat all-to-all (dimension 1)
         and Tutel's 2DH (dimension 2) baselines.
-    expert_swap: with a mesh, True or a dict of ``moe_compile.swap.SwapOptions`` settings (every,
+    expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
         HierMoE Section IV).
@@ -52,7 +52,7 @@ class Options:
     mesh: Any = None
     dimension: int | None = None
     dedup: bool = True
-    expert_swap: Any = None  # moe_compile.swap.SwapOptions
+    expert_swap: SwapOptions | None = None
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -102,8 +102,6 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError("options 'dimension' and 'dedup' set how expert-parallel layers communicate; "
                          "they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
-        from moe_compile.swap import parse_swap_options
-
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
         if kw["expert_swap"] is not None and kw.get("mesh") is None:
             raise ValueError("option 'expert_swap' moves experts between the ranks of options['mesh']; give a mesh "
@@ -116,3 +114,79 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
     if isinstance(dump_dir, os.PathLike):
         kw["dump_dir"] = os.fspath(dump_dir)
     return Options(**kw)  # type: ignore[arg-type]
+
+
+# expert swap (moe_compile.swap) ---------------------------------------------------------------------
+
+POLICIES = ("hierd", "smart")
+KINDS = ("max", "smooth", "lse")
+
+
+@dataclass(frozen=True)
+class SwapOptions:
+    """``options["expert_swap"]`` of the backend (or ``expert_swapper`` keywords).
+
+    every: decide every n-th ``step()`` call (HierMoE swaps every iteration, Section V-E).
+    threshold: swap only when the predicted time drops by more than this fraction (default 0:
+        any strict improvement).
+    kind: the max over destinations in Q: "smooth" (Eq. 11, default), "max" or "lse".
+    gamma: the smooth-max exponent (default 10, the paper's).
+    policy: "hierd" (HierD-ES, default) or "smart" (balance raw token counts, the baseline).
+    overlap: hide the swapper's exchanges behind training (default False): ``step()`` posts one
+        message (routing, decisions, outcome) without waiting, the next ``step()`` reads it and
+        computes Q*, and the one after starts the swaps. Decisions then use the routing of two
+        steps before; only a swap's two ranks move its rows inside ``step()``, the others put it
+        in force at the layer's next forward (see the module docstring).
+    payback: swap only when the predicted all-to-all time saved over this many training steps
+        exceeds the predicted time to move the two experts (default 0: no such rule). Saved per
+        step: ``moe_compile.swap.A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
+        (``Level.time_s``) of the larger of the two ranks' announced ``payload_bytes`` at the
+        slowest level between them. With routing that changes every step a swap's gain may not
+        last, while its migration is paid at once.
+    """
+
+    every: int = 1
+    threshold: float = 0.0
+    kind: str = "smooth"
+    gamma: float = 10.0
+    policy: str = "hierd"
+    overlap: bool = False
+    payback: float = 0.0
+
+
+def parse_swap_options(raw: object) -> SwapOptions | None:
+    """``True`` or a dict -> SwapOptions; ``None``/``False`` -> None. Bad values raise ValueError."""
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        return SwapOptions()
+    if isinstance(raw, SwapOptions):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"option 'expert_swap' must be True or a dict like {{'every': 1}}, got {raw!r}")
+    valid = [f for f in SwapOptions.__dataclass_fields__]
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown expert_swap setting(s) {unknown}; valid settings are {valid}")
+    every = raw.get("every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"expert_swap 'every' must be a positive int (swap every n steps), got {every!r}")
+    threshold = raw.get("threshold", 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold < 1:
+        raise ValueError(f"expert_swap 'threshold' must be a fraction in [0, 1), got {threshold!r}")
+    kind = raw.get("kind", "smooth")
+    if kind not in KINDS:
+        raise ValueError(f"expert_swap 'kind' must be one of {list(KINDS)}, got {kind!r}")
+    gamma = raw.get("gamma", 10.0)
+    if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not gamma > 0:
+        raise ValueError(f"expert_swap 'gamma' must be a positive number, got {gamma!r}")
+    policy = raw.get("policy", "hierd")
+    if policy not in POLICIES:
+        raise ValueError(f"expert_swap 'policy' must be one of {list(POLICIES)}, got {policy!r}")
+    overlap = raw.get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"expert_swap 'overlap' must be True or False, got {overlap!r}")
+    payback = raw.get("payback", 0.0)
+    if isinstance(payback, bool) or not isinstance(payback, int | float) or not 0 <= payback < float("inf"):
+        raise ValueError(f"expert_swap 'payback' must be a number of training steps >= 0 (0: off), got {payback!r}")
+    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap, float(payback))

@@ -99,7 +99,7 @@ class EPLayer:
     # this rank's shard parameters (moe_compile.shard_experts) whose rows are its local slots: what
     # an expert swap moves; empty when every rank holds every expert
     slot_params: tuple[Any, ...] = ()
-    swap_options: Any = None  # moe_compile.swap.SwapOptions from options["expert_swap"]
+    swap_options: Any = None  # moe_compile.options.SwapOptions from options["expert_swap"]
     # set while swaps the swapper started on this layer wait for their outcome (every rank's
     # success): called before anything reads the placement (see settle)
     settle_hook: Any = None

@@ -95,80 +95,9 @@ from moe_compile import runtime
 from moe_compile import swap_transfer as transfer
 from moe_compile.cost.hiermoe import best_swap
 from moe_compile.cost.routing import _exclusion_table, hd_statistics
+from moe_compile.options import SwapOptions, parse_swap_options
 
-POLICIES = ("hierd", "smart")
-KINDS = ("max", "smooth", "lse")
 A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
-
-
-@dataclass(frozen=True)
-class SwapOptions:
-    """``options["expert_swap"]`` of the backend (or ``expert_swapper`` keywords).
-
-    every: decide every n-th ``step()`` call (HierMoE swaps every iteration, Section V-E).
-    threshold: swap only when the predicted time drops by more than this fraction (default 0:
-        any strict improvement).
-    kind: the max over destinations in Q: "smooth" (Eq. 11, default), "max" or "lse".
-    gamma: the smooth-max exponent (default 10, the paper's).
-    policy: "hierd" (HierD-ES, default) or "smart" (balance raw token counts, the baseline).
-    overlap: hide the swapper's exchanges behind training (default False): ``step()`` posts one
-        message (routing, decisions, outcome) without waiting, the next ``step()`` reads it and
-        computes Q*, and the one after starts the swaps. Decisions then use the routing of two
-        steps before; only a swap's two ranks move its rows inside ``step()``, the others put it
-        in force at the layer's next forward (see the module docstring).
-    payback: swap only when the predicted all-to-all time saved over this many training steps
-        exceeds the predicted time to move the two experts (default 0: no such rule). Saved per
-        step: ``A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
-        (``Level.time_s``) of the larger of the two ranks' announced ``payload_bytes`` at the
-        slowest level between them. With routing that changes every step a swap's gain may not
-        last, while its migration is paid at once.
-    """
-
-    every: int = 1
-    threshold: float = 0.0
-    kind: str = "smooth"
-    gamma: float = 10.0
-    policy: str = "hierd"
-    overlap: bool = False
-    payback: float = 0.0
-
-
-def parse_swap_options(raw: object) -> SwapOptions | None:
-    """``True`` or a dict -> SwapOptions; ``None``/``False`` -> None. Bad values raise ValueError."""
-    if raw is None or raw is False:
-        return None
-    if raw is True:
-        return SwapOptions()
-    if isinstance(raw, SwapOptions):
-        return raw
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"option 'expert_swap' must be True or a dict like {{'every': 1}}, got {raw!r}")
-    valid = [f for f in SwapOptions.__dataclass_fields__]
-    unknown = sorted(set(raw) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown expert_swap setting(s) {unknown}; valid settings are {valid}")
-    every = raw.get("every", 1)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"expert_swap 'every' must be a positive int (swap every n steps), got {every!r}")
-    threshold = raw.get("threshold", 0.0)
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold < 1:
-        raise ValueError(f"expert_swap 'threshold' must be a fraction in [0, 1), got {threshold!r}")
-    kind = raw.get("kind", "smooth")
-    if kind not in KINDS:
-        raise ValueError(f"expert_swap 'kind' must be one of {list(KINDS)}, got {kind!r}")
-    gamma = raw.get("gamma", 10.0)
-    if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not gamma > 0:
-        raise ValueError(f"expert_swap 'gamma' must be a positive number, got {gamma!r}")
-    policy = raw.get("policy", "hierd")
-    if policy not in POLICIES:
-        raise ValueError(f"expert_swap 'policy' must be one of {list(POLICIES)}, got {policy!r}")
-    overlap = raw.get("overlap", False)
-    if not isinstance(overlap, bool):
-        raise ValueError(f"expert_swap 'overlap' must be True or False, got {overlap!r}")
-    payback = raw.get("payback", 0.0)
-    if isinstance(payback, bool) or not isinstance(payback, int | float) or not 0 <= payback < float("inf"):
-        raise ValueError(f"expert_swap 'payback' must be a number of training steps >= 0 (0: off), got {payback!r}")
-    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap, float(payback))
 
 
 @dataclass(frozen=True)

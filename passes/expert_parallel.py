@@ -57,7 +57,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
     """Returns counters, under "layers" the runtime layer id of every layer by name, under
     "input_swaps" {input position: shard parameter} for the backend to feed, and under
     "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
-    the ``moe_compile.swap.SwapOptions`` of options["expert_swap"] (None: off)."""
+    the ``moe_compile.options.SwapOptions`` of options["expert_swap"] (None: off)."""
     ids: dict[str, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))

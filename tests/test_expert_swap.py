@@ -197,7 +197,7 @@ def test_smart_matrix_matches_brute_force() -> None:
     ("yes", "must be True or a dict"),
 ])
 def test_bad_swap_options_say_what_to_change(raw: object, message: str) -> None:
-    from moe_compile.swap import parse_swap_options
+    from moe_compile.options import parse_swap_options
 
     with pytest.raises(ValueError, match=message):
         parse_swap_options(raw)
