@@ -207,12 +207,21 @@ class HDCostModel:
         self.num_levels = len(topology.levels)
         subs = symbol_values(topology, workload)
         dims = range(1, self.num_levels + 1)
-        t_d = [t_d_expr(d).subs(subs) for d in dims]
-        self._hd = sp.lambdify(stat_symbols(self.num_levels), t_d, "numpy")
-        # t_d alone, for swap_matrices' [E, E] arguments (all D of them cost D times as much)
-        self._hd_each = [sp.lambdify(stat_symbols(self.num_levels), t, "numpy") for t in t_d]
+        # one function per d: swap_matrices evaluates its t_d alone on [E, E] arguments
+        self._t_d = [sp.lambdify(stat_symbols(self.num_levels), t_d_expr(d).subs(subs), "numpy") for d in dims]
         self._nodedup = sp.lambdify(copy_symbols(self.num_levels),
                                     [t_hier_nodedup_expr(d).subs(subs) for d in dims], "numpy")
+
+    def _hd(self, *values: Any) -> list[Any]:
+        """t_1..t_D of the statistics ``values`` (``HDStatistics.values()`` order)."""
+        return [t(*values) for t in self._t_d]
+
+    def _phases(self, d: int) -> list[int]:
+        """The phases t_d reads, as indices in ``HDStatistics.values()`` order (inter, then intra):
+        Inter-level-1..d-1 and Intra-level-(d-1)."""
+        if not 1 <= d <= self.num_levels:
+            raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
+        return [*range(d - 1), self.num_levels - 1 + d - 1]
 
     def times_s(self, stats: HDStatistics, kind: Kind = "max", gamma: float = 10.0) -> np.ndarray:
         """[d-1] = t_d, seconds of HD-d for d = 1..D."""
@@ -243,9 +252,7 @@ class HDCostModel:
         needs a minimum saving (``payback``) can skip Q* when t_d now minus this bound is below it.
         Reads only the phases t_d reads: with one or two, ``routing.phase_counts`` (about 60 us a
         phase on 2048 tokens, E=16, top-4, 8 ranks), else ``hd_statistics`` (about 170 us for all)."""
-        if not 1 <= d <= self.num_levels:
-            raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
-        used = [*range(d - 1), self.num_levels - 1 + d - 1]  # as swap_matrices: t_d's phases
+        used = self._phases(d)
         num_experts, sizes = self.workload.num_experts, self.topology.sizes
         if len(used) <= 2:
             counts = phase_counts(topk_idx, num_experts, sizes, used, placement=placement, token_rank=token_rank)
@@ -256,7 +263,7 @@ class HDCostModel:
         for i, c in zip(used, counts, strict=True):
             now[i] = float(c.max())
             floor[i] = float(np.partition(c, c.size - 3)[c.size - 3]) if c.size >= 3 else 0.0
-        return float(self._hd(*now)[d - 1]), float(self._hd(*floor)[d - 1])
+        return float(self._t_d[d - 1](*now)), float(self._t_d[d - 1](*floor))
 
     def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:
         """d* (Eq. 6, Alg. 1) from fresh routing: statistics, then the lambdified times."""
@@ -284,13 +291,9 @@ class HDCostModel:
         if d is None:
             d = self.optimal_dimension(hd_statistics(topk_idx, num_experts, sizes, placement=placement,
                                                      token_rank=token_rank))
-        if not 1 <= d <= self.num_levels:
-            raise ValueError(f"d must be in 1..{self.num_levels} (the topology's levels), got {d}")
-        # t_d reads Inter-level-1..d-1 and Intra-level-(d-1) only (values() order: inter, then intra)
-        used = [*range(d - 1), self.num_levels - 1 + d - 1]
         swaps = swap_statistics_kinds(topk_idx, num_experts, sizes, kinds=kinds, gamma=gamma, placement=placement,
-                                      token_rank=token_rank, method=method, phases=used)
-        out = [np.broadcast_to(self._hd_each[d - 1](*swap.values()), (num_experts, num_experts)).copy()
+                                      token_rank=token_rank, method=method, phases=self._phases(d))
+        out = [np.broadcast_to(self._t_d[d - 1](*swap.values()), (num_experts, num_experts)).copy()
                for swap in swaps]
         return out, d
 
