@@ -29,7 +29,13 @@ from typing import Any, Literal
 import numpy as np
 import sympy as sp
 
-from moe_compile.cost.routing import HDStatistics, Kind, hd_statistics, phase_counts, swap_statistics_kinds
+from moe_compile.cost.routing import (
+    HDStatistics,
+    Kind,
+    hd_statistics,
+    phase_statistics,
+    swap_statistics_kinds,
+)
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
 
@@ -250,12 +256,12 @@ class HDCostModel:
         at least the third largest destination count (0 with two destinations or fewer). t_d
         (Eq. 3) grows with each phase's max, so it is at least t_d of those. A swap decision that
         needs a minimum saving (``payback``) can skip Q* when t_d now minus this bound is below it.
-        Reads only the phases t_d reads: with one or two, ``routing.phase_counts`` (about 60 us a
+        Reads only the phases t_d reads: with one or two, ``routing.phase_statistics`` (about 60 us a
         phase on 2048 tokens, E=16, top-4, 8 ranks), else ``hd_statistics`` (about 170 us for all)."""
         used = self._phases(d)
         num_experts, sizes = self.workload.num_experts, self.topology.sizes
         if len(used) <= 2:
-            counts = phase_counts(topk_idx, num_experts, sizes, used, placement=placement, token_rank=token_rank)
+            counts = phase_statistics(topk_idx, num_experts, sizes, used, placement=placement, token_rank=token_rank)
         else:
             stats = hd_statistics(topk_idx, num_experts, sizes, placement=placement, token_rank=token_rank)
             counts = [(*stats.p_inter, *stats.p_intra)[i] for i in used]

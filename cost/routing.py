@@ -115,7 +115,7 @@ def hd_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *
     return HDStatistics(r.sizes, p_inter, p_intra, c_inter, c_intra)
 
 
-def phase_counts(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], phases: Sequence[int], *,
+def phase_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], phases: Sequence[int], *,
                  placement: Any = None, token_rank: Any = None) -> list[np.ndarray]:
     """``hd_statistics``' duplicate-free arrays of the given ``phases`` only (indices in
     ``HDStatistics.values()`` order: Inter-level-1..D-1, then Intra-level-0..D-1), each from one

@@ -391,7 +391,7 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
             # standing in for every source)
             for sources in (token_rank, None):
                 want = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=sources)
-                got = routing.phase_counts(topk, num_experts, sizes, range(2 * len(sizes) - 1),
+                got = routing.phase_statistics(topk, num_experts, sizes, range(2 * len(sizes) - 1),
                                            placement=placement, token_rank=sources)
                 for i, c in enumerate(got):
                     np.testing.assert_array_equal(c, (*want.p_inter, *want.p_intra)[i])
