@@ -27,11 +27,12 @@ TABLE_COLS = 9  # a decision row: swap?, a, b, d, objective before/after, predic
 
 
 class Message:
-    """One round of the swapper's own exchange: every rank sends every rank one int32 buffer,
+    """One round of the swapper's own exchange: every rank sends every rank one int32 header,
     [per-swap outcome | per-layer routing sizes, the ids it has for its busiest decider | table
-    rows as float64 | per-layer ``payload_bytes`` as int64], and to the rank that decides a layer (``deciders``) also its
-    routing ids of that layer, padded to ``capacity``: one ``all_to_all_single`` (uneven splits),
-    one round of direct sends on gloo, in which no rank receives routing it does not read. The
+    rows as float64 | per-layer ``payload_bytes`` as int64], and to the rank that decides a layer
+    (``deciders``) also its routing ids of that layer, padded to ``capacity``: one
+    ``all_to_all_single`` (uneven splits), one round of direct sends on gloo, in which no rank
+    receives routing it does not read. The
     layout's sizes are the same on every rank (they come from agreed decisions, the model's
     layers, the deciders and earlier rounds), so no size is sent.
 
