@@ -242,8 +242,8 @@ class HDCostModel:
 
     def times_from_values(self, values: Sequence[float], dedup: bool = True) -> np.ndarray:
         """t_1..t_D from already aggregated statistics, in the order of ``HDStatistics.values()``
-        (``copy_values()`` when not ``dedup``): the runtime path, where every rank's values have
-        been max-reduced first so all ranks agree."""
+        (``copy_values()`` when not ``dedup``): the runtime path, where every rank has the same
+        values (gathered statistics, or each rank's max-reduced) so all ranks agree."""
         fn = self._hd if dedup else self._nodedup
         return np.asarray(fn(*values), dtype=np.float64)
 
@@ -262,13 +262,23 @@ class HDCostModel:
         num_experts, sizes = self.workload.num_experts, self.topology.sizes
         if len(used) <= 2:
             counts = phase_statistics(topk_idx, num_experts, sizes, used, placement=placement, token_rank=token_rank)
-        else:
-            stats = hd_statistics(topk_idx, num_experts, sizes, placement=placement, token_rank=token_rank)
-            counts = [(*stats.p_inter, *stats.p_intra)[i] for i in used]
+            return self._floor(d, counts)
+        return self.swap_floor_from_statistics(
+            hd_statistics(topk_idx, num_experts, sizes, placement=placement, token_rank=token_rank), d)
+
+    def swap_floor_from_statistics(self, stats: HDStatistics, d: int) -> tuple[float, float]:
+        """``swap_floor_s`` from statistics already made for the placement (e.g. the runtime's
+        ``gathered_statistics`` of the last forward): no pass over the tokens."""
+        arrays = (*stats.p_inter, *stats.p_intra)
+        return self._floor(d, [arrays[i] for i in self._phases(d)])
+
+    def _floor(self, d: int, counts: Sequence[np.ndarray]) -> tuple[float, float]:
+        """(t_d, its bound after any swap) from the per-destination counts of t_d's phases."""
         now, floor = [0.0] * (2 * self.num_levels - 1), [0.0] * (2 * self.num_levels - 1)  # t_d reads no other
-        for i, c in zip(used, counts, strict=True):
-            now[i] = float(c.max())
-            floor[i] = float(np.partition(c, c.size - 3)[c.size - 3]) if c.size >= 3 else 0.0
+        for i, c in zip(self._phases(d), counts, strict=True):
+            ordered = np.sort(c, axis=None)  # a destination per mesh group or rank: a few dozen numbers
+            now[i] = float(ordered[-1])
+            floor[i] = float(ordered[-3]) if c.size >= 3 else 0.0
         return float(self._t_d[d - 1](*now)), float(self._t_d[d - 1](*floor))
 
     def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:

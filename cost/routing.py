@@ -102,7 +102,34 @@ class HDStatistics:
 def hd_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, placement: Any = None,
                   token_rank: Any = None, copies: bool = False) -> HDStatistics:
     """The statistics every HD-d time needs, for one placement (see ``HDStatistics``)."""
-    r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank)
+    return _statistics(_Routing(topk_idx, num_experts, group_sizes, placement, token_rank), copies)
+
+
+def source_table(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, placement: Any = None
+                 ) -> np.ndarray:
+    """[G, D+1] int64: one rank's tokens by destination rank q and first level f, cumulative over
+    f: [q, l-1] = the tokens that send a copy to rank q's level-l group and name rank q first in
+    it (so the level-l group's sum is its duplicate-free count), [q, D] = (token, expert) copies
+    into rank q. What each rank contributes to ``gathered_statistics``: O(T*K log K), G*(D+1)
+    numbers whatever T is."""
+    return _Routing(topk_idx, num_experts, group_sizes, placement, None).cum[0]
+
+
+def gathered_statistics(tables: Any, group_sizes: Sequence[int], *, copies: bool = False) -> HDStatistics:
+    """``hd_statistics`` of every rank's tokens together, each token at its own source, from every
+    rank's ``source_table`` ([source mesh position, G, D+1], one placement): a relay's count is
+    the sum of its sources' counts, so this equals ``hd_statistics(all tokens,
+    token_rank=their sources)`` exactly, without the tokens."""
+    cum = _numpy(tables).astype(np.int64, copy=False)
+    sizes = tuple(int(s) for s in group_sizes)
+    num_ranks = math.prod(sizes)
+    if cum.shape != (num_ranks, num_ranks, len(sizes) + 1):
+        raise ValueError(f"tables must be every source's source_table, shape {(num_ranks, num_ranks, len(sizes) + 1)}"
+                         f", got {cum.shape}")
+    return _statistics(_Routing.from_sources(cum, sizes), copies)
+
+
+def _statistics(r: _Routing, copies: bool) -> HDStatistics:
     num_levels = r.num_levels
 
     def phases(dedup: bool) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
@@ -248,13 +275,8 @@ class _Routing:
 
     def __init__(self, topk_idx: Any, num_experts: int, group_sizes: Sequence[int], placement: Any,
                  token_rank: Any, tables: bool = True) -> None:
-        sizes = tuple(int(s) for s in group_sizes)
-        if not sizes or any(s < 1 for s in sizes):
-            raise ValueError(f"group_sizes must be positive mesh sizes, slowest level first; "
-                             f"got {group_sizes}")
-        self.sizes, self.num_levels = sizes, len(sizes)
-        self.num_ranks = math.prod(sizes)
-        self.groups = [math.prod(sizes[:i]) for i in range(len(sizes) + 1)]  # U[0..D]
+        self._mesh(group_sizes)
+        sizes = self.sizes
         self.num_experts = num_experts
         topk = _numpy(topk_idx)
         if topk.ndim != 2:
@@ -277,6 +299,7 @@ class _Routing:
                 raise ValueError(f"placement must map each of the {num_experts} experts to a rank in "
                                  f"[0, {self.num_ranks})")
         self.token_rank = None if token_rank is None else _numpy(token_rank).astype(np.int64, copy=False)
+        self.per_source = token_rank is not None  # cum has a row per source (else one standing in for all)
         if self.token_rank is not None and self.token_rank.shape != topk.shape[:1]:
             raise ValueError(f"token_rank must hold one rank per token ({topk.shape[0]}), "
                              f"got shape {self.token_rank.shape}")
@@ -314,6 +337,23 @@ class _Routing:
         table = np.bincount(key.ravel(), minlength=num_src * self.num_ranks * num_f)
         self.cum = table.reshape(num_src, self.num_ranks, num_f).cumsum(-1)
 
+    def _mesh(self, group_sizes: Sequence[int]) -> None:
+        sizes = tuple(int(s) for s in group_sizes)
+        if not sizes or any(s < 1 for s in sizes):
+            raise ValueError(f"group_sizes must be positive mesh sizes, slowest level first; "
+                             f"got {group_sizes}")
+        self.sizes, self.num_levels = sizes, len(sizes)
+        self.num_ranks = math.prod(sizes)
+        self.groups = [math.prod(sizes[:i]) for i in range(len(sizes) + 1)]  # U[0..D]
+
+    @classmethod
+    def from_sources(cls, cum: np.ndarray, sizes: tuple[int, ...]) -> _Routing:
+        """The counts of ``cum`` ([source, rank, first level], cumulative), with no tokens."""
+        r = cls.__new__(cls)
+        r._mesh(sizes)
+        r.cum, r.per_source, r.token_rank = cum, True, None
+        return r
+
     def relays(self, split: int) -> tuple[np.ndarray | None, int, int]:
         """Each token's relay position (its source's coordinates split..D), the number of
         positions, and the multiplier that stands the T tokens in for every source."""
@@ -322,7 +362,7 @@ class _Routing:
 
     def relay_positions(self, split: int) -> tuple[int, int]:
         """``relays`` without the per-token positions: (number of positions, multiplier)."""
-        if self.token_rank is None:
+        if not self.per_source:
             return 1, self.groups[split - 1]
         return self.num_ranks // self.groups[split - 1], 1
 

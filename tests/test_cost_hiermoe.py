@@ -387,6 +387,7 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
             stats = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=token_rank)
             now, floor = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
             assert now == model.times_s(stats)[d - 1]
+            assert model.swap_floor_from_statistics(stats, d) == (now, floor)
             # the phases one t_d reads, read alone: hd_statistics' arrays (also with the T tokens
             # standing in for every source)
             for sources in (token_rank, None):
@@ -408,6 +409,39 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
     model = hm.HDCostModel(topology((4,), (10.0,)), Workload(8, 64, 32, 8, 2))
     now, floor = model.swap_floor_s(topk, 1)
     assert floor == model.times_s(hd_statistics(np.zeros((0, 2), dtype=np.int64), 8, (4,)))[0] < now
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (3, 2, 2), (4,)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gathered_statistics_equal_the_statistics_of_all_tokens(sizes, seed):
+    """gathered_statistics of every rank's source_table (what the runtime gathers in each forward)
+    equals hd_statistics of all ranks' tokens with each token's source, copies included, for
+    uneven token counts per rank (one rank with none), repeated experts in a token's top-k and
+    a shuffled placement; a table of the wrong shape is refused."""
+    rng = np.random.default_rng(seed)
+    num_ranks = math.prod(sizes)
+    num_experts = 2 * num_ranks
+    per_rank = rng.integers(0, 30, num_ranks)
+    per_rank[1] = 0
+    token_rank = np.repeat(np.arange(num_ranks), per_rank)
+    topk = uniform_topk(rng, token_rank.size, num_experts, 3)
+    topk[::4, 1] = topk[::4, 0]
+    placement = rng.permutation(np.arange(num_experts) % num_ranks)
+    want = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=token_rank, copies=True)
+    tables = np.stack([routing.source_table(topk[token_rank == q], num_experts, sizes, placement=placement)
+                       for q in range(num_ranks)])
+    got = routing.gathered_statistics(tables, sizes, copies=True)
+    for name in ("p_inter", "p_intra", "c_inter", "c_intra"):
+        assert len(getattr(got, name)) == len(getattr(want, name))
+        for a, b in zip(getattr(got, name), getattr(want, name), strict=True):
+            np.testing.assert_array_equal(a, b)
+    # one rank's tokens standing in for every source (the old per-rank statistics) is another thing
+    if len(sizes) > 1:
+        mine = hd_statistics(topk[token_rank == 0], num_experts, sizes, placement=placement)
+        assert any(not np.array_equal(a, b) for a, b in zip((*mine.p_inter, *mine.p_intra),
+                                                              (*got.p_inter, *got.p_intra), strict=True))
+    with pytest.raises(ValueError, match="source_table"):
+        routing.gathered_statistics(tables[1:], sizes)
+
 
 def test_best_swap_is_the_argmin_and_helps_a_skewed_placement():
     """Experts 0 and 1 share rank 0 and each is picked by half the tokens (never both), so rank 0
