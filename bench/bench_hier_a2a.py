@@ -46,7 +46,7 @@ its bytes (dispatch 2x the forward's payload per level, combine 1x). Reported be
 ``--top-k``, ``--experts``, ``--routing`` select part of the grid (K in 2, 4, 8; E in 16, 64).
 
 Predicted time: 2 x HierMoE's dispatch time (cost/hiermoe.py; combine moves the same volumes back)
-from the ranks' statistics max-reduced as the runtime does, under two topologies: ``cluster``, the
+from the statistics of every rank's routing gathered as the runtime does, under two topologies: ``cluster``, the
 topology file given with ``--topology`` (moe_compile.calibrate's output for the cluster the ranks run
 on), else the emulated cluster of bench/clusters/two_node_two_socket.toml as stated (node 400 Mbit/s,
 socket 2 Gbit/s, gpu 10 Gbit/s standing in for its unshaped loopback; alpha 20 us per level), and
@@ -85,7 +85,7 @@ from torch import Tensor
 from moe_compile import calibrate, parallel, runtime
 from moe_compile.cost.calibrate import message_sizes
 from moe_compile.cost.hiermoe import HDCostModel, dimension_rule
-from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.routing import gathered_statistics, source_table
 from moe_compile.cost.topology import Level, Topology
 from moe_compile.cost.workload import Workload
 from moe_compile.lowering import hier_a2a
@@ -279,11 +279,13 @@ def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any,
     dist.all_reduce(bwd_times, op=dist.ReduceOp.MAX)
     dist.all_reduce(decide, op=dist.ReduceOp.MAX)
 
-    # Step 3: the cost model's statistics, max-reduced over ranks as EPLayer.choose_dimension does.
-    stats = hd_statistics(topk_idx_TK, num_experts, sizes, placement=expert_pos_E.numpy(), copies=True)
+    # Step 3: the cost model's statistics of every rank's routing, gathered as EPLayer.choose_dimension does.
+    own = source_table(topk_idx_TK, num_experts, sizes, placement=expert_pos_E.numpy())
+    every, _ = runtime.exchange_with_all(torch.from_numpy(own.reshape(-1)), dist.get_world_size())
+    tables = every.numpy()[list(comm.ranks)].reshape(comm.world, *own.shape)  # by mesh position
+    stats = gathered_statistics(tables, sizes, copies=True)
     num_stats = len(stats.values())
     values = torch.tensor(stats.values() + stats.copy_values(), dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
     if rank != 0:
         return {}
 
@@ -557,7 +559,7 @@ def report(args: argparse.Namespace, configs: list[dict[str, Any]], topologies: 
         "dispatch and the combine (what the op counts as its backward communication), not the stand-in for the "
         "local expert backward between them. bwd wall / flat = median / median of flat A2A's backward; "
         "speedup = the inverse. Predicted (forward only): 2 x HierMoE's dispatch time (combine moves the same "
-        "volumes) from the max-reduced statistics, under:", "",
+        "volumes) from the statistics of every rank's routing (gathered), under:", "",
         *topo_lines, "",
         f"HD-d* chooses with the `{dstar_topology}` topology; \"fastest d (measured)\" is the HD-d (dedup) with "
         "the lowest median here.", "",

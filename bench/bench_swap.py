@@ -29,7 +29,7 @@ never changes what the model computes, so the three must see the same losses: th
 the losses if they differ by more than --loss-rtol (relative) on any rank at any step.
 
 Per step and variant: the predicted HD-d time of every layer (``EPLayer.last_times_s[d - 1]``, the
-forward's max-reduced statistics under the placement of that step: one dispatch all-to-all), the
+forward's gathered statistics under the placement of that step: one dispatch all-to-all), the
 payload bytes per mesh level the layers sent in the step (``EPLayer.last_step_bytes()``: dispatch
 and combine, forward and backward), the measured dispatch + combine wall seconds
 (``EPLayer.step_comm_s``, both directions), the training step's wall time (forward, backward,

@@ -8,7 +8,7 @@ or a stack of its expert modules). Both go through the layer's tables at run tim
 swap (``moe_compile.swap``) changes where tokens go without a recompile.
 Forward (HierMoE Section III-A, ``hier_a2a``):
 
-    d       = the layer's fixed dimension, or d* (Eq. 6 / Alg. 1) from max-reduced statistics
+    d       = the layer's fixed dimension, or d* (Eq. 6 / Alg. 1) from every rank's routing statistics
     rows    = dispatch(x, routing) over HD-d                  # tokens reach their experts' ranks
     partial = sum over each row's local slots of w * FFN_e(row)   # hiermoe::experts, one slot each
     y       = combine(partial)                                # summed at every relay on the way back

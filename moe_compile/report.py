@@ -40,7 +40,9 @@ class RegionReport:
 
 def parallel_summary(layer_id: int) -> dict[str, Any]:
     """What an expert-parallel layer did in its last step on this rank: the d it used, the
-    predicted seconds of every d (HD-d, or H-d without dedup; empty when d is fixed), the payload
+    predicted seconds of every d (HD-d, or H-d without dedup; empty when d is fixed) and from
+    which statistics ("gathered": every rank's routing together, exact; "max-reduced": each
+    rank's own, an upper estimate, on meshes too large to gather), the payload
     bytes it sent per level, the experts this rank holds, the placement (mesh position of every
     expert) and the expert swaps made so far (``moe_compile.swap.SwapRecord`` fields)."""
     from dataclasses import asdict
@@ -50,6 +52,8 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
     lay = runtime.layer(layer_id)
     return {"dimension": lay.last_dimension, "fixed": lay.dimension is not None, "dedup": lay.dedup,
             "predicted_s": {f"d{d}": t for d, t in enumerate(lay.last_times_s, start=1)},
+            "statistics": None if lay.dimension is not None else
+            "gathered" if lay.last_stats is not None else "max-reduced",
             "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
             "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position,
             "placement": lay.placement(), "swaps": [asdict(r) for r in lay.swaps],
@@ -146,7 +150,8 @@ class Report:
             for r in parallel:
                 p = r.parallel
                 assert p is not None
-                used = f"{p['dimension']}" + (" (fixed)" if p["fixed"] else " (d*)") + ("" if p["dedup"] else " no dedup")
+                used = (f"{p['dimension']}" + (" (fixed)" if p["fixed"] else f" (d*, {p['statistics']} statistics)")
+                        + ("" if p["dedup"] else " no dedup"))
                 pred = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["predicted_s"].items()) or "-"
                 sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
                 local = p["local_experts"]

@@ -26,6 +26,9 @@ _lock = threading.Lock()
 
 _PHASES = ("dispatch", "combine")
 _DIRECTIONS = ("forward", "backward")
+# the most numbers (ranks^2 * (levels + 1)) choose_dimension gathers for exact statistics: 181
+# ranks on 3 levels; 1 MiB of int64 per layer and step on every rank
+GATHER_MAX = 2**17
 _FIELDS = ("payload_bytes", "payload_messages", "meta_bytes", "meta_messages")
 
 _counts: dict[tuple[int, str, str], list[int]] = {}
@@ -96,6 +99,10 @@ class EPLayer:
     version: int = 0  # placement version: +1 per swap that moved an expert to another rank or slot
     swaps: list[Any] = field(default_factory=list)  # moe_compile.swap.SwapRecord, oldest first
     last_topk: Any = None  # this rank's [T, K] routing of the last forward (expert swap reads it)
+    # the exact statistics of every rank's routing of the last forward (choose_dimension; None
+    # with a fixed dimension or on a mesh too large to gather them) and the placement they are for
+    last_stats: Any = None  # cost.routing.HDStatistics
+    last_stats_placement: Any = None  # numpy [E]
     # this rank's shard parameters (moe_compile.shard_experts) whose rows are its local slots: what
     # an expert swap moves; empty when every rank holds every expert
     slot_params: tuple[Any, ...] = ()
@@ -158,26 +165,45 @@ class EPLayer:
 
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
-        agrees on (each rank's p statistics, max-reduced over the world: the busiest relay of any
-        rank sets an all-to-all's pace)."""
+        agrees on: every rank's ``routing.source_table`` (G*(D+1) counts), gathered, give the
+        statistics of all ranks' tokens together, each at its source (``gathered_statistics``,
+        the exact p of Eq. 7), kept in ``last_stats`` with the placement they were made for. On a
+        mesh whose tables would exceed ``GATHER_MAX`` numbers, each rank's own p statistics
+        (its tokens standing in for every source of a relay) max-reduced instead: an upper
+        estimate, and ``last_stats`` is None."""
         if self.dimension is not None:
             return self.dimension
         import torch
         import torch.distributed as dist
 
         from moe_compile.cost.hiermoe import dimension_rule
-        from moe_compile.cost.routing import hd_statistics
+        from moe_compile.cost.routing import gathered_statistics, hd_statistics, source_table
 
-        stats = hd_statistics(topk_idx_TK.detach().cpu(), self.num_experts, self.comm.sizes,
-                              placement=self.expert_pos_E.cpu().numpy(), copies=not self.dedup)
-        local = stats.values() if self.dedup else stats.copy_values()
-        vals = torch.tensor(local, dtype=torch.float64, device=self.comm.device)
-        if dist.get_backend() == "gloo":  # 5 values on 8 ranks sharing 2 cores: 4 ms, all_reduce 8-11 ms
-            every, _ = exchange_with_all(vals, dist.get_world_size())
-            agreed = every.amax(0).tolist()
+        topk = topk_idx_TK.detach().cpu()
+        placement = self.expert_pos_E.cpu().numpy()
+        world, sizes = self.comm.world, self.comm.sizes
+        gloo = dist.get_backend() == "gloo"
+        if world * world * (len(sizes) + 1) <= GATHER_MAX:
+            own = torch.from_numpy(source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1))
+            if gloo:  # one round of direct sends (see exchange_with_all)
+                every, _ = exchange_with_all(own, dist.get_world_size())
+            else:
+                every = own.new_empty((dist.get_world_size(), own.numel()), device=self.comm.device)
+                dist.all_gather_into_tensor(every, own.to(self.comm.device))
+            tables = every.cpu().numpy()[list(self.comm.ranks)].reshape(world, world, -1)  # by mesh position
+            stats = gathered_statistics(tables, sizes, copies=not self.dedup)
+            self.last_stats, self.last_stats_placement = stats, placement.copy()
+            agreed = stats.values() if self.dedup else stats.copy_values()
         else:
-            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-            agreed = vals.cpu().tolist()
+            mine = hd_statistics(topk, self.num_experts, sizes, placement=placement, copies=not self.dedup)
+            vals = torch.tensor(mine.values() if self.dedup else mine.copy_values(), dtype=torch.float64,
+                                device=self.comm.device)
+            if gloo:
+                agreed = exchange_with_all(vals, dist.get_world_size())[0].amax(0).tolist()
+            else:
+                dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+                agreed = vals.cpu().tolist()
+            self.last_stats, self.last_stats_placement = None, None
         times = self.cost.times_from_values(agreed, dedup=self.dedup)
         self.last_times_s = [float(t) for t in times]
         return dimension_rule(times)

@@ -277,6 +277,7 @@ def case_explain() -> dict[str, Any]:
             p = r.parallel
             times = list(p["predicted_s"].values())
             layers.append({"d": p["dimension"], "rule": dimension_rule(times), "times": times,
+                           "statistics": p["statistics"],
                            "bytes": p["bytes_per_level"], "local": p["local_experts"]})
         out[label] = {"layers": layers, "counters": sent, "text": str(report)}
     return out

@@ -120,6 +120,7 @@ def test_explain_reports_dimension_predictions_and_bytes() -> None:
             for lay in r["layers"]:
                 assert lay["d"] == lay["rule"] == want_d, (rank, label, lay)  # Eq. 6 on the shown times
                 assert len(lay["times"]) == 2 and all(t > 0 for t in lay["times"])
+                assert lay["statistics"] == "gathered", (rank, label, lay)  # 4 ranks: every rank's routing
                 assert lay["local"] == [2 * rank, 2 * rank + 1]
             # the report's per-layer bytes add up to this rank's counters for the step
             for level, total in r["counters"].items():
