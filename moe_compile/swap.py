@@ -27,6 +27,14 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                every phase at its third busiest destination, ``HDCostModel.swap_floor_s``,
                against the cheapest migration between any two ranks)
 
+With ``payback``, that last bound is first checked by every rank on what all ranks hold alike:
+the statistics the layer's forward gathered from every rank's routing to choose d*
+(``EPLayer.last_stats``, exact) and the payload sizes announced in the last exchange. Where no
+swap could pass, the layer's routing is not sent at all; a call that has no routing, decision or
+outcome to send exchanges nothing (every ``ANNOUNCE_EVERY`` calls one small exchange announces the
+payload sizes again). So on a steady routing that no swap would repay, ``step()`` costs a few
+arithmetic operations per layer and no communication.
+
 One rank per layer computes Q* (rank = layer index mod world size, fixed; they work in parallel)
 and an exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange
 of the swapper is one ``all_to_all_single`` on its own gloo group in which each rank sends the
@@ -98,6 +106,9 @@ from moe_compile.cost.routing import _exclusion_table, hd_statistics
 from moe_compile.options import SwapOptions, parse_swap_options
 
 A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
+# the most calls without an exchange (where no layer's routing needs one and no decision or outcome is
+# due): then a header-only exchange announces every rank's payload_bytes again
+ANNOUNCE_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,9 @@ class ExpertSwapper:
     _options: dict[int, tuple[Any, SwapOptions]] = field(default_factory=dict)  # layer id -> (its swap_options, merged)
     _payload_sizes: dict[int, tuple[Any, int]] = field(default_factory=dict)  # layer id -> (what moves, bytes)
     _checked: tuple[Any, ...] = ()  # (layers seen, their options) that _checked_layers last found consistent
+    # layer id -> every rank's payload_bytes from the last message read, and _cheapest_migration_s of them
+    _announced: dict[int, tuple[np.ndarray, float]] = field(default_factory=dict)
+    _posted: int = -ANNOUNCE_EVERY  # the call that last posted a message (the same on every rank)
 
     def layers(self) -> list[runtime.EPLayer]:
         """The expert-parallel layers of this model that have been compiled, in layer-id order
@@ -336,16 +350,53 @@ class ExpertSwapper:
         room for the largest routing, when some rank's did not fit; always on the first call),
         compute this rank's rows, exchange them. Returns the decisions and the sizes."""
         comm = layers[0].comm
-        topks = [lay.last_topk for lay in layers]
+        unneeded = self._unneeded(layers, opts, set())
+        if all(unneeded) and self.calls - self._posted < ANNOUNCE_EVERY:
+            return [None] * len(layers), {}
+        topks, deciders = _routed(layers, unneeded) if not all(unneeded) else (None, [])
         for _ in range(2):
-            msg = self._post(comm.world, topks=topks, deciders=_deciders(comm, len(layers)), capacity=self.capacity,
+            msg = self._post(comm.world, topks=topks, deciders=deciders, capacity=self.capacity,
                              payload=self._payloads(layers))
             routings, self.capacity = msg.routing(comm)
             if routings is not None:
-                sizes = _sizes(layers, msg)
+                sizes = self._announce(layers, msg)
+                self._posted = self.calls
+                if all(unneeded):  # an announcement only
+                    return [None] * len(layers), sizes
                 table = self._table_rows(layers, opts, routings, sizes)
                 return _decisions(self._post(comm.world, table=table).table()), sizes
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
+
+    def _unneeded(self, layers: Sequence[runtime.EPLayer], opts: Sequence[SwapOptions], moved: set[int]
+                  ) -> list[bool]:
+        """Per layer: True where no swap could pass the payback rule, so its routing of this step
+        need not go to its decider. Decided on what every rank holds alike: the exact statistics
+        of the layer's last forward (``EPLayer.last_stats``, gathered from every rank's routing)
+        give t_d and its bound after any swap (``HDCostModel.swap_floor_from_statistics``), held
+        against the cheapest migration at the ``payload_bytes`` last announced. False where any
+        of that is missing or stale: no payback rule or nothing moves, no gathered statistics (a
+        fixed dimension, a mesh too large to gather them), a placement other than the forward's
+        (``moved``: ids of layers whose swap this call started), no sizes announced yet."""
+        out = []
+        for lay, o in zip(layers, opts, strict=True):
+            announced, stats = self._announced.get(lay.layer_id), lay.last_stats
+            if not (o.payback and lay.slot_params and lay.cost is not None and stats is not None
+                    and announced is not None and id(lay) not in moved
+                    and np.array_equal(lay.last_stats_placement, lay.expert_pos_E.cpu().numpy())):
+                out.append(False)
+                continue
+            now, floor = lay.cost.swap_floor_from_statistics(stats, lay.last_dimension or 1)
+            out.append(not A2A_PER_STEP * (now - floor) * o.payback > announced[1])
+        return out
+
+    def _announce(self, layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
+        """Every rank's ``payload_bytes`` in ``msg`` (layer id -> sizes by global rank), kept for
+        ``_unneeded`` with the cheapest migration they give."""
+        got = msg.payload()
+        sizes = {lay.layer_id: got[:, i] for i, lay in enumerate(layers)}
+        self._announced = {lay.layer_id: (sizes[lay.layer_id], _cheapest_migration_s(lay, sizes[lay.layer_id]))
+                           for lay in layers}
+        return sizes
 
     def _payloads(self, layers: Sequence[runtime.EPLayer]) -> list[int]:
         """Every layer's ``payload_bytes``, recomputed when what moves with an expert may have
@@ -403,24 +454,28 @@ class ExpertSwapper:
                          if dec is not None and lay.version == v]
             if rnd.route_layers:  # None: the capacity grew, the next round has room
                 routings, self.capacity = rnd.msg.routing(comm)
-            if swaps or (routings is not None and any(r is not None for r in routings)):  # read where used
-                sizes = _sizes(rnd.payload_layers, rnd.msg)
-            if swaps:
-                t1 = time.perf_counter()
-                records, outcome, pending, written, error = self._start(swaps, sizes)
-                migration_s = time.perf_counter() - t1
+            sizes = self._announce(rnd.payload_layers, rnd.msg)
+        deciding = self.calls % opts[0].every == 0
+        # before _start moves placements on the two ranks of a swap: decided alike everywhere
+        unneeded = self._unneeded(layers, opts, {id(lay) for lay, _ in swaps}) if deciding else []
+        if swaps:
+            t1 = time.perf_counter()
+            records, outcome, pending, written, error = self._start(swaps, sizes)
+            migration_s = time.perf_counter() - t1
         table, versions, table_layers = None, None, []
         if routings is not None and rnd is not None:  # decided on the placements after this call's swaps
             table_layers = rnd.route_layers
             table = self._table_rows(table_layers, rnd.route_opts, routings, sizes, pending)
             versions = [lay.version + sum(p.lay is lay for p in pending) for lay in table_layers]
-        deciding = self.calls % opts[0].every == 0
-        topks = [lay.last_topk for lay in layers] if deciding else None
-        msg = self._post(world, outcome=outcome, table=table, topks=topks, deciders=_deciders(comm, len(layers)),
-                         capacity=self.capacity, payload=self._payloads(layers), async_op=True)
-        self._round = _Round(msg, layers if deciding else [], opts, table_layers, versions, layers)
-        if outcome:
-            self._await(_Outcome(msg, pending, written, error, [lay for lay, _ in swaps if lay.slot_params]))
+        route = deciding and not all(unneeded)
+        topks, deciders = _routed(layers, unneeded) if route else (None, [])
+        if outcome or table is not None or route or self.calls - self._posted >= ANNOUNCE_EVERY:
+            msg = self._post(world, outcome=outcome, table=table, topks=topks, deciders=deciders,
+                             capacity=self.capacity, payload=self._payloads(layers), async_op=True)
+            self._round = _Round(msg, layers if route else [], opts, table_layers, versions, layers)
+            self._posted = self.calls
+            if outcome:
+                self._await(_Outcome(msg, pending, written, error, [lay for lay, _ in swaps if lay.slot_params]))
         self.history.append(StepTiming(self.calls, time.perf_counter() - t0 - migration_s, migration_s,
                                        len(records), cpu_s=time.thread_time() - c0))
         return records
@@ -607,6 +662,13 @@ def _deciders(comm: Any, num_layers: int) -> list[int]:
     return [comm.ranks[i % comm.world] for i in range(num_layers)]
 
 
+def _routed(layers: Sequence[runtime.EPLayer], unneeded: Sequence[bool]) -> tuple[list[Tensor | None], list[int]]:
+    """A routing message's ids and deciders: None and -1 (sent nowhere) for the ``unneeded``."""
+    comm = layers[0].comm
+    return ([None if skip else lay.last_topk for lay, skip in zip(layers, unneeded, strict=True)],
+            [-1 if skip else r for r, skip in zip(_deciders(comm, len(layers)), unneeded, strict=True)])
+
+
 def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
     """The layer's placement with the ``pending`` moves in force."""
     placement = lay.expert_pos_E.cpu().numpy().astype(np.int64)
@@ -614,12 +676,6 @@ def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
         if p.lay is lay:
             placement[[p.a, p.b]] = placement[[p.b, p.a]]
     return placement
-
-
-def _sizes(layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
-    """layer id -> every rank's announced ``payload_bytes`` (by global rank), from ``msg``."""
-    got = msg.payload()
-    return {lay.layer_id: got[:, i] for i, lay in enumerate(layers)}
 
 
 def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | None) -> float:

@@ -40,11 +40,11 @@ class Message:
     read: the minimum over ranks. table: the decision rows this rank computed, zero elsewhere;
     read: the sum over ranks. payload: what this rank would send to move one expert of each
     layer; read: every rank's. routing: this rank's [T, K] ids of each layer's last forward, sent
-    to the global rank ``deciders[i]`` only; ``capacity`` bounds the ids one rank sends one
-    decider (all its layers together)."""
+    to the global rank ``deciders[i]`` only (None with decider -1: sent nowhere, as every rank
+    agreed); ``capacity`` bounds the ids one rank sends one decider (all its layers together)."""
 
     def __init__(self, group: Any, world: int, rank: int, *, outcome: Sequence[bool] = (),
-                 table: np.ndarray | None = None, topks: Sequence[Tensor] | None = None,
+                 table: np.ndarray | None = None, topks: Sequence[Tensor | None] | None = None,
                  deciders: Sequence[int] = (), capacity: int = 0, payload: Sequence[int] = (),
                  async_op: bool = False) -> None:
         self.world, self.rank = world, rank
@@ -53,7 +53,7 @@ class Message:
         self.num_layers = 0 if topks is None else len(topks)
         self.num_payload = len(payload)
         self.capacity = capacity if topks is not None else 0
-        self.ks = [] if topks is None else [t.shape[1] for t in topks]
+        self.ks = [] if topks is None else [0 if t is None else t.shape[1] for t in topks]
         self.deciders = list(deciders) if topks is not None else []
         if len(self.deciders) != self.num_layers:
             raise ValueError(f"a routing message needs one decider per layer, got {len(self.deciders)} for "
@@ -71,9 +71,9 @@ class Message:
             head_row[self.table_at: self.payload_at].view(np.float64)[:] = table.reshape(-1)
         head_row[self.payload_at:].view(np.int64)[:] = payload
         if topks is not None:
-            flat = [_ids(t) for t in topks]
+            flat = [_NO_IDS if t is None else _ids(t) for t in topks]
             need = 0
-            for dst in set(self.deciders):
+            for dst in set(self.deciders) - {-1}:
                 mine = [f for f, d in zip(flat, self.deciders, strict=True) if d == dst]
                 n = sum(f.size for f in mine)
                 need = max(need, n)
@@ -144,6 +144,9 @@ def _layout(world: int, rank: int, head: int, capacity: int, deciders: tuple[int
     same every call of a training run: made once)."""
     splits = [head + (capacity if dst in deciders else 0) for dst in range(world)]
     return splits, [0, *itertools.accumulate(splits)], splits[rank]
+
+
+_NO_IDS = np.zeros(0, dtype=np.int32)
 
 
 def _ids(topk: Tensor) -> np.ndarray:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -440,16 +441,44 @@ def case_payback() -> dict[str, Any]:
     the mesh's links (build()'s topology: alpha 20 us, 1 Gbit/s between nodes, 100 inside) and
     the bytes of one expert's rows (weights and Adam's two moments, gradients being None after
     zero_grad) plus the description both sides send."""
+    from moe_compile.cost.routing import hd_statistics
+
     mesh = make_mesh(PARAMS["shape"])
     out: dict[str, Any] = {}
-    for payback in PARAMS["paybacks"]:
+    posted: list[list[int]] = []  # per swapper message: the decider of each layer's routing ([] if none)
+    real_init = swap_transfer.Message.__init__
+
+    def counted(msg: Any, *args: Any, **kw: Any) -> None:
+        posted.append([int(d) for d in kw.get("deciders", ())] if kw.get("topks") is not None else [])
+        real_init(msg, *args, **kw)
+
+    swap_transfer.Message.__init__ = counted  # type: ignore[method-assign]
+    stats_err = 0.0
+    for payback, overlap in zip(PARAMS["paybacks"], PARAMS["overlaps"], strict=True):
         model, compiled, report = build("shard", "grouped_gemm", mesh)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        swapper = moe_compile.expert_swapper(compiled, opt, payback=payback)
+        swapper = moe_compile.expert_swapper(compiled, opt, payback=payback, overlap=overlap)
+        swap.ANNOUNCE_EVERY = 2 if overlap else 16  # overlap: a header-only announcement every 2 calls
         made = []
+        posted.clear()
+        calls = []
         for b in batches(PARAMS["steps"]):
             train_step(compiled, model, opt, b, report)
             opt.zero_grad(set_to_none=True)
+            # the forward's gathered statistics against every rank's routing with its source
+            for lay in swapper.layers():
+                every: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(every, lay.last_topk.numpy())
+                topk = np.concatenate([every[r] for r in lay.comm.ranks])
+                source = np.repeat(np.arange(lay.comm.world), [every[r].shape[0] for r in lay.comm.ranks])
+                want = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=lay.last_stats_placement,
+                                     token_rank=source)
+                got = lay.last_stats
+                for a, c in zip((*got.p_inter, *got.p_intra), (*want.p_inter, *want.p_intra), strict=True):
+                    stats_err = max(stats_err, float(np.abs(a - c).max()))
+                stats_err = max(stats_err, float(np.abs(np.asarray(lay.last_times_s) -
+                                                        lay.cost.times_s(want)).max() / lay.cost.times_s(want).max()))
+            before = len(posted)
             for rec in swapper.step():
                 lay = swapper._find(rec.layer)
                 row_bytes = sum(p[0].numel() * p.element_size() * 3 for p in lay.slot_params)  # weight, 2 moments
@@ -458,8 +487,12 @@ def case_payback() -> dict[str, Any]:
                 expected = 2e-5 + (row_bytes + swap_transfer.HEADER_BYTES) * 8 / (gbps * 1e9)
                 made.append({"experts": list(rec.experts), "migration_s": rec.predicted_migration_s,
                              "expected_s": expected, "saved_s": rec.predicted_before_s - rec.predicted_after_s})
+            calls.append(posted[before:])
         swapper.flush()
-        out[str(payback)] = made
+        out[f"{payback}{' overlap' if overlap else ''}"] = made
+        out[f"messages {payback}{' overlap' if overlap else ''}"] = calls
+    swap_transfer.Message.__init__ = real_init  # type: ignore[method-assign]
+    out["stats_err"] = stats_err
     return out
 
 

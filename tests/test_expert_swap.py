@@ -234,11 +234,29 @@ def test_payback_rule_keeps_only_swaps_that_repay_their_migration() -> None:
     """Without the rule HierD-ES swaps on this routing; each swap's predicted migration time is the
     alpha-beta time of one expert's rows over the slowest link between its two ranks. A payback
     of 1e-9 steps (no saving repays any migration) stops every swap; a huge one keeps those whose
-    plain-max time drops."""
+    plain-max time drops. With 1e-9 the ranks see that from the forward's gathered statistics
+    (checked equal to those of every rank's routing with its source) and send no routing, and
+    after the first call no message at all, but for the periodic announcement of the sizes."""
     results = run_ranks(4, "payback", timeout_s=300, worker="swap_worker.py", shape=[2, 2], E=8, steps=4,
-                        paybacks=[0.0, 1e-9, 1e12])
+                        paybacks=[0.0, 1e-9, 1e12, 1e-9], overlaps=[False, False, False, True])
     for rank, res in enumerate(results):
+        # the runtime's statistics of each forward are those of every rank's routing together
+        assert res["stats_err"] == 0.0, f"rank {rank}: gathered statistics differ: {res['stats_err']}"
         free, tight, loose = res["0.0"], res["1e-09"], res["1000000000000.0"]
+        # the messages each call posted: the decider of each layer's routing, [] for one without
+        # routing (decisions, outcomes); the first call's routing goes twice (its capacity grows)
+        for key in ("messages 0.0", "messages 1000000000000.0"):
+            assert all(call[0] == [0, 1] for call in res[key]), f"rank {rank}: {res[key]}"
+        # no saving repays anything: once the sizes are announced (the first call), every rank sees
+        # from the forward's statistics that no layer's routing is needed, and nothing is exchanged
+        tight_msgs = res["messages 1e-09"]
+        assert tight_msgs[0][:2] == [[0, 1], [0, 1]] and tight_msgs[1:] == [[], [], []], f"rank {rank}: {tight_msgs}"
+        # overlap mode: the first call posts its routing (no room: the next round would have it),
+        # the second reads the sizes; the third announces them again (ANNOUNCE_EVERY 2 here), with
+        # no routing; the fourth posts nothing
+        assert res["messages 1e-09 overlap"] == [[[0, 1]], [], [[]], []], \
+            f"rank {rank}: {res['messages 1e-09 overlap']}"
+        assert res["1e-09 overlap"] == []
         assert free, f"rank {rank}: HierD-ES made no swap without the rule; the test needs one"
         for s in free:
             assert s["migration_s"] == pytest.approx(s["expected_s"], rel=1e-9), f"rank {rank}: {s}"
