@@ -248,38 +248,50 @@ class HDCostModel:
         return np.asarray(fn(*values), dtype=np.float64)
 
     def swap_floor_s(self, topk_idx: Any, d: int, *, placement: Any = None, token_rank: Any = None
-                     ) -> tuple[float, float]:
-        """(t_d now, a lower bound on t_d after any one swap of two experts) for one routing and
-        placement. A swap moves two experts, so in every phase it changes the counts of at most
-        two destinations (the groups, or ranks, of the two experts at that phase's level: Fig. 8's
-        Group1..4 are those two); every other destination keeps its count, so the phase's max is
-        at least the third largest destination count (0 with two destinations or fewer). t_d
-        (Eq. 3) grows with each phase's max, so it is at least t_d of those. A swap decision that
-        needs a minimum saving (``payback``) can skip Q* when t_d now minus this bound is below it.
-        Reads only the phases t_d reads: with one or two, ``routing.phase_statistics`` (about 60 us a
-        phase on 2048 tokens, E=16, top-4, 8 ranks), else ``hd_statistics`` (about 170 us for all)."""
+                     ) -> tuple[float, np.ndarray]:
+        """(t_d now, [G, G] lower bounds: [A, B] bounds t_d after any one swap of an expert on rank A
+        with an expert on rank B) for one routing and placement. Such a swap changes, in every
+        phase, the counts of two destinations only: the groups of A and B at that phase's level
+        (Fig. 8's Group1..4 are those two); every other destination keeps its count, so the
+        phase's max is at least the largest count outside those two groups. t_d (Eq. 3) grows with
+        each phase's max, so it is at least t_d of those. A swap decision that needs a minimum
+        saving per rank pair (``payback`` against the time to move experts between them) can skip
+        Q* when no pair's t_d now minus its bound reaches it. Reads only the phases t_d reads:
+        with one or two, ``routing.phase_statistics`` (about 60 us a phase on 2048 tokens, E=16,
+        top-4, 8 ranks), else ``hd_statistics`` (about 170 us for all)."""
         used = self._phases(d)
         num_experts, sizes = self.workload.num_experts, self.topology.sizes
         if len(used) <= 2:
             counts = phase_statistics(topk_idx, num_experts, sizes, used, placement=placement, token_rank=token_rank)
-            return self._floor(d, counts)
+            return self._floors(d, counts)
         return self.swap_floor_from_statistics(
             hd_statistics(topk_idx, num_experts, sizes, placement=placement, token_rank=token_rank), d)
 
-    def swap_floor_from_statistics(self, stats: HDStatistics, d: int) -> tuple[float, float]:
+    def swap_floor_from_statistics(self, stats: HDStatistics, d: int) -> tuple[float, np.ndarray]:
         """``swap_floor_s`` from statistics already made for the placement (e.g. the runtime's
         ``gathered_statistics`` of the last forward): no pass over the tokens."""
         arrays = (*stats.p_inter, *stats.p_intra)
-        return self._floor(d, [arrays[i] for i in self._phases(d)])
+        return self._floors(d, [arrays[i] for i in self._phases(d)])
 
-    def _floor(self, d: int, counts: Sequence[np.ndarray]) -> tuple[float, float]:
-        """(t_d, its bound after any swap) from the per-destination counts of t_d's phases."""
-        now, floor = [0.0] * (2 * self.num_levels - 1), [0.0] * (2 * self.num_levels - 1)  # t_d reads no other
+    def _floors(self, d: int, counts: Sequence[np.ndarray]) -> tuple[float, np.ndarray]:
+        """(t_d, [G, G] its bounds after a swap between ranks A and B) from the per-destination
+        counts of t_d's phases."""
+        num_ranks = math.prod(self.topology.sizes)
+        rank = np.arange(num_ranks)
+        now: list[Any] = [0.0] * (2 * self.num_levels - 1)  # t_d reads no other
+        floor: list[Any] = list(now)
         for i, c in zip(self._phases(d), counts, strict=True):
-            ordered = np.sort(c, axis=None)  # a destination per mesh group or rank: a few dozen numbers
-            now[i] = float(ordered[-1])
-            floor[i] = float(ordered[-3]) if c.size >= 3 else 0.0
-        return float(self._t_d[d - 1](*now)), float(self._t_d[d - 1](*floor))
+            c = np.asarray(c, dtype=np.float64).reshape(-1)
+            top = np.argsort(-c, kind="stable")[:3]  # the three busiest destinations
+            vals = np.concatenate([c[top], np.zeros(3 - top.size)])
+            top = np.concatenate([top, np.full(3 - top.size, -1)])
+            group = rank // (num_ranks // c.size)  # each rank's destination in this phase
+            ga, gb = group[:, None], group[None, :]
+            floor[i] = np.where((top[0] != ga) & (top[0] != gb), vals[0],
+                                np.where((top[1] != ga) & (top[1] != gb), vals[1], vals[2]))
+            now[i] = float(vals[0])
+        t_d = self._t_d[d - 1]
+        return float(t_d(*now)), np.broadcast_to(t_d(*floor), (num_ranks, num_ranks)).astype(np.float64)
 
     def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:
         """d* (Eq. 6, Alg. 1) from fresh routing: statistics, then the lambdified times."""

@@ -88,7 +88,6 @@ placement is read, or at the next swapper call. ``step()`` returns the swaps it 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,7 +101,7 @@ from torch import Tensor, nn
 from moe_compile import runtime
 from moe_compile import swap_transfer as transfer
 from moe_compile.cost.hiermoe import best_swap
-from moe_compile.cost.routing import _exclusion_table, hd_statistics
+from moe_compile.cost.routing import _exclusion_table, _first_difference, hd_statistics
 from moe_compile.options import SwapOptions, parse_swap_options
 
 A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
@@ -216,8 +215,8 @@ class ExpertSwapper:
     _options: dict[int, tuple[Any, SwapOptions]] = field(default_factory=dict)  # layer id -> (its swap_options, merged)
     _payload_sizes: dict[int, tuple[Any, int]] = field(default_factory=dict)  # layer id -> (what moves, bytes)
     _checked: tuple[Any, ...] = ()  # (layers seen, their options) that _checked_layers last found consistent
-    # layer id -> every rank's payload_bytes from the last message read, and _cheapest_migration_s of them
-    _announced: dict[int, tuple[np.ndarray, float]] = field(default_factory=dict)
+    # layer id -> every rank's payload_bytes from the last message read, and _migration_matrix of them
+    _announced: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     _posted: int = -ANNOUNCE_EVERY  # the call that last posted a message (the same on every rank)
 
     def layers(self) -> list[runtime.EPLayer]:
@@ -385,8 +384,8 @@ class ExpertSwapper:
                     and np.array_equal(lay.last_stats_placement, lay.expert_pos_E.cpu().numpy())):
                 out.append(False)
                 continue
-            now, floor = lay.cost.swap_floor_from_statistics(stats, lay.last_dimension or 1)
-            out.append(not A2A_PER_STEP * (now - floor) * o.payback > announced[1])
+            now, floors = lay.cost.swap_floor_from_statistics(stats, lay.last_dimension or 1)
+            out.append(not _repayable(now, floors, o.payback, announced[1]))
         return out
 
     def _announce(self, layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
@@ -394,7 +393,7 @@ class ExpertSwapper:
         ``_unneeded`` with the cheapest migration they give."""
         got = msg.payload()
         sizes = {lay.layer_id: got[:, i] for i, lay in enumerate(layers)}
-        self._announced = {lay.layer_id: (sizes[lay.layer_id], _cheapest_migration_s(lay, sizes[lay.layer_id]))
+        self._announced = {lay.layer_id: (sizes[lay.layer_id], _migration_matrix(lay, sizes[lay.layer_id]))
                            for lay in layers}
         return sizes
 
@@ -487,8 +486,8 @@ class ExpertSwapper:
         now = None  # t_d of the placement as is, where the payback check below computed it
         if opts.payback and lay.slot_params and lay.cost is not None:
             # skip Q* when not even the best conceivable swap would pass the payback rule below
-            now, floor = lay.cost.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
-            if not A2A_PER_STEP * (now - floor) * opts.payback > _cheapest_migration_s(lay, sizes):
+            now, floors = lay.cost.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
+            if not _repayable(now, floors, opts.payback, _migration_matrix(lay, sizes)):
                 return none
         q_max = None  # plain-max Q: [r, c] / diagonal = t_d after / before a swap
         if opts.policy == "hierd":
@@ -692,14 +691,26 @@ def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | Non
     return levels[first].time_s(float(max(sizes[lay.comm.ranks[pa]], sizes[lay.comm.ranks[pb]])))
 
 
-def _cheapest_migration_s(lay: runtime.EPLayer, sizes: np.ndarray | None) -> float:
-    """A lower bound on ``_migration_s`` of any two different mesh positions of ``lay``: the
-    smallest announced size of its ranks over its fastest level (nan where a size or the topology
-    is unknown, as ``_migration_s``)."""
+def _migration_matrix(lay: runtime.EPLayer, sizes: np.ndarray | None) -> np.ndarray:
+    """[A, B]: ``_migration_s`` between mesh positions A and B for every pair at once (inf where
+    A == B, no swap to pay for; nan where a size or the topology is unknown)."""
+    world = lay.comm.world
     if sizes is None or lay.cost is None:
-        return float("nan")
-    smallest = float(min(sizes[r] for r in lay.comm.ranks))
-    return min((level.time_s(smallest) for level in lay.cost.topology.levels if level.size > 1), default=math.inf)
+        return np.full((world, world), np.nan)
+    levels = lay.cost.topology.levels
+    first = _first_difference(tuple(lay.comm.sizes)).reshape(world, world)  # len(levels) where A == B
+    alpha = np.array([lv.alpha_s for lv in levels] + [np.inf])
+    beta = np.array([lv.beta_s_per_byte for lv in levels] + [0.0])
+    by_pos = np.asarray(sizes, dtype=np.float64)[list(lay.comm.ranks)]
+    return alpha[first] + np.maximum(by_pos[:, None], by_pos[None, :]) * beta[first]
+
+
+def _repayable(now: float, floors: np.ndarray, payback: float, migration: np.ndarray) -> bool:
+    """Whether some pair of ranks could save, over ``payback`` steps, more than moving an expert
+    between them costs: ``floors[A, B]`` bounds t_d after a swap between A and B from below
+    (``HDCostModel.swap_floor_s``), ``migration`` is ``_migration_matrix`` (nan: unknown, taken
+    as not repayable, as the payback check on a chosen swap takes it)."""
+    return bool((A2A_PER_STEP * (now - floors) * payback > migration).any())
 
 
 def _decisions(table: np.ndarray) -> list[tuple[Any, ...] | None]:

@@ -368,10 +368,11 @@ def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats, 
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (4,)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
-    """swap_floor_s: its first value is t_d of the placement as is, its second no more than t_d
-    after any one swap (recomputed on every swapped placement), on uniform and skewed routings (a
-    few hot experts); with two busy destinations it is the time with nothing sent (the other
-    destinations' count)."""
+    """swap_floor_s: its first value is t_d of the placement as is, its second, [A, B], no more than
+    t_d after any one swap of experts on ranks A and B (recomputed on every swapped placement), on
+    uniform and skewed routings (a few hot experts); with two busy ranks, a swap between them is
+    bounded by the time with nothing sent (the others' count), and one of a busy rank with an idle
+    one by t_d now (the other busy rank keeps its count)."""
     rng = np.random.default_rng(seed)
     num_ranks = math.prod(sizes)
     num_experts = 2 * num_ranks
@@ -385,9 +386,10 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
         placement = rng.permutation(np.arange(num_experts) % num_ranks)
         for d in range(1, len(sizes) + 1):
             stats = hd_statistics(topk, num_experts, sizes, placement=placement, token_rank=token_rank)
-            now, floor = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
+            now, floors = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
             assert now == model.times_s(stats)[d - 1]
-            assert model.swap_floor_from_statistics(stats, d) == (now, floor)
+            again = model.swap_floor_from_statistics(stats, d)
+            assert again[0] == now and np.array_equal(again[1], floors)
             # the phases one t_d reads, read alone: hd_statistics' arrays (also with the T tokens
             # standing in for every source)
             for sources in (token_rank, None):
@@ -396,19 +398,21 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
                                            placement=placement, token_rank=sources)
                 for i, c in enumerate(got):
                     np.testing.assert_array_equal(c, (*want.p_inter, *want.p_intra)[i])
-            after = []
             for a in range(num_experts):
                 for b in range(a + 1, num_experts):
                     swapped = placement.copy()
                     swapped[[a, b]] = swapped[[b, a]]
-                    after.append(model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
-                                                             token_rank=token_rank))[d - 1])
-            assert floor <= min(after) * (1 + 1e-12), (d, floor, min(after))
-    # two busy ranks of four (every token to experts 0 and 2): ranks 2 and 3 receive nothing
+                    after = model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
+                                                        token_rank=token_rank))[d - 1]
+                    pa, pb = placement[a], placement[b]
+                    assert floors[pa, pb] == floors[pb, pa] <= after * (1 + 1e-12), (d, a, b, floors[pa, pb], after)
+    # two busy ranks of four (every token to experts 0 and 2, on ranks 0 and 1): a swap between
+    # them could at best leave the others' count (nothing); one with rank 2 leaves rank 0 or 1 busy
     topk = np.tile([[0, 2]], (8, 1))
     model = hm.HDCostModel(topology((4,), (10.0,)), Workload(8, 64, 32, 8, 2))
-    now, floor = model.swap_floor_s(topk, 1)
-    assert floor == model.times_s(hd_statistics(np.zeros((0, 2), dtype=np.int64), 8, (4,)))[0] < now
+    now, floors = model.swap_floor_s(topk, 1)
+    assert floors[0, 1] == model.times_s(hd_statistics(np.zeros((0, 2), dtype=np.int64), 8, (4,)))[0] < now
+    assert floors[0, 2] == floors[1, 3] == now
 
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (3, 2, 2), (4,)])
 @pytest.mark.parametrize("seed", [0, 1])
