@@ -253,7 +253,8 @@ class HDCostModel:
         with an expert on rank B) for one routing and placement. Such a swap changes, in every
         phase, the counts of two destinations only: the groups of A and B at that phase's level
         (Fig. 8's Group1..4 are those two); every other destination keeps its count, so the
-        phase's max is at least the largest count outside those two groups. t_d (Eq. 3) grows with
+        phase's max is at least the largest count outside those two groups; and where A and B
+        share their group at that level no count of the phase changes. t_d (Eq. 3) grows with
         each phase's max, so it is at least t_d of those. A swap decision that needs a minimum
         saving per rank pair (``payback`` against the time to move experts between them) can skip
         Q* when no pair's t_d now minus its bound reaches it. Reads only the phases t_d reads:
@@ -277,19 +278,20 @@ class HDCostModel:
         """(t_d, [G, G] its bounds after a swap between ranks A and B) from the per-destination
         counts of t_d's phases."""
         num_ranks = math.prod(self.topology.sizes)
-        rank = np.arange(num_ranks)
         now: list[Any] = [0.0] * (2 * self.num_levels - 1)  # t_d reads no other
         floor: list[Any] = list(now)
         for i, c in zip(self._phases(d), counts, strict=True):
-            c = np.asarray(c, dtype=np.float64).reshape(-1)
-            top = np.argsort(-c, kind="stable")[:3]  # the three busiest destinations
-            vals = np.concatenate([c[top], np.zeros(3 - top.size)])
-            top = np.concatenate([top, np.full(3 - top.size, -1)])
-            group = rank // (num_ranks // c.size)  # each rank's destination in this phase
-            ga, gb = group[:, None], group[None, :]
-            floor[i] = np.where((top[0] != ga) & (top[0] != gb), vals[0],
-                                np.where((top[1] != ga) & (top[1] != gb), vals[1], vals[2]))
-            now[i] = float(vals[0])
+            values = np.asarray(c).reshape(-1).tolist()  # one per destination: a few dozen at most
+            top = sorted(range(len(values)), key=values.__getitem__, reverse=True)[:3]  # the busiest three
+            vals = [float(values[j]) for j in top] + [0.0] * (3 - len(top))
+            touched, apart = _touched(num_ranks, len(values))
+            bound: Any = vals[1]
+            if len(top) >= 2:
+                bound = np.where(touched[top[1]], vals[2], vals[1])
+            # A and B in one group: the phase's counts stay; else its max is at least the largest
+            # count outside their two groups
+            floor[i] = np.where(apart & touched[top[0]], bound, vals[0])
+            now[i] = vals[0]
         t_d = self._t_d[d - 1]
         return float(t_d(*now)), np.broadcast_to(t_d(*floor), (num_ranks, num_ranks)).astype(np.float64)
 
@@ -324,6 +326,15 @@ class HDCostModel:
         out = [np.broadcast_to(self._t_d[d - 1](*swap.values()), (num_experts, num_experts)).copy()
                for swap in swaps]
         return out, d
+
+
+@functools.lru_cache(maxsize=32)
+def _touched(num_ranks: int, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """For ``num_groups`` groups of consecutive ranks: [j, A, B] rank A or rank B is in group j;
+    [A, B] A and B are in different groups."""
+    group = np.arange(num_ranks) // (num_ranks // num_groups)
+    j = np.arange(num_groups)[:, None, None]
+    return (group[None, :, None] == j) | (group[None, None, :] == j), group[:, None] != group[None, :]
 
 
 def best_swap(q: np.ndarray) -> tuple[int, int, float]:

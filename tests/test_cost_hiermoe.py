@@ -372,7 +372,8 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
     t_d after any one swap of experts on ranks A and B (recomputed on every swapped placement), on
     uniform and skewed routings (a few hot experts); with two busy ranks, a swap between them is
     bounded by the time with nothing sent (the others' count), and one of a busy rank with an idle
-    one by t_d now (the other busy rank keeps its count)."""
+    one by t_d now (the other busy rank keeps its count); a swap inside a node leaves the
+    inter-node phase's counts as they are."""
     rng = np.random.default_rng(seed)
     num_ranks = math.prod(sizes)
     num_experts = 2 * num_ranks
@@ -413,6 +414,14 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
     now, floors = model.swap_floor_s(topk, 1)
     assert floors[0, 1] == model.times_s(hd_statistics(np.zeros((0, 2), dtype=np.int64), 8, (4,)))[0] < now
     assert floors[0, 2] == floors[1, 3] == now
+    # every token to experts 0 and 1, both on rank 0 of a 2 x 2 mesh: at d = 2 a swap inside node 0
+    # (ranks 0 and 1) leaves the inter-node phase as it is, one across the nodes could empty it
+    model = hm.HDCostModel(topology((2, 2), (1.0, 10.0)), Workload(8, 64, 32, 8, 2))
+    topk = np.tile([[0, 1]], (8, 1))
+    now, floors = model.swap_floor_s(topk, 2)
+    inter = float(hd_statistics(topk, 8, (2, 2)).p_inter[0].max())
+    assert floors[0, 1] == model.times_from_values([inter, 0.0, 0.0])[1] > floors[0, 2]
+    assert floors[0, 2] == model.times_from_values([0.0, 0.0, 0.0])[1]
 
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (3, 2, 2), (4,)])
 @pytest.mark.parametrize("seed", [0, 1])
