@@ -256,13 +256,16 @@ def topology_for(mesh: Any, node_gbps: float, inner_gbps: float) -> Any:
 
 def case_explain() -> dict[str, Any]:
     """explain under torchrun: the d each layer used, every d's prediction, and the bytes sent,
-    on a topology whose inter-node link is slow and on one with equal links."""
+    on a topology whose inter-node link is slow and on one with equal links; and the slow one
+    again with the runtime told that the mesh is too large to gather statistics (each rank's
+    own, max-reduced)."""
     from moe_compile.cost.hiermoe import dimension_rule
 
     mesh = make_mesh(PARAMS["shape"])
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    for label, node_gbps in (("slow_node", 0.1), ("flat", 100.0)):
+    for label, node_gbps in (("slow_node", 0.1), ("flat", 100.0), ("slow_node_max_reduced", 0.1)):
+        runtime.GATHER_MAX = 0 if label.endswith("max_reduced") else 2**17
         model = tiny("grouped_gemm", 8)
         model.config.top_k = 4
         gen = torch.Generator().manual_seed(rank)

@@ -114,6 +114,13 @@ def test_dead_rank_fails_fast() -> None:
 def test_explain_reports_dimension_predictions_and_bytes() -> None:
     results = run_ranks(4, "explain", shape=[2, 2])
     for rank, res in enumerate(results):
+        # the same model and batches: each rank's own statistics max-reduced (the runtime's way on
+        # meshes too large to gather) give the same HD1 time and an upper estimate of HD2's
+        exact, upper = res["slow_node"]["layers"], res["slow_node_max_reduced"]["layers"]
+        for a, b in zip(exact, upper, strict=True):
+            assert b["statistics"] == "max-reduced" and b["times"][0] == pytest.approx(a["times"][0], rel=1e-12)
+            assert b["times"][1] >= a["times"][1] * (1 - 1e-12), (rank, a, b)
+        assert any(b["times"][1] > a["times"][1] for a, b in zip(exact, upper, strict=True)), (rank, exact, upper)
         for label, want_d in (("slow_node", 2), ("flat", 1)):
             r = res[label]
             assert len(r["layers"]) == 2, r
