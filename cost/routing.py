@@ -115,6 +115,30 @@ def source_table(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *,
     return _Routing(topk_idx, num_experts, group_sizes, placement, None).cum[0]
 
 
+def expert_table(topk_idx: Any, num_experts: int, group_sizes: Sequence[int], *, placement: Any = None
+                 ) -> np.ndarray:
+    """[D+1, E] int64 of one rank's tokens: [0, e] the tokens that select expert e; [l, e]
+    (l = 1..D) those that select e and no other expert of e's level-l group, the tokens a relay
+    would stop sending to that group if e left it. What each rank contributes, with its
+    ``source_table``, to ``HDCostModel.swap_floor_experts``: O(T*K*K*D)."""
+    r = _Routing(topk_idx, num_experts, group_sizes, placement, None, tables=False)
+    topk = r.topk
+    num_tokens, top_k = topk.shape
+    out = np.zeros((r.num_levels + 1, num_experts), dtype=np.int64)
+    first = np.ones(topk.shape, dtype=bool)  # the first entry of each expert in a token's top-k
+    for k in range(1, top_k):
+        first[:, k] = (topk[:, :k] != topk[:, k:k + 1]).all(1)
+    out[0] = np.bincount(topk[first], minlength=num_experts)
+    ranks = np.take(r.placement, topk)
+    token = np.arange(num_tokens)[:, None]
+    for level in range(1, r.num_levels + 1):
+        num_groups = r.groups[level]
+        key = token * num_groups + ranks // (r.num_ranks // num_groups)  # (token, group of the entry)
+        distinct = np.bincount(key[first], minlength=num_tokens * num_groups)  # experts per (token, group)
+        out[level] = np.bincount(topk[first & (distinct[key] == 1)], minlength=num_experts)
+    return out
+
+
 def gathered_statistics(tables: Any, group_sizes: Sequence[int], *, copies: bool = False) -> HDStatistics:
     """``hd_statistics`` of every rank's tokens together, each token at its own source, from every
     rank's ``source_table`` ([source mesh position, G, D+1], one placement): a relay's count is

@@ -103,6 +103,11 @@ class EPLayer:
     # with a fixed dimension or on a mesh too large to gather them) and the placement they are for
     last_stats: Any = None  # cost.routing.HDStatistics
     last_stats_placement: Any = None  # numpy [E]
+    # set by the expert swapper when its payback bound wants them: every rank's routing.source_table
+    # ([source, G, D+1]) and routing.expert_table ([source, D+1, E]) of the last forward, gathered
+    gather_experts: bool = False
+    last_tables: Any = None
+    last_experts: Any = None
     # this rank's shard parameters (moe_compile.shard_experts) whose rows are its local slots: what
     # an expert swap moves; empty when every rank holds every expert
     slot_params: tuple[Any, ...] = ()
@@ -167,32 +172,43 @@ class EPLayer:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
         agrees on: every rank's ``routing.source_table`` (G*(D+1) counts), gathered, give the
         statistics of all ranks' tokens together, each at its source (``gathered_statistics``,
-        the exact p of Eq. 7), kept in ``last_stats`` with the placement they were made for. On a
+        the exact p of Eq. 7), kept in ``last_stats`` with the placement they were made for (and,
+        where the expert swapper asked with ``gather_experts``, every rank's
+        ``routing.expert_table`` too, for its payback bound). On a
         mesh whose tables would exceed ``GATHER_MAX`` numbers, each rank's own p statistics
         (its tokens standing in for every source of a relay) max-reduced instead: an upper
         estimate, and ``last_stats`` is None."""
         if self.dimension is not None:
             return self.dimension
+        import numpy as np
         import torch
         import torch.distributed as dist
 
         from moe_compile.cost.hiermoe import dimension_rule
-        from moe_compile.cost.routing import gathered_statistics, hd_statistics, source_table
+        from moe_compile.cost.routing import expert_table, gathered_statistics, hd_statistics, source_table
 
         topk = topk_idx_TK.detach().cpu()
         placement = self.expert_pos_E.cpu().numpy()
         world, sizes = self.comm.world, self.comm.sizes
         gloo = dist.get_backend() == "gloo"
-        if world * world * (len(sizes) + 1) <= GATHER_MAX:
-            own = torch.from_numpy(source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1))
+        width = world * (len(sizes) + 1) + (len(sizes) + 1) * self.num_experts * self.gather_experts
+        if world * width <= GATHER_MAX:
+            parts = [source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1)]
+            if self.gather_experts:
+                parts.append(expert_table(topk, self.num_experts, sizes, placement=placement).reshape(-1))
+            own = torch.from_numpy(np.concatenate(parts))
             if gloo:  # one round of direct sends (see exchange_with_all)
                 every, _ = exchange_with_all(own, dist.get_world_size())
             else:
                 every = own.new_empty((dist.get_world_size(), own.numel()), device=self.comm.device)
                 dist.all_gather_into_tensor(every, own.to(self.comm.device))
-            tables = every.cpu().numpy()[list(self.comm.ranks)].reshape(world, world, -1)  # by mesh position
+            rows = every.cpu().numpy()[list(self.comm.ranks)]  # by mesh position
+            tables = rows[:, : parts[0].size].reshape(world, world, -1)
             stats = gathered_statistics(tables, sizes, copies=not self.dedup)
             self.last_stats, self.last_stats_placement = stats, placement.copy()
+            self.last_tables = tables
+            self.last_experts = rows[:, parts[0].size:].reshape(world, len(sizes) + 1, -1) if self.gather_experts \
+                else None
             agreed = stats.values() if self.dedup else stats.copy_values()
         else:
             mine = hd_statistics(topk, self.num_experts, sizes, placement=placement, copies=not self.dedup)
@@ -203,7 +219,7 @@ class EPLayer:
             else:
                 dist.all_reduce(vals, op=dist.ReduceOp.MAX)
                 agreed = vals.cpu().tolist()
-            self.last_stats, self.last_stats_placement = None, None
+            self.last_stats, self.last_stats_placement, self.last_tables, self.last_experts = None, None, None, None
         times = self.cost.times_from_values(agreed, dedup=self.dedup)
         self.last_times_s = [float(t) for t in times]
         return dimension_rule(times)

@@ -23,9 +23,9 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                plain max comes from the same pass over the tokens)
                and, with ``payback`` n, the t_d saved over n steps exceeds the predicted time to
                move the two experts (Q* is then not computed at all where no swap could pass:
-               a swap changes two destinations per phase, so t_d after it is at least t_d with
-               every phase at its third busiest destination, ``HDCostModel.swap_floor_s``,
-               against the cheapest migration between any two ranks)
+               a swap between ranks A and B changes two destinations per phase, A's and B's
+               groups, so t_d after it is at least t_d with every phase at its busiest other
+               destination, ``HDCostModel.swap_floor_s``, against the migration between A and B)
 
 With ``payback``, that last bound is first checked by every rank on what all ranks hold alike:
 the statistics the layer's forward gathered from every rank's routing to choose d*
@@ -371,26 +371,35 @@ class ExpertSwapper:
         """Per layer: True where no swap could pass the payback rule, so its routing of this step
         need not go to its decider. Decided on what every rank holds alike: the exact statistics
         of the layer's last forward (``EPLayer.last_stats``, gathered from every rank's routing)
-        give t_d and its bound after any swap (``HDCostModel.swap_floor_from_statistics``), held
-        against the cheapest migration at the ``payload_bytes`` last announced. False where any
+        give t_d and a bound on it after a swap between each pair of ranks
+        (``HDCostModel.swap_floor_from_statistics``), held against the migration between that
+        pair at the ``payload_bytes`` last announced; where some pair passes, the tighter bound
+        per pair of experts (``HDCostModel.swap_floor_experts``, from the per-expert counts the
+        forward gathers once asked: ``EPLayer.gather_experts``) decides. False where any
         of that is missing or stale: no payback rule or nothing moves, no gathered statistics (a
         fixed dimension, a mesh too large to gather them), a placement other than the forward's
         (``moved``: ids of layers whose swap this call started), no sizes announced yet."""
         out = []
         for lay, o in zip(layers, opts, strict=True):
             announced, stats = self._announced.get(lay.layer_id), lay.last_stats
-            if not (o.payback and lay.slot_params and lay.cost is not None and stats is not None
-                    and announced is not None and id(lay) not in moved
+            bounded = bool(o.payback and lay.slot_params and lay.cost is not None)
+            lay.gather_experts = bounded  # from the next forward on: for the tighter bound below
+            if not (bounded and stats is not None and announced is not None and id(lay) not in moved
                     and np.array_equal(lay.last_stats_placement, lay.expert_pos_E.cpu().numpy())):
                 out.append(False)
                 continue
-            now, floors = lay.cost.swap_floor_from_statistics(stats, lay.last_dimension or 1)
-            out.append(not _repayable(now, floors, o.payback, announced[1]))
+            d, migration = lay.last_dimension or 1, announced[1]
+            now, floors = lay.cost.swap_floor_from_statistics(stats, d)  # per rank pair, ~10 us
+            if _repayable(now, floors, o.payback, migration) and lay.last_experts is not None:
+                placement = lay.last_stats_placement  # per expert pair: the experts' tokens move with them
+                now, floors = lay.cost.swap_floor_experts(lay.last_tables, lay.last_experts, d, placement)
+                migration = migration[np.ix_(placement, placement)]
+            out.append(not _repayable(now, floors, o.payback, migration))
         return out
 
     def _announce(self, layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
         """Every rank's ``payload_bytes`` in ``msg`` (layer id -> sizes by global rank), kept for
-        ``_unneeded`` with the cheapest migration they give."""
+        ``_unneeded`` with the migration time between every pair of ranks they give."""
         got = msg.payload()
         sizes = {lay.layer_id: got[:, i] for i, lay in enumerate(layers)}
         self._announced = {lay.layer_id: (sizes[lay.layer_id], _migration_matrix(lay, sizes[lay.layer_id]))

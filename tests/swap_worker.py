@@ -441,7 +441,7 @@ def case_payback() -> dict[str, Any]:
     the mesh's links (build()'s topology: alpha 20 us, 1 Gbit/s between nodes, 100 inside) and
     the bytes of one expert's rows (weights and Adam's two moments, gradients being None after
     zero_grad) plus the description both sides send."""
-    from moe_compile.cost.routing import hd_statistics
+    from moe_compile.cost.routing import expert_table, hd_statistics
 
     mesh = make_mesh(PARAMS["shape"])
     out: dict[str, Any] = {}
@@ -453,7 +453,7 @@ def case_payback() -> dict[str, Any]:
         real_init(msg, *args, **kw)
 
     swap_transfer.Message.__init__ = counted  # type: ignore[method-assign]
-    stats_err = 0.0
+    stats_err, experts_checked = 0.0, 0
     for payback, overlap in zip(PARAMS["paybacks"], PARAMS["overlaps"], strict=True):
         model, compiled, report = build("shard", "grouped_gemm", mesh)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -478,6 +478,12 @@ def case_payback() -> dict[str, Any]:
                     stats_err = max(stats_err, float(np.abs(a - c).max()))
                 stats_err = max(stats_err, float(np.abs(np.asarray(lay.last_times_s) -
                                                         lay.cost.times_s(want)).max() / lay.cost.times_s(want).max()))
+                if lay.last_experts is not None:  # asked for by the swapper's payback bound
+                    experts = np.stack([expert_table(topk[source == q], lay.num_experts, lay.comm.sizes,
+                                                     placement=lay.last_stats_placement)
+                                        for q in range(lay.comm.world)])
+                    stats_err = max(stats_err, float(np.abs(lay.last_experts - experts).max()))
+                    experts_checked += 1
             before = len(posted)
             for rec in swapper.step():
                 lay = swapper._find(rec.layer)
@@ -492,7 +498,7 @@ def case_payback() -> dict[str, Any]:
         out[f"{payback}{' overlap' if overlap else ''}"] = made
         out[f"messages {payback}{' overlap' if overlap else ''}"] = calls
     swap_transfer.Message.__init__ = real_init  # type: ignore[method-assign]
-    out["stats_err"] = stats_err
+    out["stats_err"], out["experts_checked"] = stats_err, experts_checked
     return out
 
 

@@ -456,6 +456,63 @@ def test_gathered_statistics_equal_the_statistics_of_all_tokens(sizes, seed):
         routing.gathered_statistics(tables[1:], sizes)
 
 
+def test_expert_table_counts_tokens_per_expert_and_alone_in_its_group():
+    """routing.expert_table against its definition token by token: [0, e] tokens naming e, [l, e]
+    those naming e and no other expert of e's level-l group (a repeated id is one expert)."""
+    rng = np.random.default_rng(0)
+    sizes, num_experts = (2, 3), 12
+    topk = uniform_topk(rng, 40, num_experts, 3)
+    topk[::5, 2] = topk[::5, 0]
+    placement = rng.permutation(np.arange(num_experts) % 6)
+    want = np.zeros((3, num_experts), dtype=np.int64)
+    for row in topk:
+        for e in set(row.tolist()):
+            want[0, e] += 1
+            for level, per_group in ((1, 3), (2, 1)):  # ranks per level-l group
+                group = {o for o in set(row.tolist()) if placement[o] // per_group == placement[e] // per_group}
+                want[level, e] += group == {e}
+    np.testing.assert_array_equal(routing.expert_table(topk, num_experts, sizes, placement=placement), want)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (4,)])
+def test_swap_floor_experts_bounds_every_swap_and_tightens_the_rank_pair_bound(sizes):
+    """swap_floor_experts from every rank's source_table and expert_table: [a, b] no more than t_d
+    after swapping experts a and b (recomputed), never below swap_floor_s's bound for their ranks,
+    and above it for some pairs (the swapped experts' tokens move with them)."""
+    rng = np.random.default_rng(1)
+    num_ranks = math.prod(sizes)
+    num_experts = 2 * num_ranks
+    topo = topology(sizes, tuple(10.0 * 4 ** i for i in range(len(sizes))))
+    model = hm.HDCostModel(topo, Workload(64, 64, 32, num_experts, 3))
+    tighter = 0
+    for _ in range(2):
+        token_rank = np.repeat(np.arange(num_ranks), rng.integers(0, 16, num_ranks))
+        uniform = uniform_topk(rng, token_rank.size, num_experts, 3)
+        hot = np.where(rng.random(uniform.shape) < 0.6, rng.integers(0, 3, uniform.shape), uniform)
+        for topk in (uniform, hot):
+            placement = rng.permutation(np.arange(num_experts) % num_ranks)
+            tables = np.stack([routing.source_table(topk[token_rank == q], num_experts, sizes, placement=placement)
+                               for q in range(num_ranks)])
+            experts = np.stack([routing.expert_table(topk[token_rank == q], num_experts, sizes, placement=placement)
+                                for q in range(num_ranks)])
+            for d in range(1, len(sizes) + 1):
+                now, floors = model.swap_floor_experts(tables, experts, d, placement)
+                ref_now, by_rank = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
+                assert now == pytest.approx(ref_now, rel=1e-12)
+                for a in range(num_experts):
+                    for b in range(a + 1, num_experts):
+                        swapped = placement.copy()
+                        swapped[[a, b]] = swapped[[b, a]]
+                        after = model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
+                                                            token_rank=token_rank))[d - 1]
+                        assert floors[a, b] == floors[b, a] <= after * (1 + 1e-12), (d, a, b, floors[a, b], after)
+                        pa, pb = placement[a], placement[b]
+                        if pa != pb:
+                            assert floors[a, b] >= by_rank[pa, pb] * (1 - 1e-12)
+                            tighter += floors[a, b] > by_rank[pa, pb] * (1 + 1e-12)
+    assert tighter, "the expert bound was never tighter than the rank-pair one"
+
+
 def test_best_swap_is_the_argmin_and_helps_a_skewed_placement():
     """Experts 0 and 1 share rank 0 and each is picked by half the tokens (never both), so rank 0
     receives every token; the best swap moves one of them away, and its predicted time equals the

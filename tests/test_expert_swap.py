@@ -242,6 +242,8 @@ def test_payback_rule_keeps_only_swaps_that_repay_their_migration() -> None:
     for rank, res in enumerate(results):
         # the runtime's statistics of each forward are those of every rank's routing together
         assert res["stats_err"] == 0.0, f"rank {rank}: gathered statistics differ: {res['stats_err']}"
+        # the per-expert counts the payback bound asks for, from the forward after its first call on
+        assert res["experts_checked"] >= 3 * 2 * 3, f"rank {rank}: {res['experts_checked']}"
         free, tight, loose = res["0.0"], res["1e-09"], res["1000000000000.0"]
         # the messages each call posted: the decider of each layer's routing, [] for one without
         # routing (decisions, outcomes); the first call's routing goes twice (its capacity grows)
