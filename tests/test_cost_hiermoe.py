@@ -365,6 +365,17 @@ def test_incremental_swap_matrix_equals_brute_force(sizes, kind, seed, repeats, 
             np.testing.assert_allclose(both[1], slow_max, rtol=1e-10, atol=0)
 
 
+def times_after_swaps(model, topk, placement, token_rank, d):
+    """(a, b, t_d after swapping experts a < b), recomputed from scratch for every pair."""
+    num_experts, sizes = model.workload.num_experts, model.topology.sizes
+    for a in range(num_experts):
+        for b in range(a + 1, num_experts):
+            swapped = placement.copy()
+            swapped[[a, b]] = swapped[[b, a]]
+            yield a, b, model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
+                                                    token_rank=token_rank))[d - 1]
+
+
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (4,)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
@@ -399,14 +410,9 @@ def test_swap_floor_bounds_every_swap_from_below(sizes, seed):
                                            placement=placement, token_rank=sources)
                 for i, c in enumerate(got):
                     np.testing.assert_array_equal(c, (*want.p_inter, *want.p_intra)[i])
-            for a in range(num_experts):
-                for b in range(a + 1, num_experts):
-                    swapped = placement.copy()
-                    swapped[[a, b]] = swapped[[b, a]]
-                    after = model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
-                                                        token_rank=token_rank))[d - 1]
-                    pa, pb = placement[a], placement[b]
-                    assert floors[pa, pb] == floors[pb, pa] <= after * (1 + 1e-12), (d, a, b, floors[pa, pb], after)
+            for a, b, after in times_after_swaps(model, topk, placement, token_rank, d):
+                pa, pb = placement[a], placement[b]
+                assert floors[pa, pb] == floors[pb, pa] <= after * (1 + 1e-12), (d, a, b, floors[pa, pb], after)
     # two busy ranks of four (every token to experts 0 and 2, on ranks 0 and 1): a swap between
     # them could at best leave the others' count (nothing); one with rank 2 leaves rank 0 or 1 busy
     topk = np.tile([[0, 2]], (8, 1))
@@ -499,17 +505,12 @@ def test_swap_floor_experts_bounds_every_swap_and_tightens_the_rank_pair_bound(s
                 now, floors = model.swap_floor_experts(tables, experts, d, placement)
                 ref_now, by_rank = model.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
                 assert now == pytest.approx(ref_now, rel=1e-12)
-                for a in range(num_experts):
-                    for b in range(a + 1, num_experts):
-                        swapped = placement.copy()
-                        swapped[[a, b]] = swapped[[b, a]]
-                        after = model.times_s(hd_statistics(topk, num_experts, sizes, placement=swapped,
-                                                            token_rank=token_rank))[d - 1]
-                        assert floors[a, b] == floors[b, a] <= after * (1 + 1e-12), (d, a, b, floors[a, b], after)
-                        pa, pb = placement[a], placement[b]
-                        if pa != pb:
-                            assert floors[a, b] >= by_rank[pa, pb] * (1 - 1e-12)
-                            tighter += floors[a, b] > by_rank[pa, pb] * (1 + 1e-12)
+                for a, b, after in times_after_swaps(model, topk, placement, token_rank, d):
+                    assert floors[a, b] == floors[b, a] <= after * (1 + 1e-12), (d, a, b, floors[a, b], after)
+                    pa, pb = placement[a], placement[b]
+                    if pa != pb:
+                        assert floors[a, b] >= by_rank[pa, pb] * (1 - 1e-12)
+                        tighter += floors[a, b] > by_rank[pa, pb] * (1 + 1e-12)
     assert tighter, "the expert bound was never tighter than the rank-pair one"
 
 
