@@ -34,6 +34,7 @@ from moe_compile.cost.routing import (
     Kind,
     _Routing,
     hd_statistics,
+    phase_keys,
     phase_statistics,
     swap_statistics_kinds,
 )
@@ -289,45 +290,34 @@ class HDCostModel:
         num_ranks, num_experts = math.prod(sizes), self.workload.num_experts
         experts = np.asarray(experts)
         r = _Routing.from_sources(np.asarray(tables).astype(np.int64, copy=False), sizes)
-        keys = [(lv, lv) for lv in range(1, r.num_levels)] + [(r.num_levels, i + 1) for i in range(r.num_levels)]
         placement = np.asarray(placement, dtype=np.int64)
         now: list[Any] = [0.0] * (2 * self.num_levels - 1)  # t_d reads no other
         floor: list[Any] = list(now)
         for i in self._phases(d):
-            level, split = keys[i]
+            level, split = phase_keys(self.num_levels)[i]
             c = r.counts(level, split).astype(np.float64)  # [relay position, level-l group]
             num_pos = c.shape[0]
-            relay = np.arange(num_ranks) % num_pos  # each source's relay position
-            n = np.zeros((num_pos, num_experts))
-            u = np.zeros((num_pos, num_experts))
-            np.add.at(n, relay, experts[:, 0, :])
-            np.add.at(u, relay, experts[:, level, :])
+            # a relay's counts are its sources' (source q at position q mod num_pos) summed
+            n = experts[:, 0, :].reshape(-1, num_pos, num_experts).sum(0)  # [x, e] tokens that chose e
+            u = experts[:, level, :].reshape(-1, num_pos, num_experts).sum(0)  # ... e alone in e's group
             grp = placement // (num_ranks // r.groups[level])  # [E] each expert's group
             kept = c[:, grp] - u  # [x, a]: what g_a keeps from relay x when a leaves it
             low_a = np.maximum(kept[:, :, None], n[:, None, :])  # [x, a, b]: into g_a after the swap
             low_b = np.maximum(kept[:, None, :], n[:, :, None])  # into g_b
-            order = np.argsort(-c, axis=1, kind="stable")[:, :3]  # each relay's three busiest groups
-            top = np.concatenate([c[np.arange(num_pos)[:, None], order], np.zeros((num_pos, 3 - order.shape[1]))], 1)
-            order = np.concatenate([order, np.full((num_pos, 3 - order.shape[1]), -1)], 1)
-            ga, gb = grp[None, :, None], grp[None, None, :]
-            hit0 = (order[:, 0, None, None] == ga) | (order[:, 0, None, None] == gb)
-            hit1 = (order[:, 1, None, None] == ga) | (order[:, 1, None, None] == gb)
-            others = np.where(hit0, np.where(hit1, top[:, 2, None, None], top[:, 1, None, None]),
-                              top[:, 0, None, None])
-            bound = np.maximum(others, np.maximum(low_a, low_b)).max(0)  # [a, b]
             now[i] = float(c.max())
+            bound = np.maximum(_outside(c, grp), np.maximum(low_a, low_b)).max(0)  # [a, b]
             floor[i] = np.where(grp[:, None] == grp[None, :], now[i], bound)
-        t_d = self._t_d[d - 1]
-        return float(t_d(*now)), np.broadcast_to(t_d(*floor), (num_experts, num_experts)).astype(np.float64)
+        return self._bounds(d, now, floor, num_experts)
 
     def _floors(self, d: int, counts: Sequence[np.ndarray]) -> tuple[float, np.ndarray]:
         """(t_d, [G, G] its bounds after a swap between ranks A and B) from the per-destination
-        counts of t_d's phases."""
+        counts of t_d's phases: ``_outside`` for one row of counts, in Python (a few dozen numbers;
+        2-3x faster than numpy here, and this runs every swapper call)."""
         num_ranks = math.prod(self.topology.sizes)
         now: list[Any] = [0.0] * (2 * self.num_levels - 1)  # t_d reads no other
         floor: list[Any] = list(now)
         for i, c in zip(self._phases(d), counts, strict=True):
-            values = np.asarray(c).reshape(-1).tolist()  # one per destination: a few dozen at most
+            values = np.asarray(c).reshape(-1).tolist()  # one per destination
             top = sorted(range(len(values)), key=values.__getitem__, reverse=True)[:3]  # the busiest three
             vals = [float(values[j]) for j in top] + [0.0] * (3 - len(top))
             touched, apart = _touched(num_ranks, len(values))
@@ -338,8 +328,12 @@ class HDCostModel:
             # count outside their two groups
             floor[i] = np.where(apart & touched[top[0]], bound, vals[0])
             now[i] = vals[0]
+        return self._bounds(d, now, floor, num_ranks)
+
+    def _bounds(self, d: int, now: list[Any], floor: list[Any], n: int) -> tuple[float, np.ndarray]:
+        """(t_d of the phase maxima ``now``, [n, n] t_d of the phase bounds ``floor``)."""
         t_d = self._t_d[d - 1]
-        return float(t_d(*now)), np.broadcast_to(t_d(*floor), (num_ranks, num_ranks)).astype(np.float64)
+        return float(t_d(*now)), np.broadcast_to(t_d(*floor), (n, n)).astype(np.float64)
 
     def choose(self, topk_idx: Any, *, placement: Any = None, token_rank: Any = None) -> int:
         """d* (Eq. 6, Alg. 1) from fresh routing: statistics, then the lambdified times."""
@@ -381,6 +375,19 @@ def _touched(num_ranks: int, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
     group = np.arange(num_ranks) // (num_ranks // num_groups)
     j = np.arange(num_groups)[:, None, None]
     return (group[None, :, None] == j) | (group[None, None, :] == j), group[:, None] != group[None, :]
+
+
+def _outside(c: np.ndarray, grp: np.ndarray) -> np.ndarray:
+    """[x, a, b]: relay x's largest count c[x, g] over the groups g other than grp[a] and grp[b]
+    (0 where none is left), what a swap between a and b leaves as it is (it changes those two
+    groups only): the busiest of each relay's three busiest groups that the pair leaves alone."""
+    order = np.argsort(-c, axis=1, kind="stable")[:, :3]  # each relay's three busiest groups
+    top = np.zeros((c.shape[0], 3))  # their counts, 0 where there are fewer groups
+    top[:, : order.shape[1]] = c[np.arange(c.shape[0])[:, None], order]
+    mine = order[:, :, None] == grp[None, None, :]  # [x, k, a]: a is in the k-th busiest group
+    hit = [mine[:, k, :, None] | mine[:, k, None, :] for k in range(min(2, order.shape[1]))]
+    hit += [np.ones_like(hit[0])] * (2 - len(hit))  # fewer than 3 groups: the rest count 0
+    return np.where(hit[0], np.where(hit[1], top[:, 2, None, None], top[:, 1, None, None]), top[:, 0, None, None])
 
 
 def best_swap(q: np.ndarray) -> tuple[int, int, float]:

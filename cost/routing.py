@@ -174,7 +174,7 @@ def phase_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int]
     with the relays' one-hot; float32, exact below 2**24 tokens), O(T*(K+U)): for the few phases
     one t_d reads, without ``hd_statistics``' sort of every token's ranks."""
     r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank, tables=False)
-    keys = [(lv, lv) for lv in range(1, r.num_levels)] + [(r.num_levels, i + 1) for i in range(r.num_levels)]
+    keys = phase_keys(r.num_levels)
     num_tokens = r.topk.shape[0]
     dtype = np.float32 if num_tokens < 2**24 else np.float64
     out = []
@@ -193,6 +193,13 @@ def phase_statistics(topk_idx: Any, num_experts: int, group_sizes: Sequence[int]
             per_relay = relay.T @ hit
         out.append(per_relay.max(0).astype(np.int64) * mult)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def phase_keys(num_levels: int) -> tuple[tuple[int, int], ...]:
+    """Every HD phase as (destination level, relay split), in ``HDStatistics.values()`` order:
+    Inter-level-1..D-1 = (l, l), then Intra-level-0..D-1 = (D, i + 1) (``_Routing.counts``)."""
+    return (*((lv, lv) for lv in range(1, num_levels)), *((num_levels, i + 1) for i in range(num_levels)))
 
 
 def aggregate(values: Any, kind: Kind = "max", gamma: float = 10.0) -> Any:
@@ -250,19 +257,18 @@ def swap_statistics_kinds(topk_idx: Any, num_experts: int, group_sizes: Sequence
     costly part, run once for all of them."""
     r = _Routing(topk_idx, num_experts, group_sizes, placement, token_rank, tables=method != "incremental")
     num_levels = r.num_levels
-    # (group level, relay split) of Inter-level-1..D-1, then of Intra-level-0..D-1
-    phase_keys = [(lv, lv) for lv in range(1, num_levels)] + [(num_levels, i + 1) for i in range(num_levels)]
+    keys = phase_keys(num_levels)
     if method == "incremental":
-        wanted = range(len(phase_keys)) if phases is None else set(phases)
+        wanted = range(len(keys)) if phases is None else set(phases)
         num_k = r.topk.shape[1]
         dense = num_experts * (num_experts + r.num_ranks) <= DENSE_COUNTS_RATIO * num_k * num_k
         sel_TE = _selection(r) if dense else None
         per_phase = [_swap_phase(r, level, split, kinds, gamma, sel_TE) if i in wanted
                      else [np.zeros((num_experts, num_experts)) for _ in kinds]
-                     for i, (level, split) in enumerate(phase_keys)]
+                     for i, (level, split) in enumerate(keys)]
         per_kind = [[m[j] for m in per_phase] for j in range(len(kinds))]
     elif method == "brute_force":
-        per_kind = [[np.empty((num_experts, num_experts)) for _ in phase_keys] for _ in kinds]
+        per_kind = [[np.empty((num_experts, num_experts)) for _ in keys] for _ in kinds]
         base = hd_statistics(topk_idx, num_experts, r.sizes, placement=r.placement, token_rank=token_rank)
         for mats, kind in zip(per_kind, kinds, strict=True):
             for m, v in zip(mats, base.values(kind, gamma)):
