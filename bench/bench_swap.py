@@ -36,7 +36,7 @@ and combine, forward and backward), the measured dispatch + combine wall seconds
 gradient averaging, Adam step, zero_grad; after a barrier), and for the swapping variants the
 swapper's ``decision_s`` / ``migration_s`` (``ExpertSwapper.history``, after a barrier), its
 ``settle_s`` (overlap mode: the wait for a swap's outcome at the next forward) and swaps. Where
-the swap time goes is measured from outside by wrapping moe_compile.swap's and swap_transfer's
+the swap time goes is measured from outside by wrapping moe_compile.swap's, swap_policy's and swap_transfer's
 internals in timers at run time (nothing in moe_compile is edited): the swapper's exchanges of
 all ranks (posting and waiting), Q (the cost model's swap matrix, or Smart's), the predicted
 times of a chosen swap, the two ranks' row exchange (p2p) and the commit.
@@ -65,7 +65,7 @@ from swap_report import BASE, DISTRIBUTIONS, PART_NAMES, VARIANTS, ZIPF_EXPONENT
 from torch import Tensor, nn
 
 import moe_compile
-from moe_compile import swap, swap_transfer
+from moe_compile import swap, swap_policy, swap_transfer
 from moe_compile.cost import hiermoe as cost_hiermoe
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
@@ -94,10 +94,10 @@ def instrument_swap() -> None:
     functions are called as before). Each part sums into PARTS while a step runs."""
     swap_transfer.Message.__init__ = _timed("exchange_s", swap_transfer.Message.__init__)  # type: ignore[method-assign]
     swap_transfer.Message.wait = _timed("exchange_s", swap_transfer.Message.wait)  # type: ignore[method-assign]
-    swap.smart_matrix = _timed("q_s", swap.smart_matrix)  # type: ignore[assignment]
+    swap_policy.smart_matrix = _timed("q_s", swap_policy.smart_matrix)  # type: ignore[assignment]
     cost_hiermoe.HDCostModel.swap_matrices = _timed("q_s", cost_hiermoe.HDCostModel.swap_matrices)  # type: ignore[method-assign]
-    swap.ExpertSwapper._decide_layer = _timed("decide_layer_s", swap.ExpertSwapper._decide_layer)  # type: ignore[method-assign]
-    swap.ExpertSwapper._predicted = staticmethod(_timed("predicted_s", swap.ExpertSwapper._predicted))  # type: ignore[method-assign]
+    swap_policy.decide_layer = _timed("decide_layer_s", swap_policy.decide_layer)  # type: ignore[assignment]
+    swap_policy.predicted = _timed("predicted_s", swap_policy.predicted)  # type: ignore[assignment]
     swap_transfer.migrate = _timed("migrate_s", swap_transfer.migrate)  # type: ignore[assignment]
     swap_transfer.commit = _timed("commit_s", swap_transfer.commit)  # type: ignore[assignment]
 

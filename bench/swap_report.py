@@ -191,7 +191,7 @@ def write_report(payload: dict[str, Any], out: Path | None) -> None:
         "with them): where it fails the layer's routing is not sent, and a "
         "call with no routing, decision or outcome to send exchanges nothing (but every 16th call, which "
         "announces the payload sizes again); predicted = Smart's predicted time after a chosen swap "
-        "(`_predicted`; its time before comes from the payback check where there is one, else a second call); p2p = "
+        "(`swap_policy.predicted`; its time before comes from the payback check where there is one, else a second call); p2p = "
         "`swap_transfer.migrate` (one message each way between the two ranks of a swap: a description of what "
         "each side sends and its rows); commit = "
         "writing the received rows; rest = decision + migration - exchanges - the per-layer decisions (Q, "

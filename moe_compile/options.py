@@ -139,7 +139,7 @@ class SwapOptions:
         in force at the layer's next forward (see the module docstring).
     payback: swap only when the predicted all-to-all time saved over this many training steps
         exceeds the predicted time to move the two experts (default 0: no such rule). Saved per
-        step: ``moe_compile.swap.A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
+        step: ``moe_compile.swap_policy.A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
         (``Level.time_s``) of the larger of the two ranks' announced ``payload_bytes`` at the
         slowest level between them. With routing that changes every step a swap's gain may not
         last, while its migration is paid at once.

@@ -35,6 +35,9 @@ outcome to send exchanges nothing (every ``ANNOUNCE_EVERY`` calls one small exch
 payload sizes again). So on a steady routing that no swap would repay, ``step()`` costs a few
 arithmetic operations per layer and no communication.
 
+The decision itself (Q*, the rules above, the payback bounds, Smart's matrix) is
+``moe_compile.swap_policy``; this module exchanges what it needs and moves the experts.
+
 One rank per layer computes Q* (rank = layer index mod world size, fixed; they work in parallel)
 and an exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange
 of the swapper is one ``all_to_all_single`` on its own gloo group in which each rank sends the
@@ -99,12 +102,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_compile import runtime
+from moe_compile import swap_policy as policy
 from moe_compile import swap_transfer as transfer
-from moe_compile.cost.hiermoe import best_swap
-from moe_compile.cost.routing import _exclusion_table, _first_difference, hd_statistics
 from moe_compile.options import SwapOptions, parse_swap_options
 
-A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
 # the most calls without an exchange (where no layer's routing needs one and no decision or outcome is
 # due): then a header-only exchange announces every rank's payload_bytes again
 ANNOUNCE_EVERY = 16
@@ -215,7 +216,7 @@ class ExpertSwapper:
     _options: dict[int, tuple[Any, SwapOptions]] = field(default_factory=dict)  # layer id -> (its swap_options, merged)
     _payload_sizes: dict[int, tuple[Any, int]] = field(default_factory=dict)  # layer id -> (what moves, bytes)
     _checked: tuple[Any, ...] = ()  # (layers seen, their options) that _checked_layers last found consistent
-    # layer id -> every rank's payload_bytes from the last message read, and _migration_matrix of them
+    # layer id -> every rank's payload_bytes from the last message read, and policy.migration_matrix of them
     _announced: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     _posted: int = -ANNOUNCE_EVERY  # the call that last posted a message (the same on every rank)
 
@@ -330,6 +331,7 @@ class ExpertSwapper:
             if len({o.overlap for o in all_opts}) > 1:
                 raise ValueError("expert swap: every layer of the model must use the same 'overlap'")
             for lay, opts in zip(layers, all_opts, strict=True):
+                lay.gather_experts = policy.payback_bounded(lay, opts)  # for policy.no_swap_repays
                 if (opts.policy == "hierd" or opts.payback) and lay.cost is None:
                     raise ValueError(f"layer {lay.name}: expert swap predicts HierD-AlltoAll times from the "
                                      "cluster's alpha/beta; compile with options['topology'] (a TOML from "
@@ -381,20 +383,11 @@ class ExpertSwapper:
         (``moved``: ids of layers whose swap this call started), no sizes announced yet."""
         out = []
         for lay, o in zip(layers, opts, strict=True):
-            announced, stats = self._announced.get(lay.layer_id), lay.last_stats
-            bounded = bool(o.payback and lay.slot_params and lay.cost is not None)
-            lay.gather_experts = bounded  # from the next forward on: for the tighter bound below
-            if not (bounded and stats is not None and announced is not None and id(lay) not in moved
-                    and np.array_equal(lay.last_stats_placement, lay.expert_pos_E.cpu().numpy())):
-                out.append(False)
-                continue
-            d, migration = lay.last_dimension or 1, announced[1]
-            now, floors = lay.cost.swap_floor_from_statistics(stats, d)  # per rank pair, ~10 us
-            if _repayable(now, floors, o.payback, migration) and lay.last_experts is not None:
-                placement = lay.last_stats_placement  # per expert pair: the experts' tokens move with them
-                now, floors = lay.cost.swap_floor_experts(lay.last_tables, lay.last_experts, d, placement)
-                migration = migration[np.ix_(placement, placement)]
-            out.append(not _repayable(now, floors, o.payback, migration))
+            announced = self._announced.get(lay.layer_id)
+            out.append(policy.payback_bounded(lay, o) and lay.last_stats is not None and announced is not None
+                       and id(lay) not in moved
+                       and np.array_equal(lay.last_stats_placement, lay.expert_pos_E.cpu().numpy())
+                       and policy.no_swap_repays(lay, o, announced[1]))
         return out
 
     def _announce(self, layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
@@ -402,7 +395,7 @@ class ExpertSwapper:
         ``_unneeded`` with the migration time between every pair of ranks they give."""
         got = msg.payload()
         sizes = {lay.layer_id: got[:, i] for i, lay in enumerate(layers)}
-        self._announced = {lay.layer_id: (sizes[lay.layer_id], _migration_matrix(lay, sizes[lay.layer_id]))
+        self._announced = {lay.layer_id: (sizes[lay.layer_id], policy.migration_matrix(lay, sizes[lay.layer_id]))
                            for lay in layers}
         return sizes
 
@@ -431,7 +424,7 @@ class ExpertSwapper:
         for i, lay in enumerate(layers):
             routing = routings[i]
             if routing is not None:
-                table[i] = self._decide_layer(lay, opts[i], _planned(lay, pending), *routing, sizes.get(lay.layer_id))
+                table[i] = policy.decide_layer(lay, opts[i], _planned(lay, pending), *routing, sizes.get(lay.layer_id))
         return table
 
     def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:
@@ -487,51 +480,6 @@ class ExpertSwapper:
         self.history.append(StepTiming(self.calls, time.perf_counter() - t0 - migration_s, migration_s,
                                        len(records), cpu_s=time.thread_time() - c0))
         return records
-
-    def _decide_layer(self, lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
-                      token_rank: np.ndarray, sizes: np.ndarray | None) -> list[float]:
-        d = lay.last_dimension or lay.dimension or 1
-        none = [0.0] * transfer.TABLE_COLS
-        now = None  # t_d of the placement as is, where the payback check below computed it
-        if opts.payback and lay.slot_params and lay.cost is not None:
-            # skip Q* when not even the best conceivable swap would pass the payback rule below
-            now, floors = lay.cost.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
-            if not _repayable(now, floors, opts.payback, _migration_matrix(lay, sizes)):
-                return none
-        q_max = None  # plain-max Q: [r, c] / diagonal = t_d after / before a swap
-        if opts.policy == "hierd":
-            assert lay.cost is not None
-            kinds = (opts.kind,) if opts.kind == "max" else (opts.kind, "max")
-            qs, d = lay.cost.swap_matrices(topk, d=d, kinds=kinds, gamma=opts.gamma,  # type: ignore[arg-type]
-                                           placement=placement, token_rank=token_rank)
-            q, q_max = qs[0], qs[-1]
-        else:
-            q = smart_matrix(topk, lay.num_experts, placement, lay.comm.world)
-        before = float(q[0, 0])
-        a, b, after = best_swap(q)
-        if not after < (1.0 - opts.threshold) * before or placement[a] == placement[b]:
-            return none
-        if q_max is not None:
-            pred = [float(q_max[a, a]), float(q_max[a, b])]
-        else:
-            swapped = placement.copy()
-            swapped[[a, b]] = swapped[[b, a]]
-            pred = [now if now is not None else self._predicted(lay, topk, token_rank, placement, d),
-                    self._predicted(lay, topk, token_rank, swapped, d)]
-        if opts.policy == "hierd" and opts.kind != "max" and pred[1] > pred[0]:
-            return none  # the smooth objective improved but the time it stands for would not
-        migration = _migration_s(lay, int(placement[a]), int(placement[b]), sizes)
-        if opts.payback and not A2A_PER_STEP * (pred[0] - pred[1]) * opts.payback > migration:
-            return none  # moving the two experts costs more than it would save in `payback` steps
-        return [1.0, a, b, d, before, after, *pred, migration]
-
-    @staticmethod
-    def _predicted(lay: runtime.EPLayer, topk: np.ndarray, token_rank: np.ndarray, placement: np.ndarray,
-                   d: int) -> float:
-        if lay.cost is None:
-            return float("nan")
-        stats = hd_statistics(topk, lay.num_experts, lay.comm.sizes, placement=placement, token_rank=token_rank)
-        return float(lay.cost.times_s(stats)[d - 1])
 
     def _start(self, swaps: Sequence[tuple[runtime.EPLayer, tuple[Any, ...]]], sizes: Mapping[int, np.ndarray]
                ) -> tuple[list[SwapRecord], list[bool], list[_Pending], list[_Written], BaseException | None]:
@@ -650,20 +598,6 @@ def expert_swapper(model: nn.Module, optimizer: torch.optim.Optimizer | None, **
     return ExpertSwapper(model, optimizer, dict(options))
 
 
-def smart_matrix(topk: np.ndarray, num_experts: int, placement: np.ndarray, world: int) -> np.ndarray:
-    """[E, E]: the largest raw token count (one per (token, expert) pair, no dedup) any rank
-    receives after swapping experts r and c: SmartMoE-style load balancing. The diagonal is
-    the placement as is."""
-    load_E = np.bincount(topk.ravel(), minlength=num_experts).astype(np.float64)
-    load_G = np.bincount(placement, weights=load_E, minlength=world)
-    pa, pb = placement[:, None], placement[None, :]
-    others = _exclusion_table(load_G, np.maximum)[pa, pb]  # -inf where no third rank is left
-    delta = load_E[None, :] - load_E[:, None]  # [r, c]: what r's rank gains when r and c swap
-    q = np.maximum(others, np.maximum(load_G[pa] + delta, load_G[pb] - delta))
-    q[pa == pb] = load_G.max()
-    return q
-
-
 def _deciders(comm: Any, num_layers: int) -> list[int]:
     """The global rank that computes each layer's Q* (and alone receives its routing): layer i
     on mesh position i mod world, fixed, so that a rank posting its routing knows where it goes."""
@@ -684,42 +618,6 @@ def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
         if p.lay is lay:
             placement[[p.a, p.b]] = placement[[p.b, p.a]]
     return placement
-
-
-def _migration_s(lay: runtime.EPLayer, pa: int, pb: int, sizes: np.ndarray | None) -> float:
-    """Predicted seconds to move experts between mesh positions pa and pb: both ranks send their
-    announced ``payload_bytes`` at once over the slowest level between them (alpha + bytes * beta
-    of that level); 0 where no rows move, nan where a size or the topology is unknown."""
-    if not lay.slot_params or pa == pb:
-        return 0.0
-    if sizes is None or lay.cost is None:
-        return float("nan")
-    levels = lay.cost.topology.levels
-    coords = np.unravel_index([pa, pb], tuple(lay.comm.sizes))
-    first = next(i for i, c in enumerate(coords) if c[0] != c[1])
-    return levels[first].time_s(float(max(sizes[lay.comm.ranks[pa]], sizes[lay.comm.ranks[pb]])))
-
-
-def _migration_matrix(lay: runtime.EPLayer, sizes: np.ndarray | None) -> np.ndarray:
-    """[A, B]: ``_migration_s`` between mesh positions A and B for every pair at once (inf where
-    A == B, no swap to pay for; nan where a size or the topology is unknown)."""
-    world = lay.comm.world
-    if sizes is None or lay.cost is None:
-        return np.full((world, world), np.nan)
-    levels = lay.cost.topology.levels
-    first = _first_difference(tuple(lay.comm.sizes)).reshape(world, world)  # len(levels) where A == B
-    alpha = np.array([lv.alpha_s for lv in levels] + [np.inf])
-    beta = np.array([lv.beta_s_per_byte for lv in levels] + [0.0])
-    by_pos = np.asarray(sizes, dtype=np.float64)[list(lay.comm.ranks)]
-    return alpha[first] + np.maximum(by_pos[:, None], by_pos[None, :]) * beta[first]
-
-
-def _repayable(now: float, floors: np.ndarray, payback: float, migration: np.ndarray) -> bool:
-    """Whether some pair of ranks could save, over ``payback`` steps, more than moving an expert
-    between them costs: ``floors[A, B]`` bounds t_d after a swap between A and B from below
-    (``HDCostModel.swap_floor_s``), ``migration`` is ``_migration_matrix`` (nan: unknown, taken
-    as not repayable, as the payback check on a chosen swap takes it)."""
-    return bool((A2A_PER_STEP * (now - floors) * payback > migration).any())
 
 
 def _decisions(table: np.ndarray) -> list[tuple[Any, ...] | None]:

@@ -167,7 +167,7 @@ def test_smart_matrix_matches_brute_force() -> None:
     each swap, against recounting every swapped placement."""
     import numpy as np
 
-    from moe_compile.swap import smart_matrix
+    from moe_compile.swap_policy import smart_matrix
 
     rng = np.random.default_rng(0)
     num_experts = 12
