@@ -454,11 +454,12 @@ def case_payback() -> dict[str, Any]:
 
     swap_transfer.Message.__init__ = counted  # type: ignore[method-assign]
     stats_err, experts_checked = 0.0, 0
+    announce_every = swap.ANNOUNCE_EVERY
     for payback, overlap in zip(PARAMS["paybacks"], PARAMS["overlaps"], strict=True):
         model, compiled, report = build("shard", "grouped_gemm", mesh)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         swapper = moe_compile.expert_swapper(compiled, opt, payback=payback, overlap=overlap)
-        swap.ANNOUNCE_EVERY = 2 if overlap else 16  # overlap: a header-only announcement every 2 calls
+        swap.ANNOUNCE_EVERY = 2 if overlap else announce_every  # overlap: a header-only announcement every 2 calls
         made = []
         posted.clear()
         calls = []
@@ -498,6 +499,7 @@ def case_payback() -> dict[str, Any]:
         out[f"{payback}{' overlap' if overlap else ''}"] = made
         out[f"messages {payback}{' overlap' if overlap else ''}"] = calls
     swap_transfer.Message.__init__ = real_init  # type: ignore[method-assign]
+    swap.ANNOUNCE_EVERY = announce_every
     out["stats_err"], out["experts_checked"] = stats_err, experts_checked
     return out
 
