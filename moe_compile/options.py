@@ -119,6 +119,9 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
 # expert swap (moe_compile.swap) ---------------------------------------------------------------------
 
 POLICIES = ("hierd", "smart")
+# training steps in which a swap's predicted all-to-all saving must repay its predicted migration
+# (SwapOptions.payback): what keeps the swapper under HierMoE's ~1 % of a step (Section V-E)
+DEFAULT_PAYBACK = 10.0
 KINDS = ("max", "smooth", "lse")
 
 
@@ -138,11 +141,14 @@ class SwapOptions:
         steps before; only a swap's two ranks move its rows inside ``step()``, the others put it
         in force at the layer's next forward (see the module docstring).
     payback: swap only when the predicted all-to-all time saved over this many training steps
-        exceeds the predicted time to move the two experts (default 0: no such rule). Saved per
+        exceeds the predicted time to move the two experts (default ``DEFAULT_PAYBACK``, 10; 0
+        turns the rule off and swaps on any predicted gain, as HierMoE Section IV does). Saved per
         step: ``moe_compile.swap_policy.A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
         (``Level.time_s``) of the larger of the two ranks' announced ``payload_bytes`` at the
         slowest level between them. With routing that changes every step a swap's gain may not
-        last, while its migration is paid at once.
+        last, while its migration is paid at once: on the tiny LM with 8 ranks, swapping on any
+        gain costs 3-8 % of a training step at every=1, the rule 0.5-0.8 % (bench/README.md). It
+        applies to experts sharded by ``shard_experts`` (whole experts move no rows).
     """
 
     every: int = 1
@@ -151,7 +157,7 @@ class SwapOptions:
     gamma: float = 10.0
     policy: str = "hierd"
     overlap: bool = False
-    payback: float = 0.0
+    payback: float = DEFAULT_PAYBACK
 
 
 def parse_swap_options(raw: object) -> SwapOptions | None:
@@ -186,7 +192,7 @@ def parse_swap_options(raw: object) -> SwapOptions | None:
     overlap = raw.get("overlap", False)
     if not isinstance(overlap, bool):
         raise ValueError(f"expert_swap 'overlap' must be True or False, got {overlap!r}")
-    payback = raw.get("payback", 0.0)
+    payback = raw.get("payback", DEFAULT_PAYBACK)
     if isinstance(payback, bool) or not isinstance(payback, int | float) or not 0 <= payback < float("inf"):
         raise ValueError(f"expert_swap 'payback' must be a number of training steps >= 0 (0: off), got {payback!r}")
     return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap, float(payback))

@@ -44,7 +44,8 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
     which statistics ("gathered": every rank's routing together, exact; "max-reduced": each
     rank's own, an upper estimate, on meshes too large to gather), the payload
     bytes it sent per level, the experts this rank holds, the placement (mesh position of every
-    expert) and the expert swaps made so far (``moe_compile.swap.SwapRecord`` fields)."""
+    expert), the expert swaps made so far (``moe_compile.swap.SwapRecord`` fields) and the
+    swapper's decisions by outcome (a swap, or why none: ``moe_compile.swap_policy.OUTCOMES``)."""
     from dataclasses import asdict
 
     from moe_compile import runtime
@@ -57,7 +58,7 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
             "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position,
             "placement": lay.placement(), "swaps": [asdict(r) for r in lay.swaps],
-            "swappable": lay.swap_blocker is None}
+            "swap_decisions": dict(lay.swap_decisions), "swappable": lay.swap_blocker is None}
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,18 @@ class Report:
                 table.add_row(escape(r.name), used, pred, sent,
                               f"{local[0]}..{local[-1]} ({len(local)})" if contiguous else ", ".join(map(str, local)))
             console.print(table)
+            decided = [r for r in parallel if r.parallel and r.parallel["swap_decisions"]]
+            if decided:
+                table = Table(title="expert swap decisions (moe_compile.expert_swapper): a swap, or why none")
+                for col in ("layer", "decisions", "outcomes"):
+                    table.add_column(col, overflow="fold")
+                for r in decided:
+                    p = r.parallel
+                    assert p is not None
+                    counts = sorted(p["swap_decisions"].items(), key=lambda kv: -kv[1])
+                    table.add_row(escape(r.name), str(sum(p["swap_decisions"].values())),
+                                  "; ".join(f"{n} x {escape(what)}" for what, n in counts))
+                console.print(table)
             swapped = [r for r in parallel if r.parallel and r.parallel["swaps"]]
             if swapped:
                 table = Table(title="expert swaps (HierD-ES): placement = mesh position of each expert")

@@ -98,6 +98,9 @@ class EPLayer:
     swap_blocker: str | None = None
     version: int = 0  # placement version: +1 per swap that moved an expert to another rank or slot
     swaps: list[Any] = field(default_factory=list)  # moe_compile.swap.SwapRecord, oldest first
+    # the swapper's decisions on this layer so far, by outcome (swap_policy.OUTCOMES: a swap or
+    # why none), the same on every rank
+    swap_decisions: dict[str, int] = field(default_factory=dict)
     last_topk: Any = None  # this rank's [T, K] routing of the last forward (expert swap reads it)
     # the exact statistics of every rank's routing of the last forward (choose_dimension; None
     # with a fixed dimension or on a mesh too large to gather them) and the placement they are for

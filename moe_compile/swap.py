@@ -91,6 +91,7 @@ placement is read, or at the next swapper call. ``step()`` returns the swaps it 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -332,10 +333,12 @@ class ExpertSwapper:
                 raise ValueError("expert swap: every layer of the model must use the same 'overlap'")
             for lay, opts in zip(layers, all_opts, strict=True):
                 lay.gather_experts = policy.payback_bounded(lay, opts)  # for policy.no_swap_repays
-                if (opts.policy == "hierd" or opts.payback) and lay.cost is None:
-                    raise ValueError(f"layer {lay.name}: expert swap predicts HierD-AlltoAll times from the "
+                if (opts.policy == "hierd" or (opts.payback and lay.slot_params)) and lay.cost is None:
+                    why = "HierD-ES" if opts.policy == "hierd" else f"the payback rule (payback {opts.payback:g} steps)"
+                    raise ValueError(f"layer {lay.name}: {why} predicts HierD-AlltoAll times from the "
                                      "cluster's alpha/beta; compile with options['topology'] (a TOML from "
-                                     "moe-calibrate)")
+                                     "moe-calibrate)" + ("" if opts.policy == "hierd" else
+                                                        ", or turn the rule off with expert_swap 'payback': 0"))
             self._checked = key
         for lay in layers:  # these can change from one call to the next
             if lay.swap_blocker:
@@ -352,6 +355,8 @@ class ExpertSwapper:
         compute this rank's rows, exchange them. Returns the decisions and the sizes."""
         comm = layers[0].comm
         unneeded = self._unneeded(layers, opts, set())
+        for lay in itertools.compress(layers, unneeded):
+            policy.count(lay, policy.NO_PAYBACK)
         if all(unneeded) and self.calls - self._posted < ANNOUNCE_EVERY:
             return [None] * len(layers), {}
         topks, deciders = _routed(layers, unneeded) if not all(unneeded) else (None, [])
@@ -364,8 +369,11 @@ class ExpertSwapper:
                 self._posted = self.calls
                 if all(unneeded):  # an announcement only
                     return [None] * len(layers), sizes
-                table = self._table_rows(layers, opts, routings, sizes)
-                return _decisions(self._post(comm.world, table=table).table()), sizes
+                table = self._post(comm.world, table=self._table_rows(layers, opts, routings, sizes)).table()
+                for lay, code in zip(layers, table[:, 0], strict=True):
+                    if (what := policy.outcome(code)) is not None:
+                        policy.count(lay, what)
+                return _decisions(table), sizes
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
 
     def _unneeded(self, layers: Sequence[runtime.EPLayer], opts: Sequence[SwapOptions], moved: set[int]
@@ -449,16 +457,26 @@ class ExpertSwapper:
         sizes: dict[int, np.ndarray] = {}
         rnd, self._round = self._round, None
         if rnd is not None:
-            if rnd.versions is not None and all(rnd.msg.outcome()):
-                swaps = [(lay, dec) for lay, dec, v in zip(rnd.table_layers, _decisions(rnd.msg.table()),
-                                                           rnd.versions, strict=True)
-                         if dec is not None and lay.version == v]
+            if rnd.versions is not None:
+                ok, decided = all(rnd.msg.outcome()), rnd.msg.table()
+                for lay, code, v in zip(rnd.table_layers, decided[:, 0], rnd.versions, strict=True):
+                    what = policy.outcome(code)
+                    if what == policy.SWAPPED and not (ok and lay.version == v):
+                        what = policy.DROPPED
+                    if what is not None:
+                        policy.count(lay, what)
+                if ok:
+                    swaps = [(lay, dec) for lay, dec, v in zip(rnd.table_layers, _decisions(decided),
+                                                               rnd.versions, strict=True)
+                             if dec is not None and lay.version == v]
             if rnd.route_layers:  # None: the capacity grew, the next round has room
                 routings, self.capacity = rnd.msg.routing(comm)
             sizes = self._announce(rnd.payload_layers, rnd.msg)
         deciding = self.calls % opts[0].every == 0
         # before _start moves placements on the two ranks of a swap: decided alike everywhere
         unneeded = self._unneeded(layers, opts, {id(lay) for lay, _ in swaps}) if deciding else []
+        for lay in itertools.compress(layers, unneeded):
+            policy.count(lay, policy.NO_PAYBACK)
         if swaps:
             t1 = time.perf_counter()
             records, outcome, pending, written, error = self._start(swaps, sizes)

@@ -21,19 +21,43 @@ from moe_compile.swap_transfer import TABLE_COLS
 
 A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
 
+# What a layer's decision came to (EPLayer.swap_decisions): a swap, or why none. A decision row's
+# first entry is 1 for a swap, minus the index of the reason for none, 0 where the rank did not decide.
+SWAPPED, NO_GAIN, SMOOTH_ONLY, NO_PAYBACK = OUTCOMES = (
+    "swap", "no swap lowers the prediction (by more than the threshold)",
+    "a swap lowers the smooth max only, not the time", "no swap repays its migration within payback steps")
+
+
+# a swap decided in overlap mode and dropped before it started (a swap of that call failed on some
+# rank, or the layer's placement changed in between)
+DROPPED = "a decided swap dropped: the placement changed or a swap failed before it started"
+
+
+def no_swap(reason: str) -> list[float]:
+    """A decision row that makes no swap, for ``reason`` (one of OUTCOMES)."""
+    return [-float(OUTCOMES.index(reason))] + [0.0] * (TABLE_COLS - 1)
+
+
+def outcome(code: float) -> str | None:
+    """The outcome a decision row's first entry stands for (None: not decided)."""
+    return None if code == 0 else SWAPPED if code > 0 else OUTCOMES[int(round(-code))]
+
+
+def count(lay: runtime.EPLayer, what: str) -> None:
+    lay.swap_decisions[what] = lay.swap_decisions.get(what, 0) + 1
+
 
 def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
                  token_rank: np.ndarray, sizes: np.ndarray | None) -> list[float]:
     """The decision row of one layer (zeros: no swap) from every rank's routing of it ([T, K]
     ids and each token's source), on ``placement``, with every rank's announced ``sizes``."""
     d = lay.last_dimension or lay.dimension or 1
-    none = [0.0] * TABLE_COLS
     now = None  # t_d of the placement as is, where the payback check below computed it
     if payback_bounded(lay, opts):
         # skip Q* when not even the best conceivable swap would pass the payback rule below
         now, floors = lay.cost.swap_floor_s(topk, d, placement=placement, token_rank=token_rank)
         if not repayable(now, floors, opts.payback, migration_matrix(lay, sizes)):
-            return none
+            return no_swap(NO_PAYBACK)
     q_max = None  # plain-max Q: [r, c] / diagonal = t_d after / before a swap
     if opts.policy == "hierd":
         assert lay.cost is not None
@@ -46,7 +70,7 @@ def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray,
     before = float(q[0, 0])
     a, b, after = best_swap(q)
     if not after < (1.0 - opts.threshold) * before or placement[a] == placement[b]:
-        return none
+        return no_swap(NO_GAIN)
     if q_max is not None:
         pred = [float(q_max[a, a]), float(q_max[a, b])]
     else:
@@ -55,10 +79,10 @@ def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray,
         pred = [now if now is not None else predicted(lay, topk, token_rank, placement, d),
                 predicted(lay, topk, token_rank, swapped, d)]
     if opts.policy == "hierd" and opts.kind != "max" and pred[1] > pred[0]:
-        return none  # the smooth objective improved but the time it stands for would not
+        return no_swap(SMOOTH_ONLY)  # the smooth objective improved but the time it stands for would not
     migration = migration_s(lay, int(placement[a]), int(placement[b]), sizes)
     if opts.payback and not A2A_PER_STEP * (pred[0] - pred[1]) * opts.payback > migration:
-        return none  # moving the two experts costs more than it would save in `payback` steps
+        return no_swap(NO_PAYBACK)  # moving the two experts costs more than it would save in `payback` steps
     return [1.0, a, b, d, before, after, *pred, migration]
 
 

@@ -496,8 +496,17 @@ def case_payback() -> dict[str, Any]:
                              "expected_s": expected, "saved_s": rec.predicted_before_s - rec.predicted_after_s})
             calls.append(posted[before:])
         swapper.flush()
-        out[f"{payback}{' overlap' if overlap else ''}"] = made
-        out[f"messages {payback}{' overlap' if overlap else ''}"] = calls
+        key = f"{payback}{' overlap' if overlap else ''}"
+        out[key] = made
+        out[f"messages {key}"] = calls
+        out[f"decisions {key}"] = {lay.name: lay.swap_decisions for lay in swapper.layers()}
+        if payback == 1e-9 and not overlap:  # the report shows why no swap was made
+            probe = batches(1)[0]
+            text = moe_compile.explain(compiled._orig_mod, probe[:, :-1], probe[:, 1:], options={
+                "mesh": mesh, "topology": topology_for(mesh, 1.0, 100.0), "inner_compiler": "aot_eager",
+                "expert_swap": {"every": 1, "payback": payback}})
+            out["explain 1e-09"] = str(text)
+            out["explain decisions 1e-09"] = [r.parallel["swap_decisions"] for r in text.regions if r.parallel]
     swap_transfer.Message.__init__ = real_init  # type: ignore[method-assign]
     swap.ANNOUNCE_EVERY = announce_every
     out["stats_err"], out["experts_checked"] = stats_err, experts_checked

@@ -14,6 +14,9 @@ from __future__ import annotations
 import pytest
 from dist_utils import run_ranks
 
+from moe_compile.options import DEFAULT_PAYBACK, parse_swap_options
+from moe_compile.swap_policy import NO_PAYBACK, SWAPPED
+
 TOL = 1e-5
 
 
@@ -203,6 +206,15 @@ def test_bad_swap_options_say_what_to_change(raw: object, message: str) -> None:
         parse_swap_options(raw)
 
 
+def test_payback_rule_is_on_by_default_and_zero_turns_it_off() -> None:
+    assert DEFAULT_PAYBACK == 10
+    for raw in (True, {"every": 1}):
+        opts = parse_swap_options(raw)
+        assert opts is not None and opts.payback == DEFAULT_PAYBACK
+    off = parse_swap_options({"payback": 0})
+    assert off is not None and off.payback == 0
+
+
 def test_expert_swap_needs_a_mesh() -> None:
     from moe_compile.options import parse_options
 
@@ -265,5 +277,17 @@ def test_payback_rule_keeps_only_swaps_that_repay_their_migration() -> None:
             # the smooth max may improve while the busiest destination stays (saved 0), never worse
             assert s["saved_s"] >= 0, f"rank {rank}: a swap the plain max predicts slower: {s}"
         assert tight == [], f"rank {rank}: swaps whose saving cannot repay their migration: {tight}"
+        # every decision is counted on every rank alike, with its outcome: a swap or why none
+        for key, made in (("0.0", free), ("1e-09", tight), ("1000000000000.0", loose)):
+            decisions = res[f"decisions {key}"]
+            assert decisions == results[0][f"decisions {key}"], f"rank {rank}: ranks disagree on {key}"
+            assert all(sum(d.values()) == 4 for d in decisions.values()), f"rank {rank} {key}: {decisions}"
+            assert sum(d.get(SWAPPED, 0) for d in decisions.values()) == len(made), f"rank {rank} {key}: {decisions}"
+        assert all(d == {NO_PAYBACK: 4} for d in res["decisions 1e-09"].values()), res["decisions 1e-09"]
+        overlapped = res["decisions 1e-09 overlap"]
+        assert all(set(d) == {NO_PAYBACK} and d[NO_PAYBACK] >= 3 for d in overlapped.values()), overlapped
+        # explain (a recompile keeps the layers) shows them
+        assert res["explain decisions 1e-09"] == list(res["decisions 1e-09"].values())
+        assert "expert swap decisions" in res["explain 1e-09"] and "repays its migration" in res["explain 1e-09"]
         # any positive saving repays in 1e12 steps; a swap that only improves the smooth max does not
         assert loose and all(s["saved_s"] > 0 for s in loose), f"rank {rank}: {loose}"
