@@ -5,6 +5,7 @@
     python bench/bench_swap.py --topology cluster.toml --steps 50 --out /tmp/swap
     moe-cluster run --config bench/clusters/two_node_two_socket.toml -- python bench/bench_swap.py \
         --out bench/results/swap_cluster
+    python bench/bench_swap.py --payback 0 --out bench/results/swap_payback0   # swap on any predicted gain
     python bench/bench_swap.py --report bench/results/swap.json   # rewrite swap.md / swap.png from the JSON
 
 The script starts its own ranks like bench/bench_hier_a2a.py (forked after the imports, env RANK /
@@ -69,6 +70,7 @@ from moe_compile import swap, swap_policy, swap_transfer
 from moe_compile.cost import hiermoe as cost_hiermoe
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
+from moe_compile.options import DEFAULT_PAYBACK
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
 # Shape legend: B batch, S sequence, V vocabulary.
@@ -519,9 +521,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=900.0, help="process group timeout, seconds")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="expert_swap threshold: swap only when the objective drops by more than this fraction")
-    p.add_argument("--payback", type=float, default=0.0,
+    p.add_argument("--payback", type=float, default=DEFAULT_PAYBACK,
                    help="expert_swap payback: swap only when the predicted a2a time saved over this many steps "
-                        "exceeds the predicted time to move the two experts (0: off)")
+                        f"exceeds the predicted time to move the two experts (default {DEFAULT_PAYBACK:g}, the "
+                        "library's; 0: off, swap on any predicted gain)")
     p.add_argument("--overlap", action="store_true",
                    help="swappers in overlap mode (collectives in flight across steps; default results path "
                         "bench/results/swap_overlap)")
