@@ -21,7 +21,7 @@ What one ``step()`` does, every ``every``-th call, for every expert-parallel lay
                and the plain-max t_d (Eq. 3) after the swap is not above t_d before it (the
                smooth-max can improve while the busiest destination gets busier; Q with the
                plain max comes from the same pass over the tokens)
-               and, with ``payback`` n, the t_d saved over n steps exceeds the predicted time to
+               and, with ``payback`` n (default 10, 0: off), the t_d saved over n steps exceeds the predicted time to
                move the two experts (Q* is then not computed at all where no swap could pass:
                a swap between ranks A and B changes two destinations per phase, A's and B's
                groups, so t_d after it is at least t_d with every phase at its busiest other
@@ -34,6 +34,9 @@ swap could pass, the layer's routing is not sent at all; a call that has no rout
 outcome to send exchanges nothing (every ``ANNOUNCE_EVERY`` calls one small exchange announces the
 payload sizes again). So on a steady routing that no swap would repay, ``step()`` costs a few
 arithmetic operations per layer and no communication.
+
+Every decision is counted per layer by its outcome, a swap or why none
+(``EPLayer.swap_decisions``, ``swap_policy.OUTCOMES``; ``explain`` shows them).
 
 The decision itself (Q*, the rules above, the payback bounds, Smart's matrix) is
 ``moe_compile.swap_policy``; this module exchanges what it needs and moves the experts.
