@@ -373,9 +373,7 @@ class ExpertSwapper:
                 if all(unneeded):  # an announcement only
                     return [None] * len(layers), sizes
                 table = self._post(comm.world, table=self._table_rows(layers, opts, routings, sizes)).table()
-                for lay, code in zip(layers, table[:, 0], strict=True):
-                    if (what := policy.outcome(code)) is not None:
-                        policy.count(lay, what)
+                _count_outcomes(layers, table[:, 0])
                 return _decisions(table), sizes
         raise AssertionError("unreachable: the second exchange has room for every rank's routing")
 
@@ -462,12 +460,8 @@ class ExpertSwapper:
         if rnd is not None:
             if rnd.versions is not None:
                 ok, decided = all(rnd.msg.outcome()), rnd.msg.table()
-                for lay, code, v in zip(rnd.table_layers, decided[:, 0], rnd.versions, strict=True):
-                    what = policy.outcome(code)
-                    if what == policy.SWAPPED and not (ok and lay.version == v):
-                        what = policy.DROPPED
-                    if what is not None:
-                        policy.count(lay, what)
+                _count_outcomes(rnd.table_layers, decided[:, 0],
+                                [ok and lay.version == v for lay, v in zip(rnd.table_layers, rnd.versions, strict=True)])
                 if ok:
                     swaps = [(lay, dec) for lay, dec, v in zip(rnd.table_layers, _decisions(decided),
                                                                rnd.versions, strict=True)
@@ -639,6 +633,18 @@ def _planned(lay: runtime.EPLayer, pending: Sequence[_Pending]) -> np.ndarray:
         if p.lay is lay:
             placement[[p.a, p.b]] = placement[[p.b, p.a]]
     return placement
+
+
+def _count_outcomes(layers: Sequence[runtime.EPLayer], codes: np.ndarray, started: Sequence[bool] | None = None
+                    ) -> None:
+    """Count each layer's decision by outcome (``EPLayer.swap_decisions``) from the first entries
+    of the decision table; a swap whose ``started`` is False (overlap mode) counts as dropped."""
+    for i, (lay, code) in enumerate(zip(layers, codes, strict=True)):
+        what = policy.outcome(code)
+        if what == policy.SWAPPED and started is not None and not started[i]:
+            what = policy.DROPPED
+        if what is not None:
+            policy.count(lay, what)
 
 
 def _decisions(table: np.ndarray) -> list[tuple[Any, ...] | None]:

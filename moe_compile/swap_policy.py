@@ -26,8 +26,6 @@ A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and 
 SWAPPED, NO_GAIN, SMOOTH_ONLY, NO_PAYBACK = OUTCOMES = (
     "swap", "no swap lowers the prediction (by more than the threshold)",
     "a swap lowers the smooth max only, not the time", "no swap repays its migration within payback steps")
-
-
 # a swap decided in overlap mode and dropped before it started (a swap of that call failed on some
 # rank, or the layer's placement changed in between)
 DROPPED = "a decided swap dropped: the placement changed or a swap failed before it started"
@@ -44,13 +42,15 @@ def outcome(code: float) -> str | None:
 
 
 def count(lay: runtime.EPLayer, what: str) -> None:
+    """One more decision of ``lay`` with outcome ``what``."""
     lay.swap_decisions[what] = lay.swap_decisions.get(what, 0) + 1
 
 
 def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
                  token_rank: np.ndarray, sizes: np.ndarray | None) -> list[float]:
-    """The decision row of one layer (zeros: no swap) from every rank's routing of it ([T, K]
-    ids and each token's source), on ``placement``, with every rank's announced ``sizes``."""
+    """The decision row of one layer from every rank's routing of it ([T, K] ids and each
+    token's source), on ``placement``, with every rank's announced ``sizes``: 1 and the swap, or
+    ``no_swap`` of the reason."""
     d = lay.last_dimension or lay.dimension or 1
     now = None  # t_d of the placement as is, where the payback check below computed it
     if payback_bounded(lay, opts):
