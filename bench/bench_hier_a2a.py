@@ -281,8 +281,7 @@ def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any,
 
     # Step 3: the cost model's statistics of every rank's routing, gathered as EPLayer.choose_dimension does.
     own = source_table(topk_idx_TK, num_experts, sizes, placement=expert_pos_E.numpy())
-    every, _ = runtime.exchange_with_all(torch.from_numpy(own.reshape(-1)), dist.get_world_size())
-    tables = every.numpy()[list(comm.ranks)].reshape(comm.world, *own.shape)  # by mesh position
+    tables = runtime.gather_by_position(torch.from_numpy(own.reshape(-1)), comm).reshape(comm.world, *own.shape)
     stats = gathered_statistics(tables, sizes, copies=True)
     num_stats = len(stats.values())
     values = torch.tensor(stats.values() + stats.copy_values(), dtype=torch.float64)

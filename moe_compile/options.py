@@ -146,9 +146,8 @@ class SwapOptions:
         step: ``moe_compile.swap_policy.A2A_PER_STEP`` times the drop of the plain-max t_d; moving: the alpha-beta time
         (``Level.time_s``) of the larger of the two ranks' announced ``payload_bytes`` at the
         slowest level between them. With routing that changes every step a swap's gain may not
-        last, while its migration is paid at once: on the tiny LM with 8 ranks, swapping on any
-        gain costs 3-8 % of a training step at every=1, the rule 0.5-0.8 % (bench/README.md). It
-        applies to experts sharded by ``shard_experts`` (whole experts move no rows).
+        last, while its migration is paid at once (bench/README.md measures both). It applies to
+        experts sharded by ``shard_experts`` (whole experts move no rows).
     """
 
     every: int = 1

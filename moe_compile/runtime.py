@@ -199,13 +199,7 @@ class EPLayer:
             parts = [source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1)]
             if self.gather_experts:
                 parts.append(expert_table(topk, self.num_experts, sizes, placement=placement).reshape(-1))
-            own = torch.from_numpy(np.concatenate(parts))
-            if gloo:  # one round of direct sends (see exchange_with_all)
-                every, _ = exchange_with_all(own, dist.get_world_size())
-            else:
-                every = own.new_empty((dist.get_world_size(), own.numel()), device=self.comm.device)
-                dist.all_gather_into_tensor(every, own.to(self.comm.device))
-            rows = every.cpu().numpy()[list(self.comm.ranks)]  # by mesh position
+            rows = gather_by_position(torch.from_numpy(np.concatenate(parts)), self.comm)
             tables = rows[:, : parts[0].size].reshape(world, world, -1)
             stats = gathered_statistics(tables, sizes, copies=not self.dedup)
             self.last_stats, self.last_stats_placement = stats, placement.copy()
@@ -313,6 +307,21 @@ def exchange_with_all(send: Any, world: int, group: Any = None, async_op: bool =
     recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send.repeat(world), group=group, async_op=async_op)
     return recv.view(world, -1), work
+
+
+def gather_by_position(own: Any, comm: Any) -> Any:
+    """Every rank's ``own`` (a 1-D CPU tensor, the same size on every rank) as numpy [mesh
+    position of ``comm``, n]: on gloo one round of direct sends (``exchange_with_all``), else
+    ``all_gather_into_tensor`` on the mesh's device."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if dist.get_backend() == "gloo":
+        every, _ = exchange_with_all(own, world)
+    else:
+        every = own.new_empty((world, own.numel()), device=comm.device)
+        dist.all_gather_into_tensor(every, own.to(comm.device))
+    return every.cpu().numpy()[list(comm.ranks)]
 
 
 def layer_for(template: EPLayer, tensors: tuple[Any, ...]) -> EPLayer:

@@ -94,7 +94,6 @@ placement is read, or at the next swapper call. ``step()`` returns the swaps it 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -358,8 +357,6 @@ class ExpertSwapper:
         compute this rank's rows, exchange them. Returns the decisions and the sizes."""
         comm = layers[0].comm
         unneeded = self._unneeded(layers, opts, set())
-        for lay in itertools.compress(layers, unneeded):
-            policy.count(lay, policy.NO_PAYBACK)
         if all(unneeded) and self.calls - self._posted < ANNOUNCE_EVERY:
             return [None] * len(layers), {}
         topks, deciders = _routed(layers, unneeded) if not all(unneeded) else (None, [])
@@ -389,7 +386,8 @@ class ExpertSwapper:
         forward gathers once asked: ``EPLayer.gather_experts``) decides. False where any
         of that is missing or stale: no payback rule or nothing moves, no gathered statistics (a
         fixed dimension, a mesh too large to gather them), a placement other than the forward's
-        (``moved``: ids of layers whose swap this call started), no sizes announced yet."""
+        (``moved``: ids of layers whose swap this call started), no sizes announced yet. Each True
+        is this call's decision for its layer, counted as such (``policy.NO_PAYBACK``)."""
         out = []
         for lay, o in zip(layers, opts, strict=True):
             announced = self._announced.get(lay.layer_id)
@@ -397,6 +395,8 @@ class ExpertSwapper:
                        and id(lay) not in moved
                        and np.array_equal(lay.last_stats_placement, lay.expert_pos_E.cpu().numpy())
                        and policy.no_swap_repays(lay, o, announced[1]))
+            if out[-1]:
+                policy.count(lay, policy.NO_PAYBACK)
         return out
 
     def _announce(self, layers: Sequence[runtime.EPLayer], msg: transfer.Message) -> dict[int, np.ndarray]:
@@ -472,8 +472,6 @@ class ExpertSwapper:
         deciding = self.calls % opts[0].every == 0
         # before _start moves placements on the two ranks of a swap: decided alike everywhere
         unneeded = self._unneeded(layers, opts, {id(lay) for lay, _ in swaps}) if deciding else []
-        for lay in itertools.compress(layers, unneeded):
-            policy.count(lay, policy.NO_PAYBACK)
         if swaps:
             t1 = time.perf_counter()
             records, outcome, pending, written, error = self._start(swaps, sizes)
