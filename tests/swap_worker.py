@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers)
-from ep_worker import PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
+from ep_worker import ADAM_EPS, PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile import parallel, runtime, swap, swap_transfer  # noqa: E402
@@ -30,7 +30,7 @@ from moe_compile import parallel, runtime, swap, swap_transfer  # noqa: E402
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "adam":
-        return torch.optim.Adam(params, lr=1e-2)
+        return torch.optim.Adam(params, lr=1e-2, eps=ADAM_EPS)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
@@ -190,10 +190,10 @@ def case_overlap_interrupted() -> dict[str, Any]:
     data = batches(PARAMS["steps"])
     torch._dynamo.reset()
     eager = tiny("grouped_gemm", PARAMS.get("E", 8))
-    opt_e = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    opt_e = torch.optim.Adam(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
     ref = [train_step(eager, eager, opt_e, b, None) for b in data]
     model, compiled, report = build("shard", "grouped_gemm", mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     swapper = moe_compile.expert_swapper(compiled, opt, overlap=True)
     real_exchange = swap_transfer.exchange
     out: dict[str, Any] = {"raised": [], "losses": [], "ref": ref}
