@@ -88,7 +88,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             plan=ctx.plans[reg.name].strategy if reg.name in ctx.plans else "not planned",
             predicted_s=dict(ctx.plans[reg.name].predicted) if reg.name in ctx.plans else {},
             layout=lay.describe(), drops=reg.drops,
-            num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r),
+            num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
             backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index,
             ep_layer=ctx.ep_layers.get(reg.name), expert_params=_expert_params(lay)))
@@ -104,10 +104,14 @@ def _expert_params(lay: ExpertLayout) -> tuple[tuple[str, ...], ...]:
     return tuple(role.names for role in roles if role is not None)
 
 
-def _verification(r: Rewritten) -> str:
+def _verification(r: Rewritten, parallel: bool) -> str:
     if r.region.existing_op is not None:
         return "model already calls the op"
-    return "verified" if r.verdict is not None else "not verified (verify=False)"
+    if r.verdict is None:
+        return "not verified (verify=False)"
+    if r.vacuous:
+        return "0 tokens here: verified by the ranks with tokens" if parallel else "0 tokens: nothing to compare"
+    return "verified"
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Options,

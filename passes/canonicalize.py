@@ -1,36 +1,78 @@
 """canonicalize: replace each verified MoE region by one ``hiermoe::experts`` call.
 
 Contract
-    Needs: the ``FindResult`` of find_moe_regions on this same, unmodified graph, and the real
-    example inputs (verification runs the graph on them).
+    Needs: the ``FindResult`` of find_moe_regions on this same, unmodified graph, and the example
+    inputs Dynamo passed (verification runs the graph on them, with the tokens and the expert
+    weights replaced by samples, see ``verify``).
     Guarantees: a region is rewritten only after one of its interpretations (output candidate x
-    expert layout x routing-weight source) computed the same outputs and gradients as the
-    original subgraph on the example inputs and on two synthetic routings; the region's now-dead
-    nodes are erased; the graph lints.  Capacity-limited layers keep their drops because their
-    routing weights are read from the [T, E, C] combine tensor.
-    Refuses: regions none of whose interpretations verify (reported with the mismatch), outputs
-    read back through a view created before the accumulation.
+    expert layout x routing-weight source) accounts for every op it removes
+    (``account.unexplained_op``) and computed the same outputs and gradients as the original
+    subgraph on every sample case; the decision depends on the graph, the shapes and the seeds,
+    not on the batch or the weights' values, and ``agree`` (expert parallelism) makes it the
+    same on every rank before anything is rewritten; the region's now-dead nodes are erased;
+    the graph lints.  Capacity-limited layers keep their drops because their routing weights
+    are read from the [T, E, C] combine tensor.
+    Refuses: regions none of whose interpretations account for every op and verify (the reason
+    names the op, or the case that differed), regions ``agree`` leaves alone (the reason names
+    the rank), outputs read back through a view created before the accumulation.
 
-    values <- run graph on example inputs, keep every region boundary value
+    values <- run graph on sample tokens and weights, keep every region boundary value
+    Step 1: per region, the first interpretation that accounts for every op and verifies, or
+            a reason; with 0 tokens (nothing to verify on), every one that accounts for its ops
+    Step 2: agree(decisions): with a mesh, every rank's decisions made the same
     for region in reversed(regions):            # later regions first: earlier nodes stay valid
-        Step 1: first (output, layout, weights) whose verification passes, or skip with reason
-        Step 2: emit hiermoe::experts after the output node and redirect the readers of it
-        Step 3: erase the region nodes that became dead (in-place updates of private tensors too)
+        Step 3: emit hiermoe::experts after the output node and redirect the readers of it
+        Step 4: erase the region nodes that became dead (in-place updates of private tensors too)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
+from moe_compile.passes.account import unexplained_op
 from moe_compile.passes.emit import emit_expert_op
 from moe_compile.passes.find_moe_regions import FindResult
 from moe_compile.passes.graph_index import GraphIndex, is_inplace, is_view
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights, Skip
-from moe_compile.passes.verify import Verdict, boundary_of, capture_boundary_values, verify_interpretation
+from moe_compile.passes.verify import (
+    Verdict,
+    boundary_of,
+    capture_boundary_values,
+    kept_nodes,
+    sample_overrides,
+    verify_interpretation,
+)
+
+
+@dataclass(frozen=True)
+class Interpretation:
+    output: OutputCandidate
+    layout: ExpertLayout
+    weights: RoutingWeights
+    verdict: Verdict | None  # None: not checked numerically (verify=False)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What Step 1 decided for one region: an interpretation, or why none."""
+
+    region: MoERegion
+    chosen: Interpretation | None
+    reason: str = ""
+    # the region has 0 tokens, so verification compared empty tensors and told no interpretation
+    # apart; ``passing`` then holds every interpretation that accounts for its ops
+    vacuous: bool = False
+    passing: tuple[Interpretation, ...] = ()
+
+
+# Makes every rank's decisions the same (moe_compile.pipeline builds it from the EP runtime): the
+# decisions, and the layers whose router find_moe_regions found but not the rest of the layer.
+Agree = Callable[[list[Decision], list[Skip]], list[Decision]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +85,7 @@ class Rewritten:
     op_node: fx.Node
     # [T, K] expert ids the example inputs produced (routing statistics for the planner)
     routing: torch.Tensor | None = None
+    vacuous: bool = False  # 0 tokens: verification compared empty tensors
 
 
 @dataclass
@@ -53,72 +96,118 @@ class CanonicalizeResult:
 
 
 def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[object], found: FindResult,
-                                  verify: bool = True) -> CanonicalizeResult:
+                                  verify: bool = True, agree: Agree | None = None) -> CanonicalizeResult:
     index, params = found.index, found.params
     result = CanonicalizeResult(rewritten=[], skipped=[], num_verifications=0)
     values: dict[fx.Node, object] = {}
-    if verify and found.regions:
-        wanted = {b for r in found.regions for c in r.outputs for b in boundary_of(index, params, r, c)}
+    regions = [r for r in found.regions if r.existing_op is None]
+    if verify and regions:
+        wanted = {b for r in regions for c in r.outputs for b in boundary_of(index, params, r, c)}
         try:
-            values = capture_boundary_values(gm, example_inputs, index, wanted)
+            values = capture_boundary_values(gm, example_inputs, index, wanted,
+                                             sample_overrides(index, params, regions))
         except ValueError as e:
-            result.skipped.extend(Skip(r.name, str(e)) for r in found.regions)
+            result.skipped.extend(Skip(r.name, str(e)) for r in regions)
             return result
+    routing = _routing(gm, example_inputs, index, regions)
+    # Step 1
+    decisions = [_decide(index, params, region, values, verify, result) for region in regions]
+    # Step 2
+    routers_left = [s for s in found.skipped if s.router_weight is not None]
+    if agree is not None and (decisions or routers_left):
+        decisions = agree(decisions, routers_left)
+    chosen = {d.region.name: d for d in decisions}
     for region in reversed(found.regions):
         if region.existing_op is not None:  # already the expert op: nothing to verify or rewrite
             op = region.existing_op
             layout = replace(region.layouts[0], activation=str(op.args[9]))
             result.rewritten.append(Rewritten(region, region.outputs[0], layout, region.weights[0], None, op))
             continue
-        # Step 1: pick the first interpretation that verifies
-        choice, why = _choose(index, params, region, values, verify, result)
-        if choice is None:
-            result.skipped.append(Skip(region.name, why))
+        decision = chosen[region.name]
+        if decision.chosen is None:
+            result.skipped.append(Skip(region.name, decision.reason))
             continue
-        cand, layout, weights, verdict = choice
-        # Step 2: emit the op and redirect readers
+        cand, layout, weights, verdict = (decision.chosen.output, decision.chosen.layout, decision.chosen.weights,
+                                          decision.chosen.verdict)
+        # Step 3: emit the op and redirect readers
         readers = _readers_after(index, cand.node)
-        if readers is None:
-            result.skipped.append(Skip(region.name, (
-                "the routed output is read through a view taken before it was accumulated; "
-                "left alone")))
-            continue
+        assert readers is not None  # _decide took only outputs it can redirect
+        if verdict is None:
+            warnings.warn(f"hiermoe: layer {region.name} is rewritten without numerical verification "
+                          "(options['verify'] is False); its results are not checked against the layer's",
+                          stacklevel=2)
         with gm.graph.inserting_before(cand.node.next):
             op_node, y = emit_expert_op(gm.graph, region, layout, weights, cand.node, lambda n: n)
         for reader, old in readers:
             reader.replace_input_with(old, y)
-        # Step 3: erase dead region nodes
+        # Step 4: erase dead region nodes
         _erase_dead(index, cand)
         # capacity-limited: a [T, E, C] tensor exists and the weights that verified carry its drops
         capacity = any(w.kind == "combine" for w in region.weights)
         region = replace(region, drops=capacity and weights.kind != "topk", ffn_size=layout.ffn_size)
-        topk_value = values.get(region.topk)
-        routing = topk_value[1] if isinstance(topk_value, tuple) else None
-        result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node, routing))
+        result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node, routing.get(region.topk),
+                                          decision.vacuous))
     result.rewritten.reverse()
     gm.graph.lint()
     gm.recompile()
     return result
 
 
-def _choose(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, object], verify: bool,  # type: ignore[no-untyped-def]
-            result: CanonicalizeResult):
-    first_failure = ""
+def _routing(gm: fx.GraphModule, example_inputs: Sequence[object], index: GraphIndex,
+             regions: Sequence[MoERegion]) -> dict[fx.Node, torch.Tensor]:
+    """The [T, K] expert ids of each region on the compile's own batch: routing statistics for
+    the planner's predictions, which the sample tokens of verification would not give."""
+    try:
+        values = capture_boundary_values(gm, example_inputs, index, {r.topk for r in regions})
+    except ValueError:  # fake example inputs: no statistics, the planner assumes uniform routing
+        return {}
+    return {n: v[1] for n, v in values.items() if isinstance(v, tuple)}
+
+
+def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, object], verify: bool,  # type: ignore[no-untyped-def]
+            result: CanonicalizeResult) -> Decision:
+    vacuous = region.num_tokens == 0
+    unexplained: list[str] = []
+    failed: list[str] = []
+    passing: list[Interpretation] = []
     for cand in region.outputs:
+        if _readers_after(index, cand.node) is None:
+            unexplained.append("the routed output is read through a view taken before it was accumulated")
+            continue
+        reads = index.ancestors([cand.node])
         for layout in region.layouts:
             for weights in region.weights:
+                if weights.node not in reads:
+                    continue  # the op multiplies by these weights: an output without them is not the layer's
+                why = unexplained_op(index, params, region, cand, layout, kept_nodes(index, params, region, cand, weights))
+                if why is not None:
+                    unexplained.append(why)
+                    continue
                 if not verify:
-                    return (cand, layout, weights, None), ""
+                    return Decision(region, Interpretation(cand, layout, weights, None))
+                if vacuous:  # 0 tokens: nothing to compare; every interpretation that accounts for its ops
+                    passing.append(Interpretation(cand, layout, weights, Verdict(True, 0.0, 0.0)))
+                    continue
                 result.num_verifications += 1
                 verdict = verify_interpretation(index, params, region, cand, layout, weights, values)
                 if verdict.ok:
-                    return (cand, layout, weights, verdict), ""
-                if not first_failure:
-                    first_failure = (f"{layout.describe()}, activation {layout.activation}, weights from "
-                                     f"{weights.kind} node {weights.node.name}: {verdict.reason}")
+                    return Decision(region, Interpretation(cand, layout, weights, verdict))
+                failed.append(f"{layout.describe()}, activation {layout.activation}, weights from "
+                              f"{weights.kind} node {weights.node.name}: {verdict.reason}")
+    if passing:
+        return Decision(region, passing[0], vacuous=True, passing=tuple(passing))
     n = len(region.outputs) * len(region.layouts) * len(region.weights)
-    return None, (f"verification failed for all {n} interpretations of the layer, so it is left "
-                  f"unchanged (first: {first_failure})")
+    if failed and not unexplained:
+        return Decision(region, None, f"verification failed for all {n} interpretations of the layer, so it is "
+                                      f"left unchanged (first: {failed[0]})")
+    if not unexplained:
+        return Decision(region, None, "left unchanged: no output candidate reads any of the routing-weight "
+                                      "candidates, so none is the routed sum")
+    why = f"left unchanged: {unexplained[0]}; rewriting the layer into the expert op would change its results"
+    if failed:
+        why += (f" (the {len(failed)} interpretations that account for every op fail verification, "
+                f"first: {failed[0]})")
+    return Decision(region, None, why)
 
 
 def _readers_after(index: GraphIndex, y: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:

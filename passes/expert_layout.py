@@ -110,8 +110,10 @@ def layout_hypotheses(index: GraphIndex, nodes: set[fx.Node], experts: ExpertPar
     if len(roles) not in (2, 3):
         return [], (f"experts have {len(roles)} weight matrices each; supported are 2 (up, down) "
                     "or 3 (gate, up, down)")
-    acts = sorted({a for n in nodes if (a := ops.activation_of(n)) is not None})
-    act_nodes = [n for n in nodes if ops.activation_of(n) is not None]
+    act_nodes = [n for n in index.ordered(nodes) if ops.activation_of(n) is not None]
+    # in program order: with two activations (an extra one the op cannot compute), the first
+    # interpretation takes the one applied first and the reason names the other
+    acts = list(dict.fromkeys(a for n in act_nodes if (a := ops.activation_of(n)) is not None))
     if not acts:
         acts = ["identity"]
     down = roles[-1]

@@ -42,7 +42,12 @@ from moe_compile.passes.graph_index import GraphIndex, is_view, static_shape, te
 from moe_compile.passes.graph_params import ParamTable, common_prefix
 from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
 
+# interpretations to list per region, most likely first (canonicalize verifies them in order). A
+# graph of 0 tokens has no limit: every per-slot tensor then has the tokens' shape [0, H], none
+# can be told apart by verification, and the rank must find the one the ranks with tokens chose
+# (moe_compile.agreement), wherever it is in the list
 _MAX_OUTPUT_CANDIDATES = 3
+_MAX_WEIGHT_CANDIDATES = {"topk": 3, "dense": 2, "combine": 2}
 
 
 @dataclass
@@ -164,7 +169,8 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         num_tokens *= s
     label = _label(params, [router.weight], router.logits)
     if k is None or idx_node is None:
-        return Skip(label, "top-k with a data-dependent k or unused indices; cannot tell the experts per token")
+        return Skip(label, "top-k with a data-dependent k or unused indices; cannot tell the experts per token",
+                    router_weight=router.weight)
 
     router_side = index.ancestors([a])
     lo = index.pos[router.tokens]
@@ -200,13 +206,19 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
             continue
         if experts is None:
             experts = cls
-        elif {r.nodes for r in cls.weight_roles} != {r.nodes for r in experts.weight_roles}:
+        elif _roles(cls) > _roles(experts):
+            # an expert tensor the earlier candidates did not reach: they were intermediates that
+            # have the tokens' shape (per-slot [T*K, H] results at K = 1, [T*K, F] ones when F = H)
+            experts, outputs = cls, []
+        elif _roles(cls) < _roles(experts):
+            continue  # such an intermediate of a later expert (a loop over experts, at 0 tokens)
+        elif _roles(cls) != _roles(experts):
             break
         outputs.append(OutputCandidate(node=y, nodes=frozenset(nodes)))
-        if len(outputs) == _MAX_OUTPUT_CANDIDATES:
+        if len(outputs) == _MAX_OUTPUT_CANDIDATES and num_tokens:
             break
     if experts is None or not outputs:
-        return Skip(label, reason + _graph_break_hint(index, a))
+        return Skip(label, reason + _graph_break_hint(index, a), router_weight=router.weight)
     region_nodes = set(outputs[0].nodes)
     tokens = _expert_tokens(index, params, region_nodes, router.tokens)
 
@@ -214,13 +226,16 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]], router.logits)
     layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts)
     if not layouts:
-        return Skip(name, why)
+        return Skip(name, why, router_weight=router.weight)
 
     # Step 3: routing weight candidates
     all_nodes = set().union(*(o.nodes for o in outputs))
-    weights = _weight_candidates(index, all_nodes, after_topk, num_tokens, k, num_experts)
+    expert_state = [n for r in experts.weight_roles + experts.bias_roles for n in r.nodes]
+    weights = _weight_candidates(index, all_nodes, after_topk - index.descendants(expert_state), num_tokens, k,
+                                 num_experts)
     if not weights:
-        return Skip(name, "no routing-weight tensor ([T, K], [T, E] or [T, E, C]) feeds the combine")
+        return Skip(name, "no routing-weight tensor ([T, K], [T, E] or [T, E, C]) feeds the combine",
+                    router_weight=router.weight)
 
     ffn = layouts[0].ffn_size
     existing = next((n for n in index.ordered(region_nodes) if ops.qualified_op(n) == "hiermoe::experts"), None)
@@ -230,6 +245,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         pattern=_pattern(region_nodes, experts, any(w.kind == "combine" for w in weights)),
         router=_router_kind(index, router, weights),
         topk=a,
+        router_weight=router.weight,
         tokens=tokens,
         num_experts=num_experts,
         top_k=k,
@@ -245,21 +261,19 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     )
 
 
-def _view_root(n: fx.Node) -> fx.Node:
-    while (is_view(n) or ops.op_name(n) in ("to", "float", "type_as")) and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n
+def _roles(cls: ExpertParams) -> set[tuple[fx.Node, ...]]:
+    return {r.nodes for r in cls.weight_roles + cls.bias_roles}
 
 
 def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], router_tokens: fx.Node) -> fx.Node:
     """The token tensor the experts read: the router may reshape or cast its own copy (HF
     routers call ``hidden_states.reshape(-1, H)`` inside), and the op must read the same node
     the experts did so gradients reach the same place."""
-    root = _view_root(router_tokens)
+    root = index.value_root(router_tokens)
     shape = static_shape(router_tokens)
     reads = {d for n in nodes if n not in params for d in index.deps[n]} - nodes
     for d in index.ordered(reads):
-        if _view_root(d) is root and static_shape(d) is not None and d is not router_tokens:
+        if index.value_root(d) is root and static_shape(d) is not None and d is not router_tokens:
             if _numel(static_shape(d)) == _numel(shape) and tensor_meta(d).dtype == tensor_meta(router_tokens).dtype:  # type: ignore[union-attr]
                 return d
     return router_tokens
@@ -297,10 +311,12 @@ def _is_mutated_later(index: GraphIndex, n: fx.Node) -> bool:
     return any(index.pos[m] > index.pos[n] for m in muts)
 
 
-def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], after_topk: set[fx.Node], num_tokens: int,
+def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], routing: set[fx.Node], num_tokens: int,
                        k: int, num_experts: int) -> list[RoutingWeights]:
+    """Tensors the routing weights may be read from: after the top-k (``routing``: its
+    descendants that do not depend on expert parameters, as no routing weight does)."""
     inputs = {d for n in nodes for d in index.deps[n]} - nodes
-    pool = index.ordered((nodes | inputs) & after_topk)
+    pool = index.ordered((nodes | inputs) & routing)
     by_kind: dict[str, list[RoutingWeights]] = {"topk": [], "dense": [], "combine": []}
     for n in reversed(pool):
         t = tensor_meta(n)
@@ -314,7 +330,7 @@ def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], after_topk: set[f
         elif len(shape) == 3 and shape[:2] == (num_tokens, num_experts):
             by_kind["combine"].append(RoutingWeights(n, "combine"))
     # a few of each kind is plenty: later ones are the processed (renormalized, scaled) weights
-    return by_kind["topk"][:3] + by_kind["dense"][:2] + by_kind["combine"][:2]
+    return [w for kind, ws in by_kind.items() for w in (ws[:_MAX_WEIGHT_CANDIDATES[kind]] if num_tokens else ws)]
 
 
 def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:

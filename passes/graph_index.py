@@ -16,6 +16,8 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
+from moe_compile.passes.op_kinds import op_name
+
 # Calls that return a view of their first argument; a mutation through the view mutates the
 # base, so both belong to one alias group.  Over-approximating (reshape may copy) only adds
 # dependency edges, which keeps the analysis conservative.
@@ -62,6 +64,14 @@ def is_view(node: fx.Node) -> bool:
     return False
 
 
+_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+
+
+def _cast_name(node: fx.Node) -> bool:
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _CASTS
+
+
 def example_value(node: fx.Node) -> object:
     """The fake value Dynamo recorded for ``node`` (tensor, tuple, SymInt, ...), or None."""
     return node.meta.get("example_value", node.meta.get("val"))
@@ -90,6 +100,20 @@ def static_shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def source_line(node: fx.Node) -> tuple[str, str, str] | None:
+    """(file name, line number, code) of the model line that made ``node``: the last frame of
+    Dynamo's stack trace; None where it recorded none."""
+    trace = node.meta.get("stack_trace") or ""
+    # the last frame: 'File "...", line N, in f', the code, and (Python 3.11+) a line of carets
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().strip("^~")]
+    if len(lines) < 2 or not lines[-2].startswith("File "):
+        return None
+    loc = lines[-2].split(",")
+    file = loc[0].removeprefix('File "').rstrip('"').rsplit("/", 1)[-1]
+    line = loc[1].strip().removeprefix("line ") if len(loc) > 1 else "?"
+    return file, line, lines[-1]
+
+
 class GraphIndex:
     """Program order, alias groups and mutation-aware dependency edges of one graph."""
 
@@ -108,6 +132,7 @@ class GraphIndex:
             if is_inplace(n) and isinstance(n.args[0], fx.Node):
                 self.mutators.setdefault(self.root(n.args[0]), []).append(n)
         self.deps: dict[fx.Node, set[fx.Node]] = {n: self._compute_deps(n) for n in self.nodes}
+        self._anchors: dict[fx.Node, str] | None = None
         self.rdeps: dict[fx.Node, set[fx.Node]] = {n: set() for n in self.nodes}
         for n, ds in self.deps.items():
             for d in ds:
@@ -117,6 +142,31 @@ class GraphIndex:
         while n in self._root:
             n = self._root[n]
         return n
+
+    def anchor(self, n: fx.Node) -> str:
+        """A name for ``n`` that the same model code gives the same node in graphs Dynamo
+        specialized to other shapes (whose node names and shape nodes differ): the model line
+        and op that made it, and how many nodes of that line and op come before it."""
+        if self._anchors is None:
+            seen: dict[tuple[object, ...], int] = {}
+            self._anchors = {}
+            for m in self.nodes:
+                where = source_line(m)
+                # the op's name, not str(target): a function's repr holds its address in this process
+                key = (":".join(where[:2]) if where else m.op, op_name(m) or m.op)
+                self._anchors[m] = f"{key[0]} {key[1]} #{seen.get(key, 0)}"
+                seen[key] = seen.get(key, 0) + 1
+        return self._anchors[n]
+
+    def value_root(self, n: fx.Node) -> fx.Node:
+        """The tensor whose values ``n`` holds: through views, in-place results and dtype casts
+        (a router's ``hidden_states.reshape(-1, H).float()`` is the tokens' values)."""
+        while True:
+            r = self.root(n)
+            if r.op in ("call_function", "call_method") and _cast_name(r) and r.args and isinstance(r.args[0], fx.Node):
+                n = r.args[0]
+                continue
+            return r
 
     def _compute_deps(self, n: fx.Node) -> set[fx.Node]:
         deps = set(n.all_input_nodes)

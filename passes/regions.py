@@ -54,6 +54,16 @@ class ExpertLayout:
     def gated(self) -> bool:
         return self.gate is not None or self.fused_gate is not None
 
+    def signature(self) -> str:
+        """Everything the expert op's result depends on besides its inputs: which stored tensors
+        play which role, how they are laid out, the activation.  Equal signatures compute equal
+        experts (ranks compare them before expert parallelism, moe_compile.agreement)."""
+        roles = (("up", self.up), ("gate", self.gate), ("down", self.down), ("b_up", self.b_up),
+                 ("b_gate", self.b_gate), ("b_down", self.b_down))
+        names = " ".join(f"{k}={'|'.join(r.names)}" for k, r in roles if r is not None)
+        return (f"{names} fused_gate={self.fused_gate} transposed={self.up_transposed},{self.down_transposed} "
+                f"activation={self.activation} ffn={self.ffn_size}")
+
     def describe(self) -> str:
         gate = f", gate={self.fused_gate}" if self.fused_gate else (", gate=separate" if self.gate else "")
         bias = ", bias" if self.b_up is not None or self.b_down is not None else ""
@@ -90,6 +100,7 @@ class MoERegion:
     pattern: str
     router: str
     topk: fx.Node
+    router_weight: fx.Node  # the router's [E, H] parameter: names the layer alike on every rank
     tokens: fx.Node
     num_experts: int
     top_k: int
@@ -113,3 +124,4 @@ class Skip:
     name: str
     reason: str
     graph: str = ""
+    router_weight: fx.Node | None = None  # set when a router was found but its layer was not

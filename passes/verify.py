@@ -1,23 +1,36 @@
 """Numerical verification of a region interpretation before it is rewritten (DESIGN.md: "A rewrite
-never changes what the model computes").
+never changes what the model computes").  It is the second line: ``account.unexplained_op``
+first checks that every op the rewrite removes is one the expert op computes.
 
 The region is cut out of the graph at its boundary (token input, router top-k, router scores,
 expert parameters, ...) into a standalone graph; a second graph computes the same value with the
-emitted expert op.  Both run on the boundary values the compile's example inputs produce, and on
-two synthetic routings that exercise every expert (balanced) and overflow a few (all tokens on
-the first K experts, which makes capacity-limited layers drop).  Outputs and the gradients with
-respect to every floating boundary value (tokens, routing weights, expert weights) must agree.
+emitted expert op.  Both run on sample values, never on the compile's batch or the model's
+expert weights: the graph is run once with the tokens (at the tensor they are a view or cast of)
+replaced by N(0, 1) samples and every expert weight by N(0, 1/fan_in) samples (biases N(0, 1/4)),
+drawn from generators seeded per region.  So a NaN or an odd batch on one rank cannot change the
+decision, zero-initialized weights cannot hide a wrong layout, and every rank that compiles the
+same graph decides the same.  The cases:
+
+    router         the router's own top-k on the sample tokens
+    balanced       every expert used (token t takes experts tK..tK+K-1 mod E)
+    large values   the tokens x16 (pre-activations of about +-16 sigma), balanced routing: an op
+                   that only acts on large values (a clamp, a saturation) shows up here
+    skewed         all tokens on the first K experts (capacity-limited layers drop), forward only
+
+Outputs and the gradients with respect to every floating boundary value (tokens, routing
+weights, expert weights) must agree.  A region of 0 tokens verifies nothing (``vacuous``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.emit import emit_expert_op, shape_source
 from moe_compile.passes.graph_index import GraphIndex
 from moe_compile.passes.graph_params import ParamTable
@@ -39,22 +52,63 @@ class Verdict:
     reason: str = ""
 
 
+# how far the "large values" case scales the sample tokens (their pre-activations are ~N(0, 1))
+LARGE_SCALE = 16.0
+_BIAS_STD = 0.5
+
+Override = Callable[[object], object]
+
+
 class _Done(Exception):
     pass
 
 
+def sample_overrides(index: GraphIndex, params: ParamTable, regions: Sequence[MoERegion]) -> dict[fx.Node, Override]:
+    """What verification runs the graph on instead of the batch and the expert weights: for each
+    region, the tensor its tokens are a view or cast of, and every expert weight and bias node of
+    its layouts, each replaced by samples of its shape and dtype from a generator seeded by the
+    region's position and the node's (the same on every rank)."""
+    out: dict[fx.Node, Override] = {}
+    for i, region in enumerate(regions):
+        root = index.value_root(region.tokens)
+        out.setdefault(root, _sampler(1000 * i, 1.0, last_dim=False))
+        roles = {(role, bias) for lay in region.layouts
+                 for role, bias in ((lay.up, False), (lay.gate, False), (lay.down, False),
+                                    (lay.b_up, True), (lay.b_gate, True), (lay.b_down, True)) if role is not None}
+        nodes = sorted({(n, bias) for role, bias in roles for n in role.nodes}, key=lambda nb: index.pos[nb[0]])
+        for j, (n, bias) in enumerate(nodes):
+            out.setdefault(n, _sampler(1000 * i + 1 + j, _BIAS_STD, last_dim=not bias))
+    return out
+
+
+def _sampler(seed: int, std: float, last_dim: bool) -> Override:
+    """N(0, std^2) (N(0, 1/fan_in) with ``last_dim``: fan_in = the last dim) like a float tensor."""
+    def sample(v: object) -> object:
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            return v
+        gen = torch.Generator().manual_seed(seed)
+        scale = 1.0 / max(1, v.shape[-1]) ** 0.5 if last_dim and v.dim() else std
+        return (torch.randn(v.shape, generator=gen, dtype=torch.float32) * scale).to(v.dtype).to(v.device)
+    return sample
+
+
 def capture_boundary_values(gm: fx.GraphModule, example_inputs: Sequence[object], index: GraphIndex,
-                            wanted: set[fx.Node]) -> dict[fx.Node, object]:
-    """Run the graph on the example inputs and keep a copy of each wanted node's value as it was
-    produced (later in-place updates must not leak into the copy)."""
+                            wanted: set[fx.Node], overrides: Mapping[fx.Node, Override] | None = None
+                            ) -> dict[fx.Node, object]:
+    """Run the graph on the example inputs, with ``overrides`` replacing the value of the nodes
+    they name as it is produced, and keep a copy of each wanted node's value as it was produced
+    (later in-place updates must not leak into the copy)."""
     store: dict[fx.Node, object] = {}
     if not wanted:
         return store
+    subs: Mapping[fx.Node, Override] = overrides or {}
     mutated_inputs = {index.root(m) for muts in index.mutators.values() for m in muts}
 
     class Capture(fx.Interpreter):
         def run_node(self, n: fx.Node) -> object:
             out = super().run_node(n)
+            if n in subs:
+                out = subs[n](out)
             if n in wanted:
                 store[n] = _copy(out, share=n.op in ("placeholder", "get_attr"))
                 if len(store) == len(wanted):
@@ -62,7 +116,8 @@ def capture_boundary_values(gm: fx.GraphModule, example_inputs: Sequence[object]
             return out
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    args = [_materialize(ex, n, clone=n in mutated_inputs) for n, ex in zip(placeholders, example_inputs)]
+    args = [ex if n in subs and isinstance(ex, torch.Tensor) else _materialize(ex, n, clone=n in mutated_inputs)
+            for n, ex in zip(placeholders, example_inputs)]
     grad_mode = torch.is_grad_enabled()
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
     try:
@@ -109,18 +164,33 @@ def boundary_of(index: GraphIndex, params: ParamTable, region: MoERegion, cand: 
     return index.ordered(bnd)
 
 
+def kept_nodes(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
+               weights: RoutingWeights) -> set[fx.Node]:
+    """Region nodes the replacement keeps as they are: those computing the routing weights it reads."""
+    if weights.node not in cand.nodes:
+        return set()
+    inner = {n for n in cand.nodes if n not in params}
+    return index.ancestors([weights.node], stop=set(boundary_of(index, params, region, cand))) & inner
+
+
 def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
                           layout: ExpertLayout, weights: RoutingWeights,
                           values: dict[fx.Node, object]) -> Verdict:
     boundary = boundary_of(index, params, region, cand)
     inner = [n for n in index.ordered(cand.nodes) if n not in params]
-    original = _subgraph(boundary, inner, lambda g, m: m(cand.node))
-    keep_roots = [weights.node] if weights.node in cand.nodes else []
-    keep = set(index.ancestors(keep_roots, stop=set(boundary))) & set(inner)
-    replacement = _subgraph(boundary, index.ordered(keep),
-                            lambda g, m: emit_expert_op(g, region, layout, weights, cand.node, m)[1])
+    keep = kept_nodes(index, params, region, cand, weights)
+    # both graphs also return [T, K] routing weights the op reads when they compute them (the kept
+    # nodes): their gradient is compared there, where it is well conditioned.  (Not [T, E] or
+    # [T, E, C] weights: there the op's gradient is 0 at the (token, expert) pairs no slot
+    # reads, where the layer's may not be; the mask in front of them zeroes it further back.)
+    at_weights = bool(keep) and weights.kind == "topk"
+    original = _subgraph(boundary, inner, lambda g, m: (m(cand.node), *([m(weights.node)] if at_weights else [])))
+    replacement = _subgraph(boundary, index.ordered(keep), lambda g, m: (
+        emit_expert_op(g, region, layout, weights, cand.node, m)[1], *([m(weights.node)] if at_weights else [])))
+    via_weights = _through_weights(index, params, region, boundary, set(inner), keep, weights) if at_weights \
+        else [False] * len(boundary)
     base = [values[b] for b in boundary]
-    cases = [("example inputs", base)] + _synthetic_cases(boundary, base, region)
+    cases = [("router", base)] + _synthetic_cases(index, boundary, base, region)
     compute = getattr(torch, region.dtype)
     fwd_err = bwd_err = 0.0
     for label, vals in cases:
@@ -131,26 +201,50 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
         fwd_err = max(fwd_err, err)
         if not ok:
             return Verdict(False, fwd_err, bwd_err, f"{label}: outputs differ (relative error {err:.2e})")
-        if label != "skewed routing":
-            err, ok = _compare_backward(original, replacement, vals, [b in params for b in boundary], compute)
+        if label != "skewed":
+            try:
+                err, ok = _compare_backward(original, replacement, vals, [b in params for b in boundary],
+                                            via_weights, compute)
+            except Exception as e:  # e.g. the replacement's backward cannot run on these shapes
+                return Verdict(False, fwd_err, float("inf"), f"{label}: backward: {type(e).__name__}: {e}")
             bwd_err = max(bwd_err, err)
             if not ok:
                 return Verdict(False, fwd_err, bwd_err, f"{label}: gradients differ (relative error {err:.2e})")
     return Verdict(True, fwd_err, bwd_err)
 
 
+def _through_weights(index: GraphIndex, params: ParamTable, region: MoERegion, boundary: list[fx.Node],
+                     inner: set[fx.Node], keep: set[fx.Node], weights: RoutingWeights) -> list[bool]:
+    """Per boundary value: does its gradient reach the output only through the routing weights the
+    kept nodes compute?  Then both graphs compute it from the gradient at those weights by the
+    same nodes, and it is compared there: a renormalization at K = 1 makes it cancel to rounding
+    noise, whose two copies need not agree."""
+    replaced = inner - keep
+    after_weights = index.descendants([weights.node])
+    token_root = index.value_root(region.tokens)
+    out = []
+    for b in boundary:
+        start = ops.topk_output(b, 0) if b is region.topk else b
+        out.append(start is not None and b not in params and index.value_root(b) is not token_root
+                   and index.descendants([start]) & replaced <= after_weights)
+    return out
+
+
 def _subgraph(boundary: list[fx.Node], inner: list[fx.Node], make_out) -> fx.GraphModule:  # type: ignore[no-untyped-def]
+    """A graph of ``inner`` over placeholders for ``boundary``; it returns ``make_out``'s tuple
+    (the output, and the routing weights when both graphs compute them)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for b in boundary:
         env[b] = g.placeholder(b.name)
     for n in inner:
         env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(make_out(g, env.__getitem__))
+    g.output(tuple(make_out(g, env.__getitem__)))
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def _synthetic_cases(boundary: list[fx.Node], base: list[object], region: MoERegion) -> list[tuple[str, list[object]]]:
+def _synthetic_cases(index: GraphIndex, boundary: list[fx.Node], base: list[object],
+                     region: MoERegion) -> list[tuple[str, list[object]]]:
     if region.topk not in boundary:
         return []
     i = boundary.index(region.topk)
@@ -164,14 +258,20 @@ def _synthetic_cases(boundary: list[fx.Node], base: list[object], region: MoEReg
     w = w.sort(dim=-1, descending=True).values
     flat = torch.arange(idx.numel(), device=idx.device)
     # token t takes experts tK..tK+K-1 (mod E): distinct per row, every expert used
-    balanced = flat.remainder(e).view(idx.shape)
-    skewed = (flat % k).view(idx.shape)
+    balanced = (w.clone(), flat.remainder(e).view(idx.shape).to(idx.dtype))
+    skewed = (w.clone(), (flat % k).view(idx.shape).to(idx.dtype))
+    token_root = index.value_root(region.tokens)
+    large = [_scaled(v, LARGE_SCALE) if index.value_root(b) is token_root else v for b, v in zip(boundary, base)]
     out = []
-    for label, new_idx in (("balanced routing", balanced), ("skewed routing", skewed)):
-        vals_list = list(base)
-        vals_list[i] = (w.clone(), new_idx.to(idx.dtype))
+    for label, vals_list, routing in (("balanced", list(base), balanced), ("large values", large, balanced),
+                                      ("skewed", list(base), skewed)):
+        vals_list[i] = routing
         out.append((label, vals_list))
     return out
+
+
+def _scaled(v: object, factor: float) -> object:
+    return v * factor if isinstance(v, torch.Tensor) and v.is_floating_point() else v
 
 
 def _fresh(vals: list[object]) -> list[object]:
@@ -186,8 +286,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     a64, b64 = a.detach().double(), b.detach().double()
     diff = (a64 - b64).abs().max().item()
-    scale = max(a64.abs().max().item(), b64.abs().max().item())
-    return 0.0 if diff == 0 else diff / max(scale, 1e-30)
+    scale = max(a64.abs().max().item(), b64.abs().max().item(), 1e-30)
+    return 0.0 if diff == 0 else diff / scale
 
 
 def _passes(err: float, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype) -> bool:
@@ -199,48 +299,58 @@ def _passes(err: float, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype) 
 def _compare_forward(original: fx.GraphModule, replacement: fx.GraphModule, vals: list[object],
                      compute: torch.dtype) -> tuple[float, bool]:
     with torch.no_grad():
-        y_o = original(*_fresh(vals))
-        y_n = replacement(*_fresh(vals))
+        y_o = original(*_fresh(vals))[0]
+        y_n = replacement(*_fresh(vals))[0]
     err = _rel_err(y_n, y_o)
     return err, _passes(err, y_n, y_o, compute)
 
 
 def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, vals: list[object],
-                      is_param: list[bool], compute: torch.dtype) -> tuple[float, bool]:
+                      is_param: list[bool], via_weights: list[bool], compute: torch.dtype) -> tuple[float, bool]:
     leaves: list[torch.Tensor] = []
+    compared: list[bool] = []  # per leaf: compare its gradient (else: at the routing weights)
 
     def with_leaves() -> list[object]:
         out: list[object] = []
-        for v, p in zip(vals, is_param):
+        for v, p, via in zip(vals, is_param, via_weights, strict=True):
             if isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor) and v[0].is_floating_point():
-                out.append((leaf_of(v[0], p).clone(), *v[1:]))
+                out.append((leaf_of(v[0], p, via).clone(), *v[1:]))
             elif isinstance(v, torch.Tensor) and v.is_floating_point():
-                leaf = leaf_of(v, p)
+                leaf = leaf_of(v, p, via)
                 out.append(leaf if p else leaf.clone())  # clone: the region may update it in place
             else:
                 out.append(_copy(v, share=False))
         return out
 
-    cache: dict[int, torch.Tensor] = {}
+    cache: dict[int, int] = {}
 
-    def leaf_of(v: torch.Tensor, share: bool) -> torch.Tensor:
+    def leaf_of(v: torch.Tensor, share: bool, via: bool) -> torch.Tensor:
         if id(v) not in cache:
             leaf = v.detach() if share else v.detach().clone()
-            cache[id(v)] = leaf.requires_grad_()
-            leaves.append(cache[id(v)])
-        return cache[id(v)]
+            cache[id(v)] = len(leaves)
+            leaves.append(leaf.requires_grad_())
+            compared.append(False)
+        i = cache[id(v)]
+        compared[i] = compared[i] or not via
+        return leaves[i]
 
     with torch.enable_grad():
-        y_o = original(*with_leaves())
-        y_n = replacement(*with_leaves())
+        y_o, *w_o = original(*with_leaves())
+        y_n, *w_n = replacement(*with_leaves())
         if not y_o.requires_grad:
             return 0.0, True
+        if not (w_o and w_o[0].requires_grad and w_n[0].requires_grad):
+            # routing weights no leaf reaches (computed from ids alone): compare every leaf
+            w_o, w_n, compared = [], [], [True] * len(leaves)
         gen = torch.Generator().manual_seed(1)
         g = torch.randn(y_o.shape, generator=gen, dtype=torch.float32).to(y_o)
-        g_o = torch.autograd.grad(y_o, leaves, g, allow_unused=True)
-        g_n = torch.autograd.grad(y_n, leaves, g, allow_unused=True) if y_n.requires_grad else [None] * len(leaves)
+        g_o = torch.autograd.grad(y_o, leaves + w_o, g, allow_unused=True)
+        g_n = torch.autograd.grad(y_n, leaves + w_n, g, allow_unused=True) if y_n.requires_grad \
+            else [None] * len(g_o)
     err, ok = 0.0, True
-    for a, b, leaf in zip(g_n, g_o, leaves):
+    for a, b, leaf, check in zip(g_n, g_o, leaves + w_o, compared + [True] * len(w_o), strict=True):
+        if not check:
+            continue
         a = torch.zeros_like(leaf) if a is None else a
         b = torch.zeros_like(leaf) if b is None else b
         e = _rel_err(a, b)
@@ -250,4 +360,3 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
                       tuple(leaf.shape), e)
         err = max(err, e)
     return err, ok
-
