@@ -30,13 +30,15 @@ P (row, slot) pairs bound for local experts, E_l local experts.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moe_compile import runtime
+from moe_compile import groups, runtime
 from moe_compile.lowering import hier_a2a
 from moe_compile.lowering.experts_ref import check_activation
 
@@ -56,6 +58,19 @@ def _check_device(lay: runtime.EPLayer, x: Tensor) -> None:
     if x.device.type != lay.comm.device.type:
         raise ValueError(f"layer {lay.name}: tokens are on {x.device} but the mesh is on {lay.comm.device.type}; "
                          "build the mesh on the device the model runs on (init_device_mesh(device_type, ...))")
+
+
+@contextlib.contextmanager
+def _collective(lay: runtime.EPLayer, what: str) -> Iterator[None]:
+    """Re-raise a failed collective (a peer died, hangs, or diverged) naming the layer and it."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise groups.collective_error(f"layer {lay.name}", what, e) from e
+
+
+def _phases(d: int, lay: runtime.EPLayer) -> str:
+    return f"HD-{d}: " + ", ".join(p.name for p in lay.comm.phases(d))
 
 
 def _local_pairs(ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool, w_dtype: torch.dtype
@@ -105,17 +120,20 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     _check_device(lay, x)
     lay.settle()  # an expert swap still in flight is put in force before the placement is read
     lay.last_topk = topk_idx.detach()
-    d = lay.choose_dimension(topk_idx)
+    with _collective(lay, "the exchange of routing statistics that chooses d*"):
+        d = lay.choose_dimension(topk_idx)
     lay.begin_step(d)
     phases = lay.comm.phases(d)
     t0 = time.perf_counter()
-    rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E, phases,
-                                                     lay.dedup, "forward", layer)
+    with _collective(lay, f"the forward dispatch all-to-alls ({_phases(d, lay)})"):
+        rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E, phases,
+                                                         lay.dedup, "forward", layer)
     t1 = time.perf_counter()
     out_RH = _local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
                             activation, topk_weights.dtype)
     t2 = time.perf_counter()
-    y_TH, _ = hier_a2a.combine(out_RH.to(x.dtype), route, "forward")
+    with _collective(lay, f"the forward combine all-to-alls ({_phases(d, lay)})"):
+        y_TH, _ = hier_a2a.combine(out_RH.to(x.dtype), route, "forward")
     lay.add_comm_time("forward", (t1 - t0) + (time.perf_counter() - t2))
     return y_TH, torch.tensor([d, lay.version, lay.layer_id], dtype=torch.long)
 
@@ -143,14 +161,16 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
     phases = lay.comm.phases(d)
     xg_TC = torch.cat([x, grad_out.to(x.dtype)], dim=1)
     t0 = time.perf_counter()
-    rows_RC, ids_RS, w_RS, route = hier_a2a.dispatch(xg_TC, topk_idx, topk_weights, lay.expert_pos_E, phases,
-                                                     lay.dedup, "backward", layer)
+    with _collective(lay, f"the backward dispatch all-to-alls ({_phases(d, lay)})"):
+        rows_RC, ids_RS, w_RS, route = hier_a2a.dispatch(xg_TC, topk_idx, topk_weights, lay.expert_pos_E, phases,
+                                                         lay.dedup, "backward", layer)
     t1 = time.perf_counter()
     weights = [w_up, w_gate, w_down, b_up, b_gate, b_down]
     d_rows_RH, d_w_RS, d_weights = _local_backward(rows_RC[:, hidden:], rows_RC[:, :hidden], ids_RS, w_RS,
                                                    lay, by_expert, weights, activation, topk_weights.dtype)
     t2 = time.perf_counter()
-    d_x_TH, d_tw_TK = hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward", meta_RS=d_w_RS.float())
+    with _collective(lay, f"the backward combine all-to-alls ({_phases(d, lay)})"):
+        d_x_TH, d_tw_TK = hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward", meta_RS=d_w_RS.float())
     lay.add_comm_time("backward", (t1 - t0) + (time.perf_counter() - t2))
     assert d_tw_TK is not None
     return (d_x_TH, d_tw_TK.to(topk_weights.dtype), *d_weights)  # type: ignore[return-value]

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_compile import groups
 from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
 from moe_compile.runtime import record_traffic
 
@@ -56,7 +57,8 @@ class MeshComm:
 
     Positions are row-major indices into ``mesh.mesh``; ``sizes`` are the level sizes s_1..s_D
     slowest first, ``level_names`` the mesh dim names. All ranks create the same groups in the
-    same order (``dist.new_group`` is collective over the world)."""
+    same order (``dist.new_group`` is collective over the world); every group has the default
+    group's timeout (``moe_compile.groups``)."""
 
     sizes: tuple[int, ...]
     level_names: tuple[str, ...]
@@ -105,7 +107,7 @@ class MeshComm:
                     co = list(others)
                     co.insert(i, c)
                     members.append(int(np.ravel_multi_index(co, sizes)))
-                group = dist.new_group([ranks[p] for p in members])
+                group = groups.new_group([ranks[p] for p in members])
                 if comm.position in members:
                     mine = (group, members)
             assert mine is not None
@@ -120,7 +122,7 @@ class MeshComm:
             mine = None
             for start in range(0, comm.world, block):
                 members = list(range(start, start + block))
-                group = dist.new_group([ranks[p] for p in members]) if i > 0 else dist.group.WORLD
+                group = groups.new_group([ranks[p] for p in members]) if i > 0 else dist.group.WORLD
                 if comm.position in members:
                     mine = (group, members)
             assert mine is not None

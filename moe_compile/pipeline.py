@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from moe_compile import shard
+from moe_compile import agreement, shard
 from moe_compile.cost.planner import Plan, dispatch_strategy, expert_parallel_strategies, plan
 from moe_compile.cost.workload import Workload
 from moe_compile.options import Options
 from moe_compile.parallel import NEED_TOPOLOGY
-from moe_compile.passes.canonicalize import CanonicalizeResult, canonicalize_moe_regions_pass
+from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
 from moe_compile.passes.lower_kernels import lower_kernels_pass
@@ -58,7 +58,10 @@ def _find(ctx: PassContext) -> dict[str, int]:
 def _canonicalize(ctx: PassContext) -> dict[str, int]:
     if ctx.found is None:
         return {}
-    if not ctx.found.regions:
+    # under expert parallelism a graph whose routers were found but none of their layers still
+    # takes part in the agreement: other ranks may have found the layers in their graphs
+    routers_left = any(s.router_weight is not None for s in ctx.found.skipped)
+    if not ctx.found.regions and not (ctx.options.mesh is not None and routers_left):
         return {"rewritten": 0}
     before = len(ctx.gm.graph.nodes)
     sharded = [ex for ex in ctx.example_inputs if shard.lookup(ex) is not None]
@@ -67,11 +70,58 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
                          "options['mesh'] set to the mesh it was sharded over")
     # sharded expert weights are zero placeholders: verify on random weights of their shape instead
     inputs = [shard.verification_value(ex, seed=i) for i, ex in enumerate(ctx.example_inputs)]
-    ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, inputs, ctx.found, verify=ctx.options.verify)
+    agree = _agreement(ctx) if ctx.options.mesh is not None else None
+    ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, inputs, ctx.found, verify=ctx.options.verify, agree=agree)
     ctx.skipped.extend(ctx.canonical.skipped)
     return {"rewritten": len(ctx.canonical.rewritten), "left_alone": len(ctx.canonical.skipped),
             "verifications": ctx.canonical.num_verifications, "nodes_before": before,
             "nodes_after": len(ctx.gm.graph.nodes)}
+
+
+def _agreement(ctx: PassContext) -> Agree:
+    """canonicalize's ``agree`` under expert parallelism: every rank's decisions made the same by
+    ``moe_compile.agreement`` (the first compile of a layer exchanges them; later ones reuse it)."""
+    assert ctx.found is not None
+    opts, params, index = ctx.options, ctx.found.params, ctx.found.index
+    mesh = opts.mesh
+    settings = (f"mesh {tuple(mesh.mesh.shape)} {tuple(mesh.mesh_dim_names or ())} ranks {mesh.mesh.flatten().tolist()}; "
+                f"dimension {opts.dimension}; dedup {opts.dedup}; topology {opts.topology!r}; "
+                f"expert_swap {opts.expert_swap!r}; verify {opts.verify}")
+
+    def key(d: Decision, i: int) -> tuple[str, str]:
+        """(what the experts compute, where the output and the routing weights are read)."""
+        interp = d.passing[i] if i >= 0 else d.chosen
+        assert interp is not None
+        reg = d.region
+        return (f"E={reg.num_experts} K={reg.top_k} H={reg.hidden_size} {reg.dtype}: {interp.layout.signature()}",
+                f"output {index.anchor(interp.output.node)}, weights {index.anchor(interp.weights.node)}")
+
+    def agree(decisions: list[Decision], routers_left: list[Skip]) -> list[Decision]:
+        proposals = []
+        for d in decisions:
+            mine = key(d, -1) if d.chosen is not None and not d.vacuous else (None, "")
+            proposals.append(agreement.Proposal(
+                anchor=params.path[d.region.router_weight], name=d.region.name, key=mine[0], where=mine[1],
+                reason=d.reason, vacuous=d.vacuous, candidates=tuple(key(d, i) for i in range(len(d.passing)))))
+        proposals += [agreement.Proposal(anchor=params.path[s.router_weight], name=s.name, key=None, reason=s.reason)
+                      for s in routers_left if s.router_weight is not None]
+        # a layer is known by its router's weight tensor on every compile of this rank, whether the
+        # finder saw the rest of the layer or not
+        identities = [(params.value.get(d.region.router_weight),) for d in decisions]
+        identities += [(params.value.get(s.router_weight),) for s in routers_left if s.router_weight is not None]
+        agreed = agreement.agree(settings, proposals, identities)
+        out = []
+        for d, p, a in zip(decisions, proposals[:len(decisions)], agreed[:len(decisions)], strict=True):
+            if a.key is None:
+                out.append(Decision(d.region, None, a.reason))
+            elif a.key != p.key:  # this rank had 0 tokens: it takes what the others verified, where they found it
+                i = p.candidates.index((a.key, a.where))
+                out.append(Decision(d.region, d.passing[i], vacuous=True))
+            else:
+                out.append(d)
+        return out
+
+    return agree
 
 
 def _plan(ctx: PassContext) -> dict[str, int]:

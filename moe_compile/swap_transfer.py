@@ -21,9 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_compile import runtime
+from moe_compile import groups, runtime
 
 TABLE_COLS = 9  # a decision row: swap?, a, b, d, objective before/after, predicted before/after, migration
+
+
+_EXCHANGE = "the swapper's exchange of routing, decisions and outcomes (an all-to-all on its gloo group)"
 
 
 class Message:
@@ -84,13 +87,19 @@ class Message:
         for dst in range(1, world):
             buf[starts[dst]: starts[dst] + self.ids_at] = head_row
         recv = torch.empty(world * self.width, dtype=torch.int32)
-        self.work = dist.all_to_all_single(recv, torch.from_numpy(buf), [self.width] * world, splits,
-                                           group=group, async_op=async_op)
+        try:
+            self.work = dist.all_to_all_single(recv, torch.from_numpy(buf), [self.width] * world, splits,
+                                               group=group, async_op=async_op)
+        except RuntimeError as e:
+            raise groups.collective_error("expert swap", _EXCHANGE, e) from e
         self._rows: np.ndarray = recv.numpy().reshape(world, self.width)  # [sender's global rank, ...]; once waited
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise groups.collective_error("expert swap", _EXCHANGE, e) from e
             self.work = None
 
     @property

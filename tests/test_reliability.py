@@ -1,0 +1,206 @@
+"""What the README's "Reliability" section promises, one test per guarantee.
+
+Exactness: a rewrite never changes what the model computes, also on values far outside the
+compile batch (an op the expert op does not compute leaves the layer alone, named in the reason;
+numerical verification runs on sample values of a wide range, not on the batch).
+Agreement: every rank rewrites the same layers the same way, whatever its first batch holds.
+Bounded failures: a rank that dies or hangs makes every other rank raise within the process
+group timeout, naming the layer and the collective.
+
+Tolerances: fp32, 1e-5 of each tensor's scale (compile_utils; summation order only).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from compile_utils import compare_compiled, rel_err
+from dist_utils import WORKER, launch, run_ranks
+from torch import nn
+
+import moe_compile
+from moe_compile.backend import collect_reports
+from moe_compile.passes import canonicalize
+from moe_compile.samples import SAMPLES, example_input
+
+TOL = 1e-5
+
+
+class LoopMoE(nn.Module):
+    """A per-expert loop over stacked weights with one modification of the gated experts the op
+    does not compute (``extra``), or none; clamps at ``limit``, which the compile batch never
+    reaches (the GPT-OSS case: the clamp is inactive on the batch the layer is compiled on)."""
+
+    def __init__(self, extra: str = "none", h: int = 16, f: int = 32, e: int = 4, k: int = 2,
+                 limit: float = 7.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_gate = nn.Parameter(torch.randn(e, f, h) * 0.1)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) * 0.1)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) * 0.1)
+        self.extra, self.e, self.k, self.limit = extra, e, k, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(idx == e)
+            h = x[tok]
+            g = h @ self.w_gate[e].T
+            u = h @ self.w_up[e].T
+            if self.extra == "clamp":
+                g = g.clamp(max=self.limit)
+            if self.extra == "relu_gate":
+                g = F.relu(g)  # positive pre-activations would hide it
+            if self.extra == "offset":
+                u = u + 1
+            y = (F.silu(g) * u) @ self.w_down[e].T
+            if self.extra == "scale":
+                y = y * 0.5
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out
+
+
+def _compile_then_compare(model: nn.Module, compile_x: torch.Tensor, x: torch.Tensor,
+                          options: dict | None = None) -> tuple[list, list[str], float]:
+    """Compile on ``compile_x``, then compare with eager on ``x``: (regions, reasons left alone,
+    the largest relative difference of outputs and gradients)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager", **(options or {})})
+    with collect_reports() as graphs:
+        compiled(compile_x)
+    errs = []
+    outs = []
+    for fn in (compiled, model):
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        grads = torch.autograd.grad(y, [xl, *model.parameters()], torch.ones_like(y) * 0.5)
+        outs.append((y.detach(), grads))
+    (y_c, g_c), (y_e, g_e) = outs
+    errs = [rel_err(y_c, y_e)] + [rel_err(a, b) for a, b in zip(g_c, g_e, strict=True)]
+    return [r for g in graphs for r in g.regions], [s.reason for g in graphs for s in g.skipped], max(errs)
+
+
+@pytest.mark.parametrize("extra,named", [("clamp", "`clamp` at test_reliability.py:"),
+                                         ("relu_gate", "the experts also apply relu"),
+                                         ("offset", "adds a constant"), ("scale", "scales the expert values by 0.5")])
+def test_inactive_modification_on_the_compile_batch_is_not_rewritten(extra: str, named: str) -> None:
+    """Defect: a clamp the compile batch never reaches was "verified", and larger batches got
+    outputs and gradients wrong by orders of magnitude. Now every op the rewrite would remove
+    must be one the expert op computes: the layer is left alone, the op and its line named, and
+    compiled equals eager on a batch 100x larger."""
+    gen = torch.Generator().manual_seed(0)
+    small = torch.randn(8, 16, generator=gen) * 0.1
+    if extra == "relu_gate":  # a batch on which every gate pre-activation is positive: relu is identity
+        small = small.abs()
+        model = LoopMoE(extra)
+        with torch.no_grad():
+            model.w_gate.abs_()
+    else:
+        model = LoopMoE(extra)
+    large = torch.randn(8, 16, generator=gen) * 100
+    regions, reasons, err = _compile_then_compare(model, small, large)
+    assert regions == [], f"{extra}: rewritten although the op does not compute it"
+    assert any(named in r for r in reasons), reasons
+    assert err <= TOL
+
+
+def test_numerical_verification_alone_catches_an_inactive_clamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second line: with the op accounting switched off, verification's "large values" case
+    (sample tokens x16, not the compile batch) still sees the clamp."""
+    monkeypatch.setattr(canonicalize, "unexplained_op", lambda *a, **k: None)
+    gen = torch.Generator().manual_seed(0)
+    regions, reasons, err = _compile_then_compare(LoopMoE("clamp"), torch.randn(8, 16, generator=gen) * 0.1,
+                                                  torch.randn(8, 16, generator=gen) * 100)
+    assert regions == []
+    assert any("large values: outputs differ" in r for r in reasons), reasons
+    assert err <= TOL
+
+
+def test_plain_layer_is_still_rewritten_and_exact_far_outside_the_compile_range() -> None:
+    gen = torch.Generator().manual_seed(0)
+    regions, reasons, err = _compile_then_compare(LoopMoE(), torch.randn(8, 16, generator=gen) * 0.1,
+                                                  torch.randn(8, 16, generator=gen) * 100)
+    assert len(regions) == 1 and regions[0].verification == "verified", reasons
+    assert err <= TOL
+
+
+def test_nan_in_the_compile_batch_does_not_disable_the_rewrite() -> None:
+    """Defect: a NaN in the batch that triggered the compile failed verification and silently left
+    the layer unrewritten for the rest of the run. Verification no longer reads the batch."""
+    spec = SAMPLES["grouped_gemm"]
+    torch.manual_seed(0)
+    model = spec.make()
+    x = example_input(spec)
+    x_nan = x.clone()
+    x_nan[0, 3, 5] = float("nan")
+    regions, reasons, err = _compile_then_compare(model, x_nan, x)
+    assert len(regions) == 1 and regions[0].verification == "verified", reasons
+    assert err <= TOL
+
+
+def test_verify_false_warns() -> None:
+    spec = SAMPLES["qwen3"]
+    with pytest.warns(UserWarning, match="rewritten without numerical verification"):
+        cmp = compare_compiled(spec.make(), [example_input(spec)], {"verify": False})
+    cmp.assert_close()
+
+
+def test_ranks_agree_on_nan_and_empty_first_batches() -> None:
+    """Defect: each rank verified on its own first batch; a NaN (or, for gathered bmm, 0 tokens)
+    on one rank left its layer local while the others waited in expert-parallel collectives.
+    Rank 1's first batch holds a NaN, rank 2's has 0 tokens: every rank rewrites the same layers,
+    rank 2 taking the interpretation the others verified. And where one rank cannot rewrite a
+    layer (rank 3's experts clamp their gate in "diverge"), no rank does, the reason naming it."""
+    kinds = ["grouped_gemm", "gathered_bmm", "expert_loop", "diverge"]
+    results = run_ranks(4, "unlucky", timeout_s=300, worker="reliability_worker.py", shape=[2, 2], kinds=kinds,
+                        nan_rank=1, empty_rank=2, diverge_rank=3)
+    for kind in kinds:
+        per_rank = [res[kind] for res in results]
+        for rank, r in enumerate(per_rank):
+            assert max(r["errs"]) <= TOL, (kind, rank, r)
+        if kind == "diverge":
+            assert all(r["expert_parallel"] == 0 for r in per_rank), per_rank
+            for rank in (0, 1, 2):
+                assert any("because rank 3 leaves it alone: left unchanged: `clamp`" in s
+                           for s in per_rank[rank]["skipped"]), per_rank[rank]
+        else:
+            assert all(r["expert_parallel"] > 0 for r in per_rank), (kind, per_rank)
+            assert [r["verification"] for r in per_rank] == [["verified"], ["verified"],
+                                                             ["0 tokens here: verified by the ranks with tokens"],
+                                                             ["verified"]], (kind, per_rank)
+
+
+def test_ranks_with_different_options_fail_alike() -> None:
+    results = run_ranks(4, "options_differ", timeout_s=300, worker="reliability_worker.py", shape=[2, 2])
+    for rank, res in enumerate(results):
+        assert "different expert-parallel options" in res["error"] and "rank 0: mesh" in res["error"], (rank, res)
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_stopped_rank_makes_the_others_raise_within_the_timeout(how: str) -> None:
+    """Defect: expert-parallel subgroups were made without a timeout, so a rank that hung blocked
+    the others for gloo's 30 minutes. Rank 1 exits, or sleeps past the 5 s process group timeout,
+    after one step; the others must raise within the timeout (and a margin for 2 loaded cores),
+    naming the layer and the collective."""
+    timeout_s = 5.0
+    with tempfile.TemporaryDirectory() as out:
+        done = launch(4, "stop", {"shape": [2, 2], "how": how, "pg_timeout_s": timeout_s}, timeout_s=180,
+                      out_dir=out, worker=WORKER.with_name("reliability_worker.py"))
+        assert done[1].returncode == 3, done[1].stdout[-3000:]
+        for rank in (0, 2, 3):
+            assert done[rank].returncode == 0, done[rank].stdout[-3000:]
+            res = json.loads(Path(out, f"rank{rank}.json").read_text())
+            assert res["error"].startswith("RuntimeError: layer layers.0.mlp: the forward dispatch all-to-alls"), res
+            assert res["elapsed_s"] < timeout_s + 10, res
+
+
+def test_explain_and_dumps_name_the_reason_for_left_alone_layers() -> None:
+    report = moe_compile.explain(LoopMoE("clamp"), torch.randn(8, 16), options={"inner_compiler": "aot_eager"})
+    assert "`clamp` at test_reliability.py:" in str(report)
