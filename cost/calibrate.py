@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from scipy.optimize import nnls
 
 from moe_compile.cost.topology import EfficiencyCurve
 
@@ -43,7 +44,9 @@ def link_fraction(group_size: int) -> float:
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares fit of ``t = alpha_s + n * beta_s_per_byte`` (HierMoE Eq. 1, Section V-B).
+    """Least-squares fit of ``t = alpha_s + n * beta_s_per_byte`` (HierMoE Eq. 1, Section V-B) with
+    alpha, beta >= 0 (``scipy.optimize.nnls``): a start-up time or a cost per byte below zero has no
+    meaning, and noisy small-message times (an all-gather's, often) otherwise fit a negative alpha.
 
     Returns ``(alpha_s, beta_s_per_byte, r2)`` where r2 is the coefficient of determination
     (1.0 for a perfect fit, also when every time is equal and the fit reproduces them)."""
@@ -56,7 +59,9 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tu
     if np.unique(n).size < 2:
         raise ValueError("fit_alpha_beta needs samples at two or more distinct sizes to separate alpha from beta")
     design = np.stack([np.ones_like(n), n], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(design, t, rcond=None)
+    scale = np.array([1.0, n.max()])  # columns of one magnitude for the solver
+    (alpha, beta_scaled), _ = nnls(design / scale, t)
+    beta = beta_scaled / scale[1]
     residual = t - design @ np.array([alpha, beta])
     ss_res = float(residual @ residual)
     ss_tot = float(((t - t.mean()) ** 2).sum())

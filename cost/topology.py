@@ -26,6 +26,7 @@ TOML layout (every field named in errors):
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -145,6 +146,9 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Topology:
+        """From the TOML layout above; an unknown key (a misspelled table or field) or two keys
+        that say the same thing (``beta_s_per_byte`` and ``bandwidth_gbps``) is an error."""
+        _check_keys(data, ("name", "levels", "compute", "efficiency"), "the top level")
         levels_raw = data.get("levels")
         if not isinstance(levels_raw, list) or not levels_raw:
             raise ValueError("topology: 'levels' must be a non-empty array of tables ([[levels]]), slowest first")
@@ -153,6 +157,7 @@ class Topology:
             where = f"levels[{i}]"
             if not isinstance(raw, Mapping):
                 raise ValueError(f"topology: {where} must be a table with name, size, alpha_s and beta_s_per_byte")
+            _check_keys(raw, ("name", "size", *_LINK_KEYS), where)
             if not isinstance(raw.get("name"), str):
                 raise ValueError(f"topology: {where}.name must be a string")
             size = raw.get("size")
@@ -162,9 +167,13 @@ class Topology:
         compute = data.get("compute", {})
         if not isinstance(compute, Mapping):
             raise ValueError("topology: 'compute' must be a table with flops_per_s and mem_bw_bytes_per_s")
+        _check_keys(compute, ("flops_per_s", "mem_bw_bytes_per_s"), "compute")
         efficiency = {}
         for op, raw in (data.get("efficiency") or {}).items():
             where = f"efficiency.{op}"
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"topology: {where} must be a table with sizes_bytes and values")
+            _check_keys(raw, ("sizes_bytes", "values"), where)
             xs, ys = raw.get("sizes_bytes"), raw.get("values")
             if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys) or not xs:
                 raise ValueError(f"topology: {where} needs equally long non-empty arrays sizes_bytes and values")
@@ -200,7 +209,23 @@ class Topology:
         Path(path).write_text(_to_toml(self.to_dict()))
 
 
+_LINK_KEYS = ("alpha_s", "beta_s_per_byte", "bandwidth_gbps")
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    unknown = [k for k in raw if k not in allowed]
+    if unknown:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, allowed, n=1)) else repr(k)
+                 for k in unknown]
+        raise ValueError(f"topology: unknown key(s) {', '.join(hints)} in {where}; valid keys there are "
+                         f"{list(allowed)}")
+
+
 def _level(name: str, size: int, raw: Mapping[str, Any], where: str) -> Level:
+    _check_keys({k: v for k, v in raw.items() if k not in ("name", "size")}, _LINK_KEYS, where)
+    if "beta_s_per_byte" in raw and "bandwidth_gbps" in raw:
+        raise ValueError(f"topology: {where} gives both beta_s_per_byte and bandwidth_gbps, which say the same "
+                         "thing (beta = 8 / (bandwidth_gbps * 1e9) seconds per byte); keep one")
     alpha = raw.get("alpha_s")
     if not isinstance(alpha, int | float) or alpha < 0:
         raise ValueError(f"topology: {where}.alpha_s must be a non-negative number of seconds, got {alpha!r}")

@@ -257,8 +257,7 @@ def build_topology(fits: Sequence[Fit], names: Sequence[str], sizes: Sequence[in
             raise ValueError(f"level {level_name!r}: the all-to-all time does not grow with the message size over "
                              f"{f.measurement.sizes_bytes[0]}..{f.measurement.sizes_bytes[-1]} bytes (fitted beta "
                              f"{f.beta_s_per_byte:.3g} s/B); raise --max-bytes or --reps")
-        # A small negative intercept is fitting noise around a start-up time near zero.
-        levels.append(Level(level_name, size, max(f.alpha_s, 0.0), f.beta_s_per_byte))
+        levels.append(Level(level_name, size, f.alpha_s, f.beta_s_per_byte))
     efficiency: dict[str, EfficiencyCurve] = {}
     for f in fits:
         m = f.measurement
