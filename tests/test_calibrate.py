@@ -50,6 +50,21 @@ def test_fit_collective_is_per_link_byte() -> None:
     assert r2 == pytest.approx(1.0, abs=1e-12)
 
 
+def test_fit_is_non_negative() -> None:
+    """Times that grow faster than linearly with the size (the largest all-gathers slowed by
+    contention) made the plain least-squares fit an intercept below zero; the fit keeps alpha >= 0
+    and is then the best line through the origin (beta = sum(n t) / sum(n^2), the constrained
+    optimum)."""
+    sizes = np.array([1e3, 1e4, 1e5, 1e6, 1e7])
+    times = sizes * 1e-9 * np.array([1.0, 1.0, 1.1, 1.3, 1.6])
+    (free_alpha, _), *_ = np.linalg.lstsq(np.stack([np.ones_like(sizes), sizes], 1), times, rcond=None)
+    assert free_alpha < 0  # the case the constraint is for
+    alpha, beta, r2 = fit_alpha_beta(sizes, times)
+    assert alpha == 0.0
+    assert beta == pytest.approx(float(sizes @ times / (sizes @ sizes)), rel=1e-9)
+    assert 0.99 < r2 <= 1.0
+
+
 def test_fit_needs_two_sizes() -> None:
     with pytest.raises(ValueError, match="two or more distinct sizes"):
         fit_alpha_beta([1024, 1024], [1e-3, 2e-3])

@@ -54,6 +54,24 @@ def test_hiermoe_testbed_has_the_papers_fits() -> None:
         assert lv.beta_s_per_byte * (lv.size - 1) / lv.size == pytest.approx(beta_per_buffer_byte, rel=1e-4)
 
 
+@pytest.mark.parametrize("text,match", [
+    ("[[levles]]\nname = 'node'\nsize = 2\nalpha_s = 1e-6\nbeta_s_per_byte = 1e-9\n",
+     r"unknown key\(s\) 'levles' \(did you mean 'levels'\?\) in the top level"),
+    ("[[levels]]\nname = 'node'\nsize = 2\nalpha_s = 1e-6\nbeta_s_per_byte = 1e-9\nbandwidth_gbps = 100\n",
+     r"levels\[0\] gives both beta_s_per_byte and bandwidth_gbps"),
+    ("[[levels]]\nname = 'node'\nsize = 2\nalpha = 1e-6\nbeta_s_per_byte = 1e-9\n",
+     r"unknown key\(s\) 'alpha' \(did you mean 'alpha_s'\?\) in levels\[0\]"),
+    ("[[levels]]\nname = 'node'\nsize = 2\nalpha_s = 1e-6\nbeta_s_per_byte = 1e-9\n[compute]\nflops = 1e12\n",
+     r"unknown key\(s\) 'flops' .* in compute"),
+])
+def test_unknown_and_conflicting_keys_are_errors(text: str, match: str, tmp_path: Path) -> None:
+    """A misspelled table or field was silently ignored (a [[levles]] file loaded the default-less
+    levels error at best, an extra level field never); two fields for one value kept one of them."""
+    (tmp_path / "t.toml").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        Topology.load(tmp_path / "t.toml")
+
+
 def test_dgx_and_hybridep_shapes() -> None:
     dgx = load_shipped("dgx_h100_2node.toml")
     assert dgx.level_names == ("node", "gpu") and dgx.sizes == (2, 8)
