@@ -70,7 +70,7 @@ from moe_compile import swap, swap_policy, swap_transfer
 from moe_compile.cost import hiermoe as cost_hiermoe
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
-from moe_compile.options import DEFAULT_PAYBACK
+from moe_compile.options import DEFAULT_HYSTERESIS, DEFAULT_PAYBACK
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
 # Shape legend: B batch, S sequence, V vocabulary.
@@ -143,7 +143,8 @@ class Runner:
         self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager"}
         if policy is not None:
             self.options["expert_swap"] = {"every": 1, "policy": policy, "overlap": args.overlap,
-                                           "threshold": args.threshold, "payback": args.payback}
+                                           "threshold": args.threshold, "payback": args.payback,
+                                           "hysteresis": args.hysteresis}
         self.module: Any = None
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.swapper: swap.ExpertSwapper | None = None
@@ -472,6 +473,7 @@ def worker(args: argparse.Namespace) -> None:
             "world": dist.get_world_size(), "mesh": dict(zip(args.mesh_names, args.mesh_sizes)),
             "topology": topo, "calibration": fit_info, "steps": args.steps, "window": args.window, "lr": args.lr,
             "loss_rtol": args.loss_rtol, "overlap": args.overlap, "threshold": args.threshold, "payback": args.payback,
+            "hysteresis": args.hysteresis,
             "zipf_exponent": ZIPF_EXPONENT, "wall_s": time.perf_counter() - start,
             "model": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "experts", "top_k", "vocab",
                                                     "batch", "seq")},
@@ -525,6 +527,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="expert_swap payback: swap only when the predicted a2a time saved over this many steps "
                         f"exceeds the predicted time to move the two experts (default {DEFAULT_PAYBACK:g}, the "
                         "library's; 0: off, swap on any predicted gain)")
+    p.add_argument("--hysteresis", type=int, default=DEFAULT_HYSTERESIS,
+                   help="expert_swap hysteresis: a pair swapped is not swapped again for this many calls "
+                        f"(default {DEFAULT_HYSTERESIS}, the library's; 0: off, as in the results committed before "
+                        "it existed)")
     p.add_argument("--overlap", action="store_true",
                    help="swappers in overlap mode (collectives in flight across steps; default results path "
                         "bench/results/swap_overlap)")

@@ -122,6 +122,7 @@ POLICIES = ("hierd", "smart")
 # training steps in which a swap's predicted all-to-all saving must repay its predicted migration
 # (SwapOptions.payback): what keeps the swapper under HierMoE's ~1 % of a step (Section V-E)
 DEFAULT_PAYBACK = 10.0
+DEFAULT_HYSTERESIS = 10
 KINDS = ("max", "smooth", "lse")
 
 
@@ -148,6 +149,10 @@ class SwapOptions:
         slowest level between them. With routing that changes every step a swap's gain may not
         last, while its migration is paid at once (bench/README.md measures both). It applies to
         experts sharded by ``shard_experts`` (whole experts move no rows).
+    hysteresis: a pair of experts swapped is not swapped again (back) for this many ``step()``
+        calls (default ``DEFAULT_HYSTERESIS``, 10; 0 turns it off). Without it, routing that
+        changes every step makes HierD-ES swap the same pair back and forth, each time paying
+        the migration (``payback: 0``).
     """
 
     every: int = 1
@@ -157,6 +162,7 @@ class SwapOptions:
     policy: str = "hierd"
     overlap: bool = False
     payback: float = DEFAULT_PAYBACK
+    hysteresis: int = DEFAULT_HYSTERESIS
 
 
 def parse_swap_options(raw: object) -> SwapOptions | None:
@@ -194,4 +200,8 @@ def parse_swap_options(raw: object) -> SwapOptions | None:
     payback = raw.get("payback", DEFAULT_PAYBACK)
     if isinstance(payback, bool) or not isinstance(payback, int | float) or not 0 <= payback < float("inf"):
         raise ValueError(f"expert_swap 'payback' must be a number of training steps >= 0 (0: off), got {payback!r}")
-    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap, float(payback))
+    hysteresis = raw.get("hysteresis", DEFAULT_HYSTERESIS)
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 0:
+        raise ValueError(f"expert_swap 'hysteresis' must be a number of step() calls >= 0 (0: off), got {hysteresis!r}")
+    return SwapOptions(every, float(threshold), str(kind), float(gamma), str(policy), overlap, float(payback),
+                       hysteresis)

@@ -104,7 +104,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_compile import runtime
+from moe_compile import groups, runtime
 from moe_compile import swap_policy as policy
 from moe_compile import swap_transfer as transfer
 from moe_compile.options import SwapOptions, parse_swap_options
@@ -304,7 +304,7 @@ class ExpertSwapper:
         tensors, also when the model's collectives run on NCCL; and in overlap mode kept apart
         from the model's). Made at the first use, which every rank reaches in the same call."""
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = groups.new_group(backend="gloo")
         return self._group
 
     def _post(self, world: int, **kw: Any) -> transfer.Message:
@@ -433,7 +433,8 @@ class ExpertSwapper:
         for i, lay in enumerate(layers):
             routing = routings[i]
             if routing is not None:
-                table[i] = policy.decide_layer(lay, opts[i], _planned(lay, pending), *routing, sizes.get(lay.layer_id))
+                table[i] = policy.decide_layer(lay, opts[i], _planned(lay, pending), *routing, sizes.get(lay.layer_id),
+                                               self.calls)
         return table
 
     def _step_overlapped(self, layers: list[runtime.EPLayer], opts: list[SwapOptions]) -> list[SwapRecord]:

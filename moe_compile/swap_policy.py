@@ -23,9 +23,10 @@ A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and 
 
 # What a layer's decision came to (EPLayer.swap_decisions): a swap, or why none. A decision row's
 # first entry is 1 for a swap, minus the index of the reason for none, 0 where the rank did not decide.
-SWAPPED, NO_GAIN, SMOOTH_ONLY, NO_PAYBACK = OUTCOMES = (
+SWAPPED, NO_GAIN, SMOOTH_ONLY, NO_PAYBACK, RECENT = OUTCOMES = (
     "swap", "no swap lowers the prediction (by more than the threshold)",
-    "a swap lowers the smooth max only, not the time", "no swap repays its migration within payback steps")
+    "a swap lowers the smooth max only, not the time", "no swap repays its migration within payback steps",
+    "the best swap would swap back a pair swapped within hysteresis steps")
 # a swap decided in overlap mode and dropped before it started (a swap of that call failed on some
 # rank, or the layer's placement changed in between)
 DROPPED = "a decided swap dropped: the placement changed or a swap failed before it started"
@@ -47,10 +48,12 @@ def count(lay: runtime.EPLayer, what: str) -> None:
 
 
 def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray, topk: np.ndarray,
-                 token_rank: np.ndarray, sizes: np.ndarray | None) -> list[float]:
+                 token_rank: np.ndarray, sizes: np.ndarray | None, call: int = 0) -> list[float]:
     """The decision row of one layer from every rank's routing of it ([T, K] ids and each
-    token's source), on ``placement``, with every rank's announced ``sizes``: 1 and the swap, or
-    ``no_swap`` of the reason."""
+    token's source), on ``placement``, with every rank's announced ``sizes``, at the swapper's
+    ``call``: 1 and the swap, or ``no_swap`` of the reason.  A pair swapped fewer than
+    ``opts.hysteresis`` calls before is not a candidate (swapping it back chases one step's
+    routing and pays two migrations)."""
     d = lay.last_dimension or lay.dimension or 1
     now = None  # t_d of the placement as is, where the payback check below computed it
     if payback_bounded(lay, opts):
@@ -68,8 +71,16 @@ def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray,
     else:
         q = smart_matrix(topk, lay.num_experts, placement, lay.comm.world)
     before = float(q[0, 0])
+    recent = recently_swapped(lay, call, opts.hysteresis)
+    if recent:
+        best_any = best_swap(q)
+        q = q.copy()
+        for x, y in recent:
+            q[x, y] = q[y, x] = np.inf
     a, b, after = best_swap(q)
     if not after < (1.0 - opts.threshold) * before or placement[a] == placement[b]:
+        if recent and best_any[2] < (1.0 - opts.threshold) * before and (best_any[0], best_any[1]) in recent:
+            return no_swap(RECENT)
         return no_swap(NO_GAIN)
     if q_max is not None:
         pred = [float(q_max[a, a]), float(q_max[a, b])]
@@ -84,6 +95,16 @@ def decide_layer(lay: runtime.EPLayer, opts: SwapOptions, placement: np.ndarray,
     if opts.payback and not A2A_PER_STEP * (pred[0] - pred[1]) * opts.payback > migration:
         return no_swap(NO_PAYBACK)  # moving the two experts costs more than it would save in `payback` steps
     return [1.0, a, b, d, before, after, *pred, migration]
+
+
+def recently_swapped(lay: runtime.EPLayer, call: int, hysteresis: int) -> set[tuple[int, int]]:
+    """Expert pairs (a < b) of ``lay`` swapped within the last ``hysteresis`` swapper calls."""
+    out = set()
+    for rec in reversed(lay.swaps):
+        if call - rec.step >= hysteresis:
+            break
+        out.add((min(rec.experts), max(rec.experts)))
+    return out
 
 
 def predicted(lay: runtime.EPLayer, topk: np.ndarray, token_rank: np.ndarray, placement: np.ndarray,

@@ -347,11 +347,15 @@ def case_skewed() -> dict[str, Any]:
     hot = other[: per_node // 2 + 1]  # a few experts of the other node
     gen = torch.Generator().manual_seed(300 + rank)
     swapper = moe_compile.expert_swapper(holder, None, policy=PARAMS.get("policy", "hierd"),
-                                         overlap=PARAMS.get("overlap", False))
+                                         overlap=PARAMS.get("overlap", False),
+                                         hysteresis=PARAMS.get("hysteresis", 10))
 
     def run(step: int) -> dict[str, Any]:
         probs = torch.full((E,), 0.2 / (E - len(hot)))
         probs[hot] = 0.8 / len(hot)
+        if PARAMS.get("alternate"):  # each node's hot expert alternates between 0 and E/2 every step
+            probs = torch.full((E,), 0.2 / (E - 1))
+            probs[(E // 2) * ((node + step) % 2 == 0)] = 0.8
         idx = torch.multinomial(probs.expand(T, E), K, replacement=False, generator=gen)
         x = torch.randn(T, H, generator=gen)
         tw = torch.rand(T, K, generator=gen)
@@ -370,7 +374,7 @@ def case_skewed() -> dict[str, Any]:
     swapper.flush()
     history.append(run(PARAMS["steps"]))
     return {"history": history, "placement": lay.placement(), "hot": hot,
-            "timing": [t.__dict__ for t in swapper.history]}
+            "timing": [t.__dict__ for t in swapper.history], "decisions": dict(lay.swap_decisions)}
 
 
 def case_migrate_bounds() -> dict[str, Any]:

@@ -11,6 +11,8 @@ lowers the counted inter-node bytes.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from dist_utils import run_ranks
 
@@ -163,6 +165,29 @@ def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(overlap: bool) -> No
     assert sum(last) < sum(first), f"total inter-node bytes {sum(first)} -> {sum(last)}"
     if overlap:  # nothing applied before the third call: the first two only gather and decide
         assert not results[0]["history"][0]["swaps"] and not results[0]["history"][1]["swaps"]
+
+
+def test_hysteresis_keeps_a_pair_from_swapping_back() -> None:
+    """Each node's tokens prefer expert 0 on one step and expert 4 on the next (K = 1): HierD-ES
+    on each step's routing alone swaps a pair and swaps it back at the next call, paying two
+    migrations for nothing (``hysteresis: 0``, the paper's rule). With the default hysteresis no
+    pair is swapped again within 10 calls."""
+    from moe_compile.options import DEFAULT_HYSTERESIS
+
+    runs = {}
+    for hysteresis in (0, DEFAULT_HYSTERESIS):
+        results = run_ranks(4, "skewed", timeout_s=240, worker="swap_worker.py", shape=[2, 2], E=8, K=1, H=16, F=24,
+                            T=64, steps=6, policy="hierd", alternate=True, hysteresis=hysteresis)
+        for res in results:
+            assert all(h["err"] < TOL for h in res["history"]), "output changed after a swap"
+            assert res["placement"] == results[0]["placement"] and res["decisions"] == results[0]["decisions"]
+        runs[hysteresis] = results[0]
+    pairs = {h: [tuple(p) for rec in r["history"] for p in rec.get("swaps", [])] for h, r in runs.items()}
+    calls = {h: [(i + 1, tuple(p)) for i, rec in enumerate(r["history"]) for p in rec.get("swaps", [])]
+             for h, r in runs.items()}
+    assert len(set(pairs[0])) < len(pairs[0]), f"the case must make the paper's rule swap a pair back: {calls[0]}"
+    for (c1, p1), (c2, p2) in itertools.combinations(calls[DEFAULT_HYSTERESIS], 2):
+        assert p1 != p2, f"pair {p1} swapped at calls {c1} and {c2}: {calls[DEFAULT_HYSTERESIS]}"
 
 
 def test_smart_matrix_matches_brute_force() -> None:
