@@ -1,0 +1,194 @@
+"""A configurable MoE layer for the fuzz tests: the idioms, storages, routers, activations and
+the modifications a model may add to its experts, chosen by a ``FuzzConfig``.
+
+``EXTRAS_ON_EXPERTS`` are modifications the expert op does not compute (a clamped gate as in
+GPT-OSS, an offset, a scale, another nonlinearity): a layer with one must be left as written,
+with the op named in the reason.  The others ("none", and a threshold on the routing weights,
+which the rewrite keeps as it is when it reads the thresholded weights) may be rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IDIOMS = ("loop", "gathered", "dense")
+STORAGES = ("stacked", "stacked_t", "fused", "modules")
+ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+EXTRAS_ON_EXPERTS = ("clamp_gate", "clamp_up", "up_plus_one", "scale_out", "tanh_out", "relu_after")
+EXTRAS = ("none", "weight_threshold", *EXTRAS_ON_EXPERTS)
+# the clamp limit: above every pre-activation of the compile batch (tokens of std COMPILE_STD)
+LIMIT = 2.0
+COMPILE_STD = 0.05
+LARGE_STD = 30.0
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    idiom: str
+    storage: str
+    router: str
+    router_bias: bool
+    route_scale: float
+    activation: str
+    gated: bool
+    bias: bool
+    extra: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    dtype: str = "float32"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _act(name: str, z: torch.Tensor) -> torch.Tensor:
+    if name == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
+    return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[name](z)
+
+
+class _Expert(nn.Module):
+    def __init__(self, h: int, f: int, gated: bool, bias: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(h, f, bias=bias)
+        self.gate = nn.Linear(h, f, bias=bias) if gated else None
+        self.down = nn.Linear(f, h, bias=bias)
+
+
+class FuzzMoE(nn.Module):
+    def __init__(self, cfg: FuzzConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn
+        self.router = nn.Linear(h, e, bias=cfg.router_bias)
+        if cfg.storage == "modules":
+            self.experts = nn.ModuleList(_Expert(h, f, cfg.gated, cfg.bias) for _ in range(e))
+            return
+
+        def stacked(rows: int, cols: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(e, rows, cols) / cols**0.5)
+
+        gated_fused = cfg.gated and cfg.storage == "fused"
+        self.w_up = stacked(h, 2 * f if gated_fused else f) if cfg.storage == "stacked_t" else \
+            stacked(2 * f if gated_fused else f, h)
+        self.w_gate = (stacked(h, f) if cfg.storage == "stacked_t" else stacked(f, h)) \
+            if cfg.gated and not gated_fused else None
+        self.w_down = stacked(f, h) if cfg.storage == "stacked_t" else stacked(h, f)
+        width = 2 * f if gated_fused else f
+        self.b_up = nn.Parameter(torch.randn(e, width) * 0.1) if cfg.bias else None
+        self.b_gate = nn.Parameter(torch.randn(e, f) * 0.1) if cfg.bias and cfg.gated and not gated_fused else None
+        self.b_down = nn.Parameter(torch.randn(e, h) * 0.1) if cfg.bias else None
+
+    # one expert on its tokens (loop and dense idioms) ----------------------------------------
+
+    def _proj(self, t: torch.Tensor, e: int, which: str) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.storage == "modules":
+            return getattr(self.experts[e], which)(t)
+        w = getattr(self, f"w_{which}")[e]
+        y = t @ w if cfg.storage == "stacked_t" else t @ w.t()
+        b = getattr(self, f"b_{which}")
+        return y if b is None else y + b[e]
+
+    def _ffn(self, t: torch.Tensor, e: int) -> torch.Tensor:
+        cfg = self.cfg
+        up = self._proj(t, e, "up")
+        gate = None
+        if cfg.gated:
+            if cfg.storage == "fused":
+                gate, up = up.chunk(2, dim=-1)
+            else:
+                gate = self._proj(t, e, "gate")
+        return self._finish(gate, up, lambda a: self._proj(a, e, "down"))
+
+    # every (token, slot) at once, over gathered weights (gathered idiom) -----------------------
+
+    def _ffn_gathered(self, t_NH: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+
+        def proj(x: torch.Tensor, which: str) -> torch.Tensor:
+            w = getattr(self, f"w_{which}")[ids_N]
+            y = torch.bmm(x.unsqueeze(1), w).squeeze(1) if cfg.storage == "stacked_t" else \
+                torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+            b = getattr(self, f"b_{which}")
+            return y if b is None else y + b[ids_N]
+
+        up = proj(t_NH, "up")
+        gate = None
+        if cfg.gated:
+            if cfg.storage == "fused":
+                gate, up = up.chunk(2, dim=-1)
+            else:
+                gate = proj(t_NH, "gate")
+        return self._finish(gate, up, lambda a: proj(a, "down"))
+
+    def _finish(self, gate: torch.Tensor | None, up: torch.Tensor, down: Any) -> torch.Tensor:
+        cfg = self.cfg
+        if gate is not None:
+            if cfg.extra == "clamp_gate":
+                gate = gate.clamp(max=LIMIT)
+            if cfg.extra == "clamp_up":
+                up = up.clamp(min=-LIMIT, max=LIMIT)
+            if cfg.extra == "up_plus_one":
+                up = up + 1
+            a = _act(cfg.activation, gate) * up
+        else:
+            if cfg.extra in ("clamp_gate", "clamp_up"):
+                up = up.clamp(max=LIMIT)
+            if cfg.extra == "up_plus_one":
+                up = up + 1
+            a = _act(cfg.activation, up)
+        if cfg.extra == "relu_after":
+            a = F.relu(a) if cfg.activation != "relu" else F.relu6(a)
+        y = down(a)
+        if cfg.extra == "scale_out":
+            y = y * 1.5
+        if cfg.extra == "tanh_out":
+            y = torch.tanh(y)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        h = x.reshape(-1, cfg.hidden)
+        logits = self.router(h)
+        if cfg.router == "topk_softmax":
+            vals, idx = torch.topk(logits, cfg.top_k, dim=-1)
+            w = F.softmax(vals, dim=-1, dtype=torch.float32)
+        else:
+            scores = torch.sigmoid(logits.float()) if cfg.router == "sigmoid_renorm" else \
+                F.softmax(logits, dim=-1, dtype=torch.float32)
+            w, idx = torch.topk(scores, cfg.top_k, dim=-1)
+            if cfg.router != "softmax":
+                w = w / w.sum(dim=-1, keepdim=True)
+        w = w * cfg.route_scale
+        if cfg.extra == "weight_threshold":
+            w = w * (w > 0.05)
+        w = w.to(h.dtype)
+        if cfg.idiom == "loop":
+            out = torch.zeros_like(h)
+            for e in range(cfg.num_experts):
+                tok, k = torch.where(idx == e)
+                out.index_add_(0, tok, self._ffn(h[tok], e) * w[tok, k, None])
+        elif cfg.idiom == "gathered":
+            ids_N = idx.reshape(-1)
+            y_N = self._ffn_gathered(h.repeat_interleave(cfg.top_k, dim=0), ids_N)
+            out = (y_N.view(-1, cfg.top_k, cfg.hidden) * w.unsqueeze(-1)).sum(dim=1)
+        else:
+            gates = torch.zeros(h.shape[0], cfg.num_experts, dtype=w.dtype, device=h.device).scatter(1, idx, w)
+            ys = torch.stack([self._ffn(h, e) for e in range(cfg.num_experts)], dim=1)
+            out = (ys * gates.unsqueeze(-1)).sum(dim=1)
+        return out.reshape(x.shape)
+
+
+def make(cfg: FuzzConfig, seed: int = 0) -> FuzzMoE:
+    torch.manual_seed(seed)
+    model = FuzzMoE(cfg)
+    return model.to(getattr(torch, cfg.dtype))

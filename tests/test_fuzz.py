@@ -1,0 +1,114 @@
+"""Fuzz: random MoE layers (tests/fuzz_moe.py: idioms, storages, routers, activations, biases,
+E, K, dtypes, and modifications of the experts the op does not compute), compiled on a batch of
+small values and compared with eager forward and backward on a batch far outside that range.
+
+A layer with a modification on its experts (a clamp, an offset, a scale, another nonlinearity)
+must be left as written, the op named in the reason; a plain layer must be rewritten.  On 4
+ranks, per-rank batch sizes (one of 0 tokens) and a NaN on one rank's first batch: no hang, the
+same rewrite on every rank, equality with eager on the clean batches.
+
+Tolerance: fp32 1e-5 of each tensor's scale (compile_utils: summation order only); bf16 3e-2
+(the op accumulates in fp32 where eager rounds every product to bf16).  If one fails, the
+printed example reproduces it (@reproduce_failure); fix the finder or the accounting, not the
+tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+from compile_utils import rel_err
+from dist_utils import run_ranks
+from fuzz_moe import (
+    ACTIVATIONS,
+    COMPILE_STD,
+    EXTRAS,
+    EXTRAS_ON_EXPERTS,
+    IDIOMS,
+    LARGE_STD,
+    ROUTERS,
+    STORAGES,
+    FuzzConfig,
+    make,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_compile.backend import collect_reports
+
+TOL = {"float32": 1e-5, "bfloat16": 3e-2}
+# the op each modification adds, as the reason names it
+NAMED = {"clamp_gate": "`clamp`", "clamp_up": "`clamp`", "up_plus_one": "`add`", "scale_out": "`mul`",
+         "tanh_out": "`tanh`", "relu_after": "`relu"}
+
+
+@st.composite
+def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tuple[str, ...] = EXTRAS,
+            dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> FuzzConfig:
+    idiom = draw(st.sampled_from(IDIOMS))
+    storage = draw(st.sampled_from(STORAGES if idiom != "gathered" else STORAGES[:3]))
+    e = draw(st.sampled_from(num_experts))
+    return FuzzConfig(
+        idiom=idiom, storage=storage, router=draw(st.sampled_from(ROUTERS)), router_bias=draw(st.booleans()),
+        route_scale=draw(st.sampled_from([1.0, 2.5])), activation=draw(st.sampled_from(ACTIVATIONS)),
+        gated=draw(st.booleans()), bias=draw(st.booleans()), extra=draw(st.sampled_from(extras)),
+        num_experts=e, top_k=draw(st.integers(1, min(3, e))), hidden=draw(st.sampled_from([8, 16])),
+        ffn=draw(st.sampled_from([8, 12])), dtype=draw(st.sampled_from(dtypes)))
+
+
+@given(cfg=configs())
+def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig) -> None:
+    dtype = getattr(torch, cfg.dtype)
+    model = make(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x_small = (torch.randn(2, 5, cfg.hidden, generator=gen) * COMPILE_STD).to(dtype)
+    x_large = (torch.randn(2, 5, cfg.hidden, generator=gen) * LARGE_STD).to(dtype)  # same shape: no recompile
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})
+    with collect_reports() as graphs:
+        compiled(x_small)
+    regions = [r for g in graphs for r in g.regions]
+    reasons = " | ".join(s.reason for g in graphs for s in g.skipped)
+    if cfg.extra in EXTRAS_ON_EXPERTS:
+        assert not regions, f"{cfg}: rewritten although the op does not compute {cfg.extra}"
+        assert NAMED[cfg.extra] in reasons, f"{cfg}: the reason does not name the op: {reasons}"
+    elif cfg.extra == "none":
+        assert len(regions) == 1, f"{cfg}: not rewritten: {reasons}"
+    params = [p for p in model.parameters()]
+    outs, grads = [], []
+    for fn in (compiled, model):
+        x = x_large.clone().requires_grad_()
+        y = fn(x)
+        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+        grads.append(torch.autograd.grad(y, [x, *params], cot, allow_unused=True, materialize_grads=True))
+        outs.append(y.detach())
+    tol = TOL[cfg.dtype]
+    assert rel_err(outs[0], outs[1]) <= tol, f"{cfg}: outputs differ by {rel_err(outs[0], outs[1]):.2e}"
+    for name, a, b in zip(["input", *(n for n, _ in model.named_parameters())], *grads, strict=True):
+        assert rel_err(a, b) <= tol, f"{cfg}: gradient of {name} differs by {rel_err(a, b):.2e}"
+
+
+@st.composite
+def rank_cases(draw: st.DrawFn) -> dict:
+    """One layer on 4 ranks: its config, each rank's first-batch token count (one rank 0) and
+    the rank whose first batch holds a NaN."""
+    cfg = draw(configs(num_experts=(8,), extras=("none", "weight_threshold", "clamp_gate", "up_plus_one"),
+                       dtypes=("float32",)))
+    sizes = draw(st.lists(st.integers(1, 9), min_size=4, max_size=4))
+    empty = draw(st.integers(0, 3))
+    sizes[empty] = 0
+    nan = draw(st.integers(0, 3).filter(lambda r: r != empty))
+    return {"cfg": cfg.as_dict(), "sizes": sizes, "nan_rank": nan}
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 12))
+@given(cases=st.lists(rank_cases(), min_size=3, max_size=3))
+def test_ranks_agree_under_nan_and_empty_batches(cases: list[dict]) -> None:
+    results = run_ranks(4, "fuzz", timeout_s=600, worker="reliability_worker.py", shape=[2, 2], cases=cases)
+    for i, case in enumerate(cases):
+        per_rank = [res[str(i)] for res in results]
+        rewritten = {r["rewritten"] for r in per_rank}
+        assert len(rewritten) == 1, f"case {case}: ranks disagree on the rewrite: {per_rank}"
+        if case["cfg"]["extra"] == "none":
+            assert rewritten == {True}, f"case {case}: not rewritten: {per_rank}"
+        for rank, r in enumerate(per_rank):
+            assert max(r["errs"]) <= TOL["float32"], f"case {case}: rank {rank} differs from eager: {r}"
