@@ -394,14 +394,20 @@ def test_compile_with_triton_kernels_matches_eager() -> None:
 @pytest.mark.skipif(INTERPRETED or not lowering.HAS_TRITON, reason="this process already runs the interpreter tests")
 def test_interpreter_tests_in_fresh_process() -> None:
     """Triton was imported before this module set TRITON_INTERPRET=1 (or a GPU is present): run
-    this file again in a new process that sets it before anything imports triton."""
+    this file again in a new process that sets it before anything imports triton; there every
+    test this process skips for want of the interpreter must pass."""
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-rs", "-p", "no:cacheprovider"],
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
+    # no failure, and the only skips there are the GPU tests (and this one): so every test that
+    # needs the interpreter passed
+    skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all("needs CUDA" in line or "already runs the interpreter tests" in line for line in skips), \
+        "\n".join(skips)
 
 
 # ---- GPU: compiled kernels, bf16 --------------------------------------------------------------
