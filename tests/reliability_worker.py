@@ -156,7 +156,7 @@ def _stop(rank: int) -> dict[str, Any]:
     if rank == 1:
         if PARAMS["how"] == "exit":
             os._exit(3)
-        time.sleep(4 * PARAMS["pg_timeout_s"])
+        time.sleep(PARAMS["pg_timeout_s"] + 10)  # past the others giving up (they must not wait for this)
         os._exit(3)
     start = time.monotonic()
     try:
