@@ -185,12 +185,18 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     experts: ExpertParams | None = None
     outputs: list[OutputCandidate] = []
     reason = "no value after the top-k combines expert outputs into a [tokens, hidden] tensor"
+    # floats after the top-k that no parameter of the window feeds: routing weights (and what
+    # the router's scores become); the routed output multiplies by them, per-slot results do not
+    from_state = index.descendants([n for n in window if n in params])
+    routing_floats = {n for n in after_topk & window - from_state if _is_float(n)}
     for y in index.nodes[lo + 1:bound]:
         if y not in after_topk or y not in window or not _is_token_tensor(y, token_shapes):
             continue
         if _is_mutated_later(index, y):
             continue  # a partial sum: the tensor is still being accumulated into
         nodes = index.ancestors([y], stop=outside) & window
+        if not nodes & routing_floats:
+            continue  # not weighted by the routing yet: an expert's output for its own slots
         state = [n for n in nodes if n in params]
         if not state:
             continue
@@ -304,6 +310,11 @@ def _token_shapes(tokens: fx.Node, num_tokens: int, hidden: int) -> set[tuple[in
 def _is_token_tensor(n: fx.Node, shapes: set[tuple[int, ...]]) -> bool:
     t = tensor_meta(n)
     return t is not None and t.dtype.is_floating_point and static_shape(n) in shapes
+
+
+def _is_float(n: fx.Node) -> bool:
+    t = tensor_meta(n)
+    return t is not None and t.dtype.is_floating_point
 
 
 def _is_mutated_later(index: GraphIndex, n: fx.Node) -> bool:
