@@ -61,7 +61,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	rm -rf $(TYPECHECK_TREE)
 	mkdir -p $(TYPECHECK_TREE)/moe_compile
-	for f in moe_compile/*.py; do ln -s "$(CURDIR)/$$f" $(TYPECHECK_TREE)/moe_compile/; done
+	for f in moe_compile/*.py moe_compile/ep moe_compile/swap moe_compile/tools; do ln -s "$(CURDIR)/$$f" $(TYPECHECK_TREE)/moe_compile/; done
 	for d in passes lowering cost samples; do ln -s "$(CURDIR)/$$d" $(TYPECHECK_TREE)/moe_compile/$$d; done
 	# The sed maps reported paths back to the repository's files (moe_compile/passes/x.py -> passes/x.py).
 	cd $(TYPECHECK_TREE) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml \

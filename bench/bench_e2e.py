@@ -9,7 +9,7 @@ all-to-all, Hugging Face transformers' own expert parallelism and eager DDP, sid
     python bench/bench_e2e.py --report bench/results/e2e.json   # rewrite e2e.md / e2e.png from the JSON
 
 Started without torchrun, the script is the driver: it builds the emulated cluster of ``--cluster``
-(``moe_compile.cluster``: a network namespace per node, tc-shaped links) and runs itself there, one
+(``moe_compile.tools.cluster``: a network namespace per node, tc-shaped links) and runs itself there, one
 torchrun per node. Under torchrun (``RANK`` set) it is one rank: the world is torchrun's, the mesh
 ``--mesh`` or else moe-cluster's ``MOE_CLUSTER_MESH``; rank 0 alone prints and writes.
 
@@ -75,9 +75,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import moe_compile
-from moe_compile import calibrate, runtime
 from moe_compile.backend import collect_reports
 from moe_compile.cost.topology import Topology
+from moe_compile.ep import runtime
+from moe_compile.tools import calibrate
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
@@ -400,7 +401,7 @@ def worker(args: argparse.Namespace) -> None:
         fitted, fit_info = calibrate_local(mesh, args.mesh_names, args.mesh_sizes, quick=False)
         if fitted is None:
             raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run "
-                               "moe_compile.calibrate on the cluster and pass its file with --topology")
+                               "moe_compile.tools.calibrate on the cluster and pass its file with --topology")
         topology = fitted
         if rank == 0 and args.out is not None:  # the file to reuse with --topology, named in the report
             saved = Path(f"{args.out}_topology.toml")
@@ -457,7 +458,7 @@ def machine_info(loadavg: float) -> dict[str, Any]:
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
     """Build the emulated cluster and run this script on it (one torchrun per node)."""
-    from moe_compile import cluster
+    from moe_compile.tools import cluster
 
     spec = cluster.load_spec(args.cluster)
     logs = Path(tempfile.mkdtemp(prefix="e2e_ranks_"))
@@ -490,7 +491,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, help="levels slowest first, NAME=SIZE,... (default: moe-cluster's "
                                                "MOE_CLUSTER_MESH)")
     p.add_argument("--topology", dest="topology_file", default=None, metavar="TOML",
-                   help="topology file (moe_compile.calibrate's, for this cluster) for hiermoe; default: fit "
+                   help="topology file (moe_compile.tools.calibrate's, for this cluster) for hiermoe; default: fit "
                         "the cluster's links at start")
     p.add_argument("--models", default=None, help=f"comma-separated, from {MODELS} (default all; tiny_lm quick)")
     p.add_argument("--top-k", default=None, help="comma-separated top-k values (default 2,4; 4 quick)")

@@ -2,7 +2,7 @@
 
     python bench/bench_hier_a2a.py           # full run, 8 local gloo ranks; writes bench/results/hier_a2a.*
     python bench/bench_hier_a2a.py --quick   # one small configuration, well under a minute; prints only
-    moe-cluster run --nodes 2 --ranks-per-node 2 --rate 400mbit -- python -m moe_compile.calibrate \
+    moe-cluster run --nodes 2 --ranks-per-node 2 --rate 400mbit -- python -m moe_compile.tools.calibrate \
         --mesh node=2,gpu=2 --out /tmp/c.toml           # then, on the same emulated cluster:
     moe-cluster run --nodes 2 --ranks-per-node 2 --rate 400mbit -- python bench/bench_hier_a2a.py \
         --topology /tmp/c.toml --reps 7 --out bench/results/hier_a2a_cluster
@@ -21,7 +21,7 @@ contiguous, expert e on rank e // (E/G)). One step is ``lowering.hier_a2a.dispat
     2DH       dedup=False, d=2: Tutel's two-phase hierarchical all-to-all
     HD2, HD3  dedup, d=2 / d=3 (HierMoE Section III-A)
     HD-d*     dedup, d chosen each step by ``EPLayer.choose_dimension`` (HierMoE Eq. 6 / Alg. 1)
-              on a layer built by ``parallel.build_layer(dimension=None, topology=...)``
+              on a layer built by ``setup.build_layer(dimension=None, topology=...)``
 
 Bytes: the runtime's traffic counters (``runtime.counters()``) of one untimed step per strategy,
 summed over ranks: forward dispatch payload per mesh level (combine sends the same back; checked).
@@ -47,10 +47,10 @@ its bytes (dispatch 2x the forward's payload per level, combine 1x). Reported be
 
 Predicted time: 2 x HierMoE's dispatch time (cost/hiermoe.py; combine moves the same volumes back)
 from the statistics of every rank's routing gathered as the runtime does, under two topologies: ``cluster``, the
-topology file given with ``--topology`` (moe_compile.calibrate's output for the cluster the ranks run
+topology file given with ``--topology`` (moe_compile.tools.calibrate's output for the cluster the ranks run
 on), else the emulated cluster of bench/clusters/two_node_two_socket.toml as stated (node 400 Mbit/s,
 socket 2 Gbit/s, gpu 10 Gbit/s standing in for its unshaped loopback; alpha 20 us per level), and
-``local``, the ranks' own links fitted at start (all_to_all per mesh level, as moe_compile.calibrate
+``local``, the ranks' own links fitted at start (all_to_all per mesh level, as moe_compile.tools.calibrate
 does, with the same all-to-all as the dispatch: receives first on gloo). HD-d* runs on the local fit,
 or on the ``--topology`` file when one is given (``--dstar-topology`` to choose), so its d can be
 compared with the fastest measured d.
@@ -82,13 +82,14 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from moe_compile import calibrate, parallel, runtime
 from moe_compile.cost.calibrate import message_sizes
 from moe_compile.cost.hiermoe import HDCostModel, dimension_rule
 from moe_compile.cost.routing import gathered_statistics, source_table
 from moe_compile.cost.topology import Level, Topology
 from moe_compile.cost.workload import Workload
+from moe_compile.ep import runtime, setup
 from moe_compile.lowering import hier_a2a
+from moe_compile.tools import calibrate
 
 # Shape legend: T tokens per rank, H hidden, K top-k, E experts, G ranks, N nodes, R rows, S slots.
 CLUSTER_GBPS = {"node": 0.4, "socket": 2.0, "gpu": 10.0}  # bench/clusters/two_node_two_socket.toml
@@ -154,7 +155,7 @@ def expected_node_rows(topk_idx_TK: Tensor, num_experts: int, sizes: tuple[int, 
 
 def calibrate_local(mesh: Any, names: tuple[str, ...], sizes: tuple[int, ...], quick: bool
                     ) -> tuple[Topology | None, list[dict[str, Any]]]:
-    """alpha/beta per mesh level from timed subgroup all-to-alls (moe_compile.calibrate's measure
+    """alpha/beta per mesh level from timed subgroup all-to-alls (moe_compile.tools.calibrate's measure
     and fit); None when a fit has no positive beta (too noisy)."""
     steps, reps = (3, 3) if quick else (8, 11)
     plan = [("all_to_all", n, s, message_sizes(1 << 14, 1 << 22, steps, multiple_of=s * 4))
@@ -223,7 +224,7 @@ def bench_config(cfg: tuple[int, int, str], args: argparse.Namespace, mesh: Any,
     weights_TK = torch.rand(args.tokens, top_k, generator=gen)
     grad_TH = torch.randn(args.tokens, args.hidden, generator=gen)  # drawn after the forward's tensors: same x, w
     xg_TC = torch.cat([x_TH, grad_TH], dim=1)  # the op's backward concatenates before it starts timing
-    chooser = parallel.build_layer(name=f"K{top_k}E{num_experts}{kind}", mesh=mesh,
+    chooser = setup.build_layer(name=f"K{top_k}E{num_experts}{kind}", mesh=mesh,
                                    topology=topologies[dstar_topology], dimension=None, dedup=True,
                                    num_experts=num_experts, top_k=top_k, hidden_size=args.hidden,
                                    ffn_size=args.hidden, gated=True, dtype=torch.float32, device=torch.device("cpu"))
@@ -333,7 +334,7 @@ def worker(args: argparse.Namespace) -> None:
 
     names, sizes = args.mesh_names, args.mesh_sizes
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-    comm = parallel.mesh_comm(mesh)
+    comm = setup.mesh_comm(mesh)
     if "HIER_A2A_LOADAVG" not in os.environ:  # under torchrun: this rank's view, before the bench's load
         os.environ["HIER_A2A_LOADAVG"] = f"{os.getloadavg()[0]:.2f}"
     if args.topology_file is not None:
@@ -635,7 +636,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 256; 64 quick)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per strategy (default 21; 3 quick)")
     p.add_argument("--topology", dest="topology_file", default=None, metavar="TOML",
-                   help="topology file (moe_compile.calibrate's, for the cluster the ranks run on) to use as the "
+                   help="topology file (moe_compile.tools.calibrate's, for the cluster the ranks run on) to use as the "
                         "'cluster' topology instead of the stated two_node_two_socket figures")
     p.add_argument("--dstar-topology", choices=("local", "cluster"), default=None,
                    help="topology HD-d* chooses d with (default: cluster with --topology, else local: the "

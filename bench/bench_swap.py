@@ -37,7 +37,7 @@ and combine, forward and backward), the measured dispatch + combine wall seconds
 gradient averaging, Adam step, zero_grad; after a barrier), and for the swapping variants the
 swapper's ``decision_s`` / ``migration_s`` (``ExpertSwapper.history``, after a barrier), its
 ``settle_s`` (overlap mode: the wait for a swap's outcome at the next forward) and swaps. Where
-the swap time goes is measured from outside by wrapping moe_compile.swap's, swap_policy's and swap_transfer's
+the swap time goes is measured from outside by wrapping moe_compile.swap's swapper, policy and transfer
 internals in timers at run time (nothing in moe_compile is edited): the swapper's exchanges of
 all ranks (posting and waiting), Q (the cost model's swap matrix, or Smart's), the predicted
 times of a chosen swap, the two ranks' row exchange (p2p) and the commit.
@@ -66,12 +66,14 @@ from swap_report import BASE, DISTRIBUTIONS, PART_NAMES, VARIANTS, ZIPF_EXPONENT
 from torch import Tensor, nn
 
 import moe_compile
-from moe_compile import swap, swap_policy, swap_transfer
 from moe_compile.cost import hiermoe as cost_hiermoe
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
-from moe_compile.options import DEFAULT_HYSTERESIS, DEFAULT_PAYBACK
+from moe_compile.swap.options import DEFAULT_HYSTERESIS, DEFAULT_PAYBACK
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
+from moe_compile.swap import policy as swap_policy
+from moe_compile.swap import swapper as swap
+from moe_compile.swap import transfer as swap_transfer
 
 # Shape legend: B batch, S sequence, V vocabulary.
 

@@ -83,8 +83,8 @@ def resolve_ranks(p: Any, args: Any, topology_file: str | None = None) -> None:
     ``args.world`` (default 8), the mesh ``args.mesh``, else moe-cluster's MOE_CLUSTER_MESH, else
     node=2,socket=2,gpu=2 for 8 ranks. A topology file must have the mesh's levels. Errors go
     through the argparse parser ``p``."""
-    from moe_compile import calibrate
     from moe_compile.cost.topology import Topology
+    from moe_compile.tools import calibrate
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun and args.world is not None and args.world != int(os.environ["WORLD_SIZE"]):

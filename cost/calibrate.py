@@ -1,6 +1,6 @@
 """Fitting measured collective times to the alpha-beta model and to efficiency curves (numpy only).
 
-The measuring is done by ``moe_compile.calibrate`` (a torchrun command); this module only turns
+The measuring is done by ``moe_compile.tools.calibrate`` (a torchrun command); this module only turns
 (size, time) samples into the numbers a :class:`Topology` holds.
 
 Model (HierMoE Eq. 1, fitted by least squares as in its Section V-B): one collective over a level's

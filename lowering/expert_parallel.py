@@ -1,7 +1,7 @@
 """The expert-parallel expert op ``hiermoe::ep_experts`` and its backward.
 
 Each rank calls it with its own tokens and weights holding its local experts; ``layer`` names
-the ``moe_compile.runtime.EPLayer`` holding the mesh, the placement table and the dispatch
+the ``moe_compile.ep.runtime.EPLayer`` holding the mesh, the placement table and the dispatch
 settings. ``by_expert`` says how the weights are indexed: by expert id (stacked weights that
 hold every expert, of which this rank reads only its own) or by local slot (this rank's shard,
 or a stack of its expert modules). Both go through the layer's tables at run time, so an expert
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe_compile import groups, runtime
+from moe_compile.ep import groups, runtime
 from moe_compile.lowering import hier_a2a
 from moe_compile.lowering.experts_ref import check_activation
 

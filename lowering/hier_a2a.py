@@ -14,9 +14,10 @@ Combine is the exact reverse: every phase sends each received row's partial outp
 peer it came from, which adds it into the row it sent, so a relay sums the outputs of all the
 experts below it before anything goes upward and a token's result crosses each link once.
 Backward of dispatch is combine-shaped and backward of combine is dispatch-shaped; ``Route``
-keeps what the reverse needs (which row each sent row came from, the split sizes).
+keeps what the reverse needs (which row each sent row came from, the split sizes). The process
+groups of every phase are ``moe_compile.ep.comm.MeshComm``'s.
 
-Every send is counted (``moe_compile.runtime.record_traffic``) at the level of the link it
+Every send is counted (``moe_compile.ep.runtime.record_traffic``) at the level of the link it
 crosses: the slowest mesh level on which sender and receiver coordinates differ. Payload (token
 rows) and metadata (split sizes, expert ids and weights) are counted separately.
 
@@ -26,128 +27,15 @@ Legend: T tokens, K top-k, H hidden size, R rows held at a phase, S slots per ro
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_compile import groups
+from moe_compile.ep.comm import Phase
+from moe_compile.ep.runtime import record_traffic
 from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
-from moe_compile.runtime import record_traffic
-
-
-@dataclass
-class Phase:
-    """One all-to-all of an HD-d schedule, from this rank's point of view."""
-
-    group: dist.ProcessGroup
-    peer_pos: tuple[int, ...]  # mesh position of each group rank (group rank order)
-    me: int  # this rank's index among peer_pos
-    dest_peer_G: Tensor  # [G] peer index through which a row bound for a position leaves; -1 unreachable
-    peer_level: tuple[int, ...]  # 0-based level of the link to each peer; -1 for self
-    name: str  # "inter1", "intra0", ...
-
-
-@dataclass
-class MeshComm:
-    """Process groups of every phase of every HD-d on one device mesh (created once per mesh).
-
-    Positions are row-major indices into ``mesh.mesh``; ``sizes`` are the level sizes s_1..s_D
-    slowest first, ``level_names`` the mesh dim names. All ranks create the same groups in the
-    same order (``dist.new_group`` is collective over the world); every group has the default
-    group's timeout (``moe_compile.groups``)."""
-
-    sizes: tuple[int, ...]
-    level_names: tuple[str, ...]
-    ranks: tuple[int, ...]  # global rank of every position
-    position: int
-    device: torch.device
-    inter: list[Phase] = field(default_factory=list)  # [i]: Inter-level-(i+1), i < D-1 used
-    intra: list[Phase] = field(default_factory=list)  # [i]: Intra-level-i (i = 0: flat, world)
-
-    @property
-    def world(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def num_levels(self) -> int:
-        return len(self.sizes)
-
-    def coords(self, pos: int) -> tuple[int, ...]:
-        return tuple(int(c) for c in np.unravel_index(pos, self.sizes))
-
-    def phases(self, d: int) -> list[Phase]:
-        """HD-d: Inter-level-1..(d-1), then Intra-level-(d-1)."""
-        if not 1 <= d <= self.num_levels:
-            raise ValueError(f"dimension must be in 1..{self.num_levels} (the mesh levels), got {d}")
-        return [*self.inter[: d - 1], self.intra[d - 1]]
-
-    @classmethod
-    def build(cls, mesh: object) -> MeshComm:
-        mesh_t = mesh.mesh  # type: ignore[attr-defined]
-        names = tuple(mesh.mesh_dim_names or ())  # type: ignore[attr-defined]
-        sizes = tuple(int(s) for s in mesh_t.shape)
-        ranks = tuple(int(r) for r in mesh_t.flatten().tolist())
-        device = torch.device(mesh.device_type)  # type: ignore[attr-defined]
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        me = dist.get_rank()
-        comm = cls(sizes, names, ranks, ranks.index(me), device)
-        my = comm.coords(comm.position)
-        num_levels = len(sizes)
-        # Inter-level-(i+1): positions that differ from mine only in coordinate i.
-        for i in range(num_levels):
-            mine = None
-            for others in np.ndindex(*(s for j, s in enumerate(sizes) if j != i)):
-                members = []
-                for c in range(sizes[i]):
-                    co = list(others)
-                    co.insert(i, c)
-                    members.append(int(np.ravel_multi_index(co, sizes)))
-                group = groups.new_group([ranks[p] for p in members])
-                if comm.position in members:
-                    mine = (group, members)
-            assert mine is not None
-            comm.inter.append(comm._phase(mine[0], mine[1], my, inter_level=i, name=f"inter{i + 1}"))
-        # Intra-level-i: the G/U[i] consecutive positions sharing coordinates 1..i.
-        for i in range(num_levels):
-            block = math.prod(sizes[i:])
-            if i == num_levels - 1:  # the last level's block is its Inter-level group: reuse it
-                members = list(comm.inter[i].peer_pos)
-                comm.intra.append(comm._phase(comm.inter[i].group, members, my, None, f"intra{i}"))
-                continue
-            mine = None
-            for start in range(0, comm.world, block):
-                members = list(range(start, start + block))
-                group = groups.new_group([ranks[p] for p in members]) if i > 0 else dist.group.WORLD
-                if comm.position in members:
-                    mine = (group, members)
-            assert mine is not None
-            comm.intra.append(comm._phase(mine[0], mine[1], my, None, f"intra{i}"))  # type: ignore[arg-type]
-        return comm
-
-    def _phase(self, group: dist.ProcessGroup, members: list[int], my: tuple[int, ...], inter_level: int | None,
-               name: str) -> Phase:
-        order = sorted(members, key=lambda p: dist.get_group_rank(group, self.ranks[p]))
-        dest = torch.full((self.world,), -1, dtype=torch.long)
-        for q in range(self.world):
-            cq = self.coords(q)
-            if inter_level is None:  # the destination itself must be in the group
-                if q in order:
-                    dest[q] = order.index(q)
-            elif all(cq[j] == my[j] for j in range(inter_level)):  # reachable: same higher coords
-                want = list(my)
-                want[inter_level] = cq[inter_level]
-                dest[q] = order.index(int(np.ravel_multi_index(want, self.sizes)))
-        levels = []
-        for p in order:
-            cp = self.coords(p)
-            diff = [j for j in range(len(self.sizes)) if cp[j] != my[j]]
-            levels.append(diff[0] if diff else -1)
-        return Phase(group, tuple(order), order.index(self.position), dest.to(self.device), tuple(levels), name)
 
 
 @dataclass

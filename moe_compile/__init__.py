@@ -16,12 +16,13 @@ import torch._dynamo
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe.*)
 from moe_compile import hf
 from moe_compile.backend import hiermoe_backend
+from moe_compile.ep.runtime import counters, reset_counters
+from moe_compile.ep.shard import ShardReport
 from moe_compile.explain import explain
 from moe_compile.options import Options, SwapOptions, parse_options
 from moe_compile.report import RegionReport, Report, SkipReport
-from moe_compile.runtime import counters, reset_counters
-from moe_compile.shard import ShardReport, shard_experts
-from moe_compile.swap import ExpertSwapper, SwapRecord, expert_swapper
+from moe_compile.sharding import shard_experts
+from moe_compile.swap.swapper import ExpertSwapper, SwapRecord, expert_swapper
 
 __all__ = ["ExpertSwapper", "Options", "RegionReport", "Report", "ShardReport", "SkipReport", "SwapOptions",
            "SwapRecord", "counters", "expert_swapper", "explain", "hiermoe_backend", "parse_options",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch.fx as fx
 
 from moe_compile.dump import dump_graph_report
+from moe_compile.ep import runtime, shard
 from moe_compile.options import Options, parse_options
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.regions import ExpertLayout
@@ -53,8 +54,6 @@ def _with_expert_inputs(fn: Callable[..., object], shard_positions: Sequence[int
     (after its guards checked them), and a layer whose weights are not the ones it was compiled
     for runs on the runtime layer of those weights (placement, shards; made on first use).
     Dynamo calls compiled functions with positional arguments, so this does too."""
-    from moe_compile import runtime, shard
-
     def call(*args: object) -> object:
         given = list(args)
         for pos in shard_positions:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from moe_compile import agreement, shard
 from moe_compile.cost.planner import Plan, dispatch_strategy, expert_parallel_strategies, plan
 from moe_compile.cost.workload import Workload
-from moe_compile.options import Options
-from moe_compile.parallel import NEED_TOPOLOGY
+from moe_compile.ep import agreement, shard
+from moe_compile.ep.setup import NEED_TOPOLOGY
+from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
@@ -80,7 +80,7 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
 
 def _agreement(ctx: PassContext) -> Agree:
     """canonicalize's ``agree`` under expert parallelism: every rank's decisions made the same by
-    ``moe_compile.agreement`` (the first compile of a layer exchanges them; later ones reuse it)."""
+    ``moe_compile.ep.agreement`` (the first compile of a layer exchanges them; later ones reuse it)."""
     assert ctx.found is not None
     opts, params, index = ctx.options, ctx.found.params, ctx.found.index
     mesh = opts.mesh
@@ -176,7 +176,7 @@ PASSES: list[tuple[str, Callable[[PassContext], dict[str, int]]]] = [
     ("expert_parallel", _expert_parallel),
     ("lower_kernels", _lower_kernels),
 ]
-PASS_NAMES = tuple(name for name, _ in PASSES)
+assert tuple(name for name, _ in PASSES) == PASS_NAMES, "options.PASS_NAMES lists the passes users may disable"
 
 
 def run_pipeline(ctx: PassContext) -> PassContext:

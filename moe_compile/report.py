@@ -8,6 +8,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moe_compile.ep import runtime
+
 
 @dataclass(frozen=True)
 class RegionReport:
@@ -44,11 +46,10 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
     which statistics ("gathered": every rank's routing together, exact; "max-reduced": each
     rank's own, an upper estimate, on meshes too large to gather), the payload
     bytes it sent per level, the experts this rank holds, the placement (mesh position of every
-    expert), the expert swaps made so far (``moe_compile.swap.SwapRecord`` fields) and the
-    swapper's decisions by outcome (a swap, or why none: ``moe_compile.swap_policy.OUTCOMES``)."""
+    expert), the expert swaps made so far (``moe_compile.swap.swapper.SwapRecord`` fields) and the
+    swapper's decisions by outcome (a swap, or why none: ``moe_compile.swap.policy.OUTCOMES``)."""
     from dataclasses import asdict
 
-    from moe_compile import runtime
 
     lay = runtime.layer(layer_id)
     return {"dimension": lay.last_dimension, "fixed": lay.dimension is not None, "dedup": lay.dedup,

@@ -2,7 +2,7 @@
 
 Contract:
     needs     the ``hiermoe::experts`` nodes that canonicalize emitted (one per layer), a mesh
-              that ``moe_compile.parallel.check_mesh`` accepted, and either a topology (d* per
+              that ``moe_compile.ep.setup.check_mesh`` accepted, and either a topology (d* per
               step) or a fixed dimension.
     does      replaces each by ``hiermoe::ep_experts``, which reads only this rank's experts
               through the layer's placement table at run time (so an expert swap needs no
@@ -22,7 +22,7 @@ Contract:
 
 Pseudo-code:
     for each rewritten layer:
-        Step 1: build (or find) its runtime state (moe_compile.parallel.build_layer), keyed by
+        Step 1: build (or find) its runtime state (moe_compile.ep.setup.build_layer), keyed by
                 the weight tensors the graph reads
         Step 2: sharded weight -> feed the shard (rows = local slots); E modules -> stack every
                 module with expert swap (rows = ids), else only the local ones (rows = slots);
@@ -40,9 +40,9 @@ import torch
 import torch.fx as fx
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
-from moe_compile import shard
 from moe_compile.cost.topology import Topology
-from moe_compile.parallel import build_layer
+from moe_compile.ep import shard
+from moe_compile.ep.setup import build_layer
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.graph_index import tensor_meta
 

@@ -45,7 +45,7 @@ from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeight
 # interpretations to list per region, most likely first (canonicalize verifies them in order). A
 # graph of 0 tokens has no limit: every per-slot tensor then has the tokens' shape [0, H], none
 # can be told apart by verification, and the rank must find the one the ranks with tokens chose
-# (moe_compile.agreement), wherever it is in the list
+# (moe_compile.ep.agreement), wherever it is in the list
 _MAX_OUTPUT_CANDIDATES = 3
 _MAX_WEIGHT_CANDIDATES = {"topk": 3, "dense": 2, "combine": 2}
 

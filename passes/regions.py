@@ -57,7 +57,7 @@ class ExpertLayout:
     def signature(self) -> str:
         """Everything the expert op's result depends on besides its inputs: which stored tensors
         play which role, how they are laid out, the activation.  Equal signatures compute equal
-        experts (ranks compare them before expert parallelism, moe_compile.agreement)."""
+        experts (ranks compare them before expert parallelism, moe_compile.ep.agreement)."""
         roles = (("up", self.up), ("gate", self.gate), ("down", self.down), ("b_up", self.b_up),
                  ("b_gate", self.b_gate), ("b_down", self.b_down))
         names = " ".join(f"{k}={'|'.join(r.names)}" for k, r in roles if r is not None)

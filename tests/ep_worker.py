@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import moe_compile
-from moe_compile import parallel, runtime
 from moe_compile.backend import collect_reports
 from moe_compile.cost.routing import hd_statistics
+from moe_compile.ep import runtime, setup
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
 LEVELS = ("node", "socket", "gpu")
@@ -112,7 +112,7 @@ def case_op_matrix() -> dict[str, Any]:
         grads_ref = torch.autograd.grad(y_ref, [xr, twr, *(w for w in ref_w if w is not None)], g)
         for dedup in (True, False):
             for d in range(1, len(shape) + 1):
-                lay = parallel.build_layer(name=f"{kind}-{dedup}-{d}", mesh=mesh, topology=None, dimension=d,
+                lay = setup.build_layer(name=f"{kind}-{dedup}-{d}", mesh=mesh, topology=None, dimension=d,
                                            dedup=dedup, num_experts=E, top_k=k, hidden_size=H, ffn_size=F,
                                            gated=True, dtype=torch.float32, device=torch.device("cpu"))
                 first, n = lay.local_experts[0], len(lay.local_experts)
@@ -373,7 +373,7 @@ def case_errors() -> dict[str, Any]:
     catch("world_size", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": sub, "dimension": 1}))
     catch("no_topology", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh}))
     catch("dimension", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh, "dimension": 5}))
-    catch("device", lambda: parallel.build_layer(
+    catch("device", lambda: setup.build_layer(
         name="l", mesh=mesh, topology=None, dimension=1, dedup=True, num_experts=8, top_k=2, hidden_size=4,
         ffn_size=4, gated=True, dtype=torch.float32, device=torch.device("meta")))
     # after all that, the world still works: one collective

@@ -25,7 +25,9 @@ import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers
 from ep_worker import ADAM_EPS, PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
 
 import moe_compile  # noqa: E402
-from moe_compile import parallel, runtime, swap, swap_transfer  # noqa: E402
+from moe_compile.ep import runtime, setup
+from moe_compile.swap import swapper as swap  # noqa: E402  (the module; 'swapper' names instances here)
+from moe_compile.swap import transfer
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -128,7 +130,7 @@ def case_invariants() -> dict[str, Any]:
     lay = swapper.layers()[0]
     a, b = 2, E - 2
     holder = lay.placement()[a]
-    real_exchange = swap_transfer.exchange
+    real_exchange = transfer.exchange
     calls = {"n": 0}
 
     def failing_exchange(send: torch.Tensor, peer: int, recv_bytes: int) -> torch.Tensor:
@@ -139,14 +141,14 @@ def case_invariants() -> dict[str, Any]:
         return got
 
     if lay.comm.position == holder:
-        swap_transfer.exchange = failing_exchange  # type: ignore[assignment]
+        transfer.exchange = failing_exchange  # type: ignore[assignment]
     errors = []
     try:
         swapper.swap(layer, a, b)
     except (ConnectionError, RuntimeError) as e:
         errors.append(f"{type(e).__name__}: {e}")
     finally:
-        swap_transfer.exchange = real_exchange  # type: ignore[assignment]
+        transfer.exchange = real_exchange  # type: ignore[assignment]
     out["interrupted"] = errors
     check("after interrupted swap")
     # scalar optimizer state that differs between the two ranks: refused on both, nothing moved
@@ -195,7 +197,7 @@ def case_overlap_interrupted() -> dict[str, Any]:
     model, compiled, report = build("shard", "grouped_gemm", mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     swapper = moe_compile.expert_swapper(compiled, opt, overlap=True)
-    real_exchange = swap_transfer.exchange
+    real_exchange = transfer.exchange
     out: dict[str, Any] = {"raised": [], "losses": [], "ref": ref}
 
     def failing_exchange(send: torch.Tensor, peer: int, recv_bytes: int) -> torch.Tensor:
@@ -221,11 +223,11 @@ def case_overlap_interrupted() -> dict[str, Any]:
             guarded(f"step {step}", swapper.step)
             continue
         out["before"] = {"sums": expert_checksums(swapper, opt), "placement": placements(swapper)}
-        swap_transfer.exchange = failing_exchange  # type: ignore[assignment]
+        transfer.exchange = failing_exchange  # type: ignore[assignment]
         try:
             guarded("failing step", swapper.step)
         finally:
-            swap_transfer.exchange = real_exchange  # type: ignore[assignment]
+            transfer.exchange = real_exchange  # type: ignore[assignment]
         guarded("next forward", lambda b=b: compiled(b[:, :-1], b[:, 1:]))  # nothing trains here
         out["after"] = {"sums": expert_checksums(swapper, opt), "placement": placements(swapper)}
     swapper.flush()
@@ -336,7 +338,7 @@ def case_skewed() -> dict[str, Any]:
                                       torch.nn.Parameter(torch.randn(E, H, F) * 0.1)])
     holder = torch.nn.Module()
     holder.weights = weights
-    lay = parallel.build_layer(
+    lay = setup.build_layer(
         name="skewed", mesh=mesh, topology=topology_for(mesh, 0.1, 100.0), dimension=None, dedup=True,
         num_experts=E, top_k=K, hidden_size=H, ffn_size=F, gated=True, dtype=torch.float32,
         device=torch.device("cpu"), tensors=tuple(weights))
@@ -391,12 +393,12 @@ def case_migrate_bounds() -> dict[str, Any]:
     a, b = placement.index(0), placement.index(1)  # an expert of position 0 and one of position 1
     me = lay.comm.position
     slot = list(lay.local_experts).index(a if me == 0 else b)
-    full = swap_transfer.payload_bytes(lay, opt)
-    real_exchange = swap_transfer.exchange
+    full = transfer.payload_bytes(lay, opt)
+    real_exchange = transfer.exchange
     out: dict[str, Any] = {"full": full}
 
     def rows_bytes(slot: int) -> bytes:
-        rows, _, _ = swap_transfer.pieces(lay, slot, opt)
+        rows, _, _ = transfer.pieces(lay, slot, opt)
         return b"".join(r.contiguous().numpy().tobytes() for r in rows)
 
     def attempt(label: str, bound: int) -> None:
@@ -406,9 +408,9 @@ def case_migrate_bounds() -> dict[str, Any]:
             calls.append((int(send.numel()), recv_bytes))
             return real_exchange(send, peer, recv_bytes)
 
-        swap_transfer.exchange = counted  # type: ignore[assignment]
+        transfer.exchange = counted  # type: ignore[assignment]
         try:
-            moved = swap_transfer.migrate(lay, a, b, 0, 1, opt, bound)
+            moved = transfer.migrate(lay, a, b, 0, 1, opt, bound)
             got = b"".join(src.contiguous().numpy().tobytes() for _, src in moved.writes)
             theirs: list[str] = ["", ""]
             dist.all_gather_object(theirs, hashlib.sha256(rows_bytes(slot)).hexdigest())
@@ -419,7 +421,7 @@ def case_migrate_bounds() -> dict[str, Any]:
         except ValueError as e:
             out[label] = {"rounds": len(calls), "calls": calls, "error": str(e)}
         finally:
-            swap_transfer.exchange = real_exchange  # type: ignore[assignment]
+            transfer.exchange = real_exchange  # type: ignore[assignment]
 
     attempt("no_bound", 0)
     attempt("announced", full)
@@ -431,7 +433,7 @@ def case_migrate_bounds() -> dict[str, Any]:
         for p in lay.slot_params:
             p.grad = None
     sizes: list[int] = [0, 0]
-    dist.all_gather_object(sizes, swap_transfer.payload_bytes(lay, opt))
+    dist.all_gather_object(sizes, transfer.payload_bytes(lay, opt))
     out["sizes_differ"] = sizes
     attempt("layouts_differ", min(sizes))
     for p, g in zip(lay.slot_params, grads, strict=True):
@@ -450,13 +452,13 @@ def case_payback() -> dict[str, Any]:
     mesh = make_mesh(PARAMS["shape"])
     out: dict[str, Any] = {}
     posted: list[list[int]] = []  # per swapper message: the decider of each layer's routing ([] if none)
-    real_init = swap_transfer.Message.__init__
+    real_init = transfer.Message.__init__
 
     def counted(msg: Any, *args: Any, **kw: Any) -> None:
         posted.append([int(d) for d in kw.get("deciders", ())] if kw.get("topks") is not None else [])
         real_init(msg, *args, **kw)
 
-    swap_transfer.Message.__init__ = counted  # type: ignore[method-assign]
+    transfer.Message.__init__ = counted  # type: ignore[method-assign]
     stats_err, experts_checked = 0.0, 0
     announce_every = swap.ANNOUNCE_EVERY
     for payback, overlap in zip(PARAMS["paybacks"], PARAMS["overlaps"], strict=True):
@@ -495,7 +497,7 @@ def case_payback() -> dict[str, Any]:
                 row_bytes = sum(p[0].numel() * p.element_size() * 3 for p in lay.slot_params)  # weight, 2 moments
                 per_node = mesh.mesh.numel() // mesh.mesh.shape[0]  # mesh positions are row-major
                 gbps = 1.0 if rec.ranks[0] // per_node != rec.ranks[1] // per_node else 100.0
-                expected = 2e-5 + (row_bytes + swap_transfer.HEADER_BYTES) * 8 / (gbps * 1e9)
+                expected = 2e-5 + (row_bytes + transfer.HEADER_BYTES) * 8 / (gbps * 1e9)
                 made.append({"experts": list(rec.experts), "migration_s": rec.predicted_migration_s,
                              "expected_s": expected, "saved_s": rec.predicted_before_s - rec.predicted_after_s})
             calls.append(posted[before:])
@@ -511,7 +513,7 @@ def case_payback() -> dict[str, Any]:
                 "expert_swap": {"every": 1, "payback": payback}})
             out["explain 1e-09"] = str(text)
             out["explain decisions 1e-09"] = [r.parallel["swap_decisions"] for r in text.regions if r.parallel]
-    swap_transfer.Message.__init__ = real_init  # type: ignore[method-assign]
+    transfer.Message.__init__ = real_init  # type: ignore[method-assign]
     swap.ANNOUNCE_EVERY = announce_every
     out["stats_err"], out["experts_checked"] = stats_err, experts_checked
     return out

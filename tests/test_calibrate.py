@@ -1,5 +1,5 @@
 """Calibration: the alpha-beta fit and efficiency curves (cost/calibrate.py), the command's argument
-checks, and one real 4-process gloo run of ``python -m torch.distributed.run -m moe_compile.calibrate``."""
+checks, and one real 4-process gloo run of ``python -m torch.distributed.run -m moe_compile.tools.calibrate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_compile.calibrate import (
+from moe_compile.cost import Topology
+from moe_compile.cost.calibrate import efficiency_curve, fit_alpha_beta, fit_collective, message_sizes
+from moe_compile.tools.calibrate import (
     Measurement,
     build_topology,
     check_world_size,
@@ -19,8 +21,6 @@ from moe_compile.calibrate import (
     main,
     parse_mesh,
 )
-from moe_compile.cost import Topology
-from moe_compile.cost.calibrate import efficiency_curve, fit_alpha_beta, fit_collective, message_sizes
 
 SIZES = np.geomspace(1e3, 1e8, 12)
 
@@ -152,7 +152,7 @@ def test_torchrun_four_gloo_ranks(tmp_path: Path) -> None:
     that the bytes, not scheduling noise on 2 shared cores, set the time, so beta comes out > 0)."""
     out = tmp_path / "cluster.toml"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "moe_compile.calibrate", "--mesh", "node=2,gpu=2", "--out", str(out),
+           "-m", "moe_compile.tools.calibrate", "--mesh", "node=2,gpu=2", "--out", str(out),
            "--min-bytes", "4096", "--max-bytes", str(8 << 20), "--steps", "3", "--reps", "3", "--warmup", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_compile import cluster
-from moe_compile.cluster import (
+from moe_compile.cost import Topology
+from moe_compile.tools import cluster
+from moe_compile.tools.cluster import (
     ClusterSpec,
     EmulatedCluster,
     load_spec,
@@ -28,8 +29,7 @@ from moe_compile.cluster import (
     tcp_goodput_fraction,
     torchrun_tail,
 )
-from moe_compile.cluster_net import SUBNET, namespaces_unavailable, run_namespaces
-from moe_compile.cost import Topology
+from moe_compile.tools.cluster_net import SUBNET, namespaces_unavailable, run_namespaces
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "hmt"
@@ -92,7 +92,7 @@ def test_plan_stays_inside_its_namespaces() -> None:
     # both ends of the node link and of every socket link are shaped
     rates = [cmd[cmd.index("rate") + 1] for cmd in c.plan.commands if "tbf" in cmd]
     assert rates.count("400000000bit") == 4 and rates.count("2000000000bit") == 8
-    argv = c.torchrun_argv(c.leaves[3], ["python", "-m", "moe_compile.calibrate", "--mesh", c.spec.mesh])
+    argv = c.torchrun_argv(c.leaves[3], ["python", "-m", "moe_compile.tools.calibrate", "--mesh", c.spec.mesh])
     assert argv[:4] == ["ip", "netns", "exec", c.leaves[3].namespace]
     assert argv[argv.index("--node-rank") + 1] == "3" and argv[argv.index("--nnodes") + 1] == "4"
     assert argv[argv.index("--master-addr") + 1] == c.leaves[0].address
@@ -142,7 +142,7 @@ def test_all_to_all_and_calibration_across_two_nodes(tmp_path: Path) -> None:
     - all_to_all_single, even and uneven splits, equals the locally computed result on every rank;
     - a 1 and 4 MiB exchange inside a node leaves nothing on the shaped interface (it goes over
       loopback), one across nodes goes over it;
-    - calibration (``moe_compile.calibrate --a2a recv-first``, calibrate's default on gloo, run in the
+    - calibration (``moe_compile.tools.calibrate --a2a recv-first``, calibrate's default on gloo, run in the
       same processes through tests/cluster_calibrate_recv_first.py: gloo's own all-to-all runs a
       pair's two directions one after the other, see bench/results/cluster_calibration.md) finds
       the node link's rate: its node-level bandwidth
@@ -196,7 +196,7 @@ def test_failure_and_timeout_tear_down(tmp_path: Path) -> None:
 
 @needs_netns
 def test_sigterm_tears_down() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "moe_compile.cluster", "up", "--prefix", PREFIX, "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "moe_compile.tools.cluster", "up", "--prefix", PREFIX, "--nodes", "2",
                              "--ranks-per-node", "1"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not any(pid == proc.pid for pid, _ in run_namespaces(PREFIX).values()):

@@ -16,8 +16,8 @@ import itertools
 import pytest
 from dist_utils import run_ranks
 
-from moe_compile.options import DEFAULT_PAYBACK, parse_swap_options
-from moe_compile.swap_policy import NO_PAYBACK, SWAPPED
+from moe_compile.swap.options import DEFAULT_PAYBACK, parse_swap_options
+from moe_compile.swap.policy import NO_PAYBACK, SWAPPED
 
 TOL = 1e-5
 
@@ -172,7 +172,7 @@ def test_hysteresis_keeps_a_pair_from_swapping_back() -> None:
     on each step's routing alone swaps a pair and swaps it back at the next call, paying two
     migrations for nothing (``hysteresis: 0``, the paper's rule). With the default hysteresis no
     pair is swapped again within 10 calls."""
-    from moe_compile.options import DEFAULT_HYSTERESIS
+    from moe_compile.swap.options import DEFAULT_HYSTERESIS
 
     runs = {}
     for hysteresis in (0, DEFAULT_HYSTERESIS):
@@ -195,7 +195,7 @@ def test_smart_matrix_matches_brute_force() -> None:
     each swap, against recounting every swapped placement."""
     import numpy as np
 
-    from moe_compile.swap_policy import smart_matrix
+    from moe_compile.swap.policy import smart_matrix
 
     rng = np.random.default_rng(0)
     num_experts = 12
@@ -225,7 +225,7 @@ def test_smart_matrix_matches_brute_force() -> None:
     ("yes", "must be True or a dict"),
 ])
 def test_bad_swap_options_say_what_to_change(raw: object, message: str) -> None:
-    from moe_compile.options import parse_swap_options
+    from moe_compile.swap.options import parse_swap_options
 
     with pytest.raises(ValueError, match=message):
         parse_swap_options(raw)

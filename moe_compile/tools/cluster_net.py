@@ -1,4 +1,4 @@
-"""The emulated cluster (``moe_compile.cluster``): its description, and the network it becomes --
+"""The emulated cluster (``moe_compile.tools.cluster``): its description, and the network it becomes --
 Linux network namespaces, veth links through a bridge, ``tc`` shaping -- built and torn down
 through iproute2's ``ip`` and ``tc``.
 
@@ -170,7 +170,7 @@ class ClusterSpec:
 
     @property
     def mesh(self) -> str:
-        """The ``--mesh`` of ``moe_compile.calibrate`` (and the mesh shape) for this cluster."""
+        """The ``--mesh`` of ``moe_compile.tools.calibrate`` (and the mesh shape) for this cluster."""
         return ",".join(f"{lv.name}={lv.size}" for lv in self.links) + f",{self.rank_level}={self.ranks_per_namespace}"
 
     def with_overrides(self, nodes: int | None = None, ranks_per_node: int | None = None, rate: str | None = None,

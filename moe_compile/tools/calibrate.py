@@ -1,6 +1,6 @@
 """Measure a cluster's collectives under torchrun and write its topology file.
 
-    torchrun --nproc-per-node 4 -m moe_compile.calibrate --mesh node=2,gpu=2 --out cluster.toml
+    torchrun --nproc-per-node 4 -m moe_compile.tools.calibrate --mesh node=2,gpu=2 --out cluster.toml
 
 Builds ``init_device_mesh(device, shape, mesh_dim_names=names)`` from ``--mesh`` (slowest level
 first; gloo on CPU, NCCL on CUDA), then for every level times ``all_to_all_single`` and
@@ -89,7 +89,7 @@ def check_world_size(names: Sequence[str], sizes: Sequence[int], world_size: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moe_compile.calibrate",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moe_compile.tools.calibrate",
                                 description="Measure each mesh level's collectives, fit alpha-beta per level, "
                                             "write a topology TOML.")
     p.add_argument("--mesh", required=True, help="levels slowest first, NAME=SIZE,... (product = world size)")
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names, sizes = parse_mesh(args.mesh)
         if "WORLD_SIZE" not in os.environ:
             raise ValueError("no WORLD_SIZE in the environment: run under torchrun, e.g. "
-                             f"torchrun --nproc-per-node {math.prod(sizes)} -m moe_compile.calibrate --mesh {args.mesh}")
+                             f"torchrun --nproc-per-node {math.prod(sizes)} -m moe_compile.tools.calibrate --mesh {args.mesh}")
         world_size = int(os.environ["WORLD_SIZE"])
         check_world_size(names, sizes, world_size)
         if args.reps < 1 or args.warmup < 0:

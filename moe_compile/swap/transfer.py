@@ -1,4 +1,4 @@
-"""How expert swaps move data between ranks (``moe_compile.swap`` decides what moves).
+"""How expert swaps move data between ranks (``moe_compile.swap.swapper`` decides what moves).
 
 - ``Message``: one exchange of every rank with every rank on the swapper's gloo group (routing,
   decision rows, outcomes of swaps), one ``all_to_all_single`` round.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_compile import groups, runtime
+from moe_compile.ep import groups, runtime
 
 TABLE_COLS = 9  # a decision row: swap?, a, b, d, objective before/after, predicted before/after, migration
 

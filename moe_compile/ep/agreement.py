@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moe_compile import groups
+from moe_compile.ep import groups
 
 
 @dataclass(frozen=True)

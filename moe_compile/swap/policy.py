@@ -1,4 +1,4 @@
-"""Which expert swap to make (``moe_compile.swap`` exchanges the data and moves the experts).
+"""Which expert swap to make (``moe_compile.swap.swapper`` exchanges the data and moves the experts).
 
 - ``decide_layer``: one layer's decision row from every rank's routing (HierMoE Section IV:
   Q* and Eq. 10, the threshold, the plain-max check and the payback rule), or the SmartMoE-style
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_compile import runtime
 from moe_compile.cost.hiermoe import best_swap
 from moe_compile.cost.routing import _exclusion_table, _first_difference, hd_statistics
-from moe_compile.options import SwapOptions
-from moe_compile.swap_transfer import TABLE_COLS
+from moe_compile.ep import runtime
+from moe_compile.swap.options import SwapOptions
+from moe_compile.swap.transfer import TABLE_COLS
 
 A2A_PER_STEP = 4  # HD all-to-alls of one layer per training step: dispatch and combine, forward and backward
 

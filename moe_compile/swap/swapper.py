@@ -39,7 +39,7 @@ Every decision is counted per layer by its outcome, a swap or why none
 (``EPLayer.swap_decisions``, ``swap_policy.OUTCOMES``; ``explain`` shows them).
 
 The decision itself (Q*, the rules above, the payback bounds, Smart's matrix) is
-``moe_compile.swap_policy``; this module exchanges what it needs and moves the experts.
+``moe_compile.swap.policy``; this module exchanges what it needs and moves the experts.
 
 One rank per layer computes Q* (rank = layer index mod world size, fixed; they work in parallel)
 and an exchange hands every rank every decision, so all ranks apply the same swaps. Every exchange
@@ -104,10 +104,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_compile import groups, runtime
-from moe_compile import swap_policy as policy
-from moe_compile import swap_transfer as transfer
-from moe_compile.options import SwapOptions, parse_swap_options
+from moe_compile.ep import groups, runtime
+from moe_compile.swap import policy, transfer
+from moe_compile.swap.options import SwapOptions, parse_swap_options
 
 # the most calls without an exchange (where no layer's routing needs one and no decision or outcome is
 # due): then a header-only exchange announces every rank's payload_bytes again

@@ -1,19 +1,19 @@
-"""An emulated hierarchical cluster on one Linux machine: ``moe-cluster`` (``python -m moe_compile.cluster``).
+"""An emulated hierarchical cluster on one Linux machine: ``moe-cluster`` (``python -m moe_compile.tools.cluster``).
 
     moe-cluster run --nodes 2 --ranks-per-node 2 --rate 400mbit -- \\
-        python -m moe_compile.calibrate --mesh node=2,gpu=2 --out /tmp/cluster.toml
+        python -m moe_compile.tools.calibrate --mesh node=2,gpu=2 --out /tmp/cluster.toml
     moe-cluster run --config bench/clusters/two_node.toml --log-dir /tmp/logs -- python train.py
     moe-cluster plan --nodes 2 --sockets-per-node 2 --ranks-per-node 4   # print what would be made
     moe-cluster up --config ...                                           # keep it up until Ctrl-C
     moe-cluster cleanup                                                   # leftovers of killed runs
 
-In Python: ``moe_compile.cluster.run(ClusterSpec.create(nodes=2, ranks_per_node=2, rate="400mbit"),
+In Python: ``moe_compile.tools.cluster.run(ClusterSpec.create(nodes=2, ranks_per_node=2, rate="400mbit"),
 ["python", "script.py"], timeout_s=120, log_dir=...) -> exit status``, or ``with
 EmulatedCluster(spec) as c: c.run(argv)`` for several commands on one cluster.
 
 Every node is a network namespace joined to the others through a bridge by a veth link shaped
 with ``tc``; with a socket level every socket is its own namespace behind its node's router
-namespace, on a faster shaped link (``moe_compile.cluster_net`` has the description format and the
+namespace, on a faster shaped link (``moe_compile.tools.cluster_net`` has the description format and the
 layout).  The command runs under one ``torchrun`` per leaf namespace (``--nnodes`` = leaves,
 ``--node-rank`` = leaf index), so rank = leaf index * ranks per leaf + local rank: the mesh
 ``node=N[,socket=S],gpu=R`` (``ClusterSpec.mesh``, also in the ranks' ``MOE_CLUSTER_MESH``), slowest
@@ -44,7 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from moe_compile.cluster_net import (
+from moe_compile.tools.cluster_net import (
     IFACE,
     ClusterError,
     ClusterSpec,
@@ -76,7 +76,7 @@ def torchrun_tail(argv: Sequence[str]) -> list[str]:
     ``python`` is dropped: torchrun starts its own interpreter), else ``--no-python cmd ...``."""
     argv = list(argv)
     if not argv:
-        raise ValueError("no command to run: give it after --, e.g. -- python -m moe_compile.calibrate --mesh ...")
+        raise ValueError("no command to run: give it after --, e.g. -- python -m moe_compile.tools.calibrate --mesh ...")
     if re.fullmatch(r"python[0-9.]*", Path(argv[0]).name) or argv[0] == sys.executable:
         if len(argv) > 1 and (argv[1] == "-m" or not argv[1].startswith("-")):
             argv = argv[1:]
@@ -239,14 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-cluster", description="Emulated hierarchical cluster: network namespaces "
                                 "joined by tc-shaped veth links, one torchrun per node.",
                                 epilog="The command to run comes after --, e.g. moe-cluster run --nodes 2 "
-                                "--ranks-per-node 2 --rate 400mbit -- python -m moe_compile.calibrate --mesh "
+                                "--ranks-per-node 2 --rate 400mbit -- python -m moe_compile.tools.calibrate --mesh "
                                 "node=2,gpu=2 --out /tmp/c.toml")
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_ in (("run", "bring the cluster up, run the command after -- on every rank, tear down"),
                         ("up", "bring the cluster up and keep it until Ctrl-C or SIGTERM"),
                         ("plan", "print the namespaces, addresses, ip/tc and torchrun commands (needs no root)")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--config", type=Path, help="cluster description TOML (format: moe_compile/cluster_net.py, "
+        s.add_argument("--config", type=Path, help="cluster description TOML (format: moe_compile/tools/cluster_net.py, "
                        "example: bench/clusters/two_node.toml)")
         s.add_argument("--nodes", type=int, help="number of nodes (default 2)")
         s.add_argument("--ranks-per-node", type=int, help="ranks per node, over all its sockets (default 2)")

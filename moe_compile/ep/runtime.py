@@ -22,6 +22,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_compile.cost.hiermoe import dimension_rule
+from moe_compile.cost.routing import expert_table, gathered_statistics, hd_statistics, source_table
+from moe_compile.ep import shard
+from moe_compile.ep.comm import MeshComm
+
 _lock = threading.Lock()
 
 _PHASES = ("dispatch", "combine")
@@ -78,7 +87,7 @@ class EPLayer:
     name: str
     num_experts: int
     top_k: int
-    comm: Any  # lowering.hier_a2a.MeshComm
+    comm: MeshComm
     expert_pos_E: Any  # torch.Tensor [E] mesh position of each logical expert
     local_experts: tuple[int, ...]  # logical experts on this rank, in local slot order
     dedup: bool
@@ -97,7 +106,7 @@ class EPLayer:
     # this rank's expert modules
     swap_blocker: str | None = None
     version: int = 0  # placement version: +1 per swap that moved an expert to another rank or slot
-    swaps: list[Any] = field(default_factory=list)  # moe_compile.swap.SwapRecord, oldest first
+    swaps: list[Any] = field(default_factory=list)  # moe_compile.swap.swapper.SwapRecord, oldest first
     # the swapper's decisions on this layer so far, by outcome (swap_policy.OUTCOMES: a swap or
     # why none), the same on every rank
     swap_decisions: dict[str, int] = field(default_factory=dict)
@@ -123,14 +132,10 @@ class EPLayer:
     expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
 
     def __post_init__(self) -> None:
-        import torch
-
         self.expert_row_E = torch.arange(self.num_experts, device=self.expert_pos_E.device)
         self._update_slots()
 
     def _update_slots(self) -> None:
-        import torch
-
         slot = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.expert_pos_E.device)
         slot[list(self.local_experts)] = torch.arange(len(self.local_experts), device=slot.device)
         self.local_slot_E = slot
@@ -183,13 +188,6 @@ class EPLayer:
         estimate, and ``last_stats`` is None."""
         if self.dimension is not None:
             return self.dimension
-        import numpy as np
-        import torch
-        import torch.distributed as dist
-
-        from moe_compile.cost.hiermoe import dimension_rule
-        from moe_compile.cost.routing import expert_table, gathered_statistics, hd_statistics, source_table
-
         topk = topk_idx_TK.detach().cpu()
         placement = self.expert_pos_E.cpu().numpy()
         world, sizes = self.comm.world, self.comm.sizes
@@ -301,9 +299,6 @@ def exchange_with_all(send: Any, world: int, group: Any = None, async_op: bool =
     round of direct sends, where ``all_reduce`` and ``all_gather`` run several rounds between
     neighbours, each waiting for a rank to be scheduled (8 ranks on 2 cores, idle, after a
     barrier: 3.4-4.5 ms against 15-24 ms for an all_reduce of 16 values)."""
-    import torch
-    import torch.distributed as dist
-
     recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send.repeat(world), group=group, async_op=async_op)
     return recv.view(world, -1), work
@@ -313,8 +308,6 @@ def gather_by_position(own: Any, comm: Any) -> Any:
     """Every rank's ``own`` (a 1-D CPU tensor, the same size on every rank) as numpy [mesh
     position of ``comm``, n]: on gloo one round of direct sends (``exchange_with_all``), else
     ``all_gather_into_tensor`` on the mesh's device."""
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     if dist.get_backend() == "gloo":
         every, _ = exchange_with_all(own, world)
@@ -328,10 +321,6 @@ def layer_for(template: EPLayer, tensors: tuple[Any, ...]) -> EPLayer:
     """The layer of ``tensors`` (another model's weights run by ``template``'s graph): found, or
     made with ``template``'s settings and the contiguous placement (the one its shards, if any,
     were cut for)."""
-    import torch
-
-    from moe_compile import shard
-
     found = find_layer(template.name, template.comm, tensors)
     if found is not None:
         return found

@@ -1,4 +1,7 @@
-"""Expert sharding: each rank keeps only its own experts' weights.
+"""Expert shards: which placeholder stands for which rank's rows (the records the expert-parallel
+pass and the runtime read); ``moe_compile.sharding.shard_experts`` makes them.
+
+Expert sharding: each rank keeps only its own experts' weights.
 
 ``shard_experts(model, mesh, *example_inputs)`` finds the model's MoE layers with the backend's
 own finder (a compile on the example inputs, nothing rewritten in the model), then for every
@@ -27,9 +30,7 @@ rebuild the full tensors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -68,6 +69,11 @@ class ShardReport:
 _BY_ID: dict[int, Shard] = {}
 
 
+def register(shard: Shard) -> None:
+    """Make ``lookup(shard.placeholder)`` find ``shard``."""
+    _BY_ID[id(shard.placeholder)] = shard
+
+
 def lookup(t: object) -> Shard | None:
     """The shard a placeholder tensor stands for (None for any other value)."""
     s = _BY_ID.get(id(t))
@@ -84,67 +90,3 @@ def verification_value(t: object, seed: int) -> object:
     assert isinstance(t, Tensor)
     gen = torch.Generator(device=t.device).manual_seed(seed)
     return torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device)
-
-
-def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **example_kwargs: object) -> ShardReport:
-    """Shard the expert weights of ``model`` over ``mesh`` (see the module docstring)."""
-    import torch._dynamo
-
-    from moe_compile.explain import explain
-    from moe_compile.parallel import check_mesh, mesh_comm
-
-    check_mesh(mesh, None)
-    if any(lookup(b) is not None for b in model.buffers()):
-        raise ValueError("this model's experts are already sharded; shard_experts runs once per model")
-    report = explain(model, *example_inputs, options={"inner_compiler": "eager"}, **example_kwargs)
-    torch._dynamo.reset()  # the next compile must trace the sharded model
-    comm = mesh_comm(mesh)
-    world = comm.world
-    shards: list[Shard] = []
-    owned: list[nn.Parameter] = []
-    full = local = 0
-    for region in report.regions:
-        num_experts = region.num_experts
-        if num_experts % world:
-            raise ValueError(f"layer {region.name}: {num_experts} experts do not split evenly over {world} ranks; "
-                             f"use a mesh whose size divides {num_experts}")
-        per = num_experts // world
-        first = comm.position * per
-        for family in region.expert_params:
-            for i, path in enumerate(family):
-                module, attr = _resolve(model, path)
-                param = module._parameters.get(attr)
-                if not isinstance(param, nn.Parameter):
-                    raise ValueError(f"layer {region.name}: {path} is not a parameter of the model; "
-                                     "shard_experts shards expert parameters only")
-                full += param.numel() * param.element_size()
-                placeholder = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-                if len(family) == 1:  # stacked [E, ...]
-                    kept = nn.Parameter(param.detach()[first:first + per].clone(), requires_grad=param.requires_grad)
-                    module.register_parameter(f"{attr}_shard", kept)
-                    local += kept.numel() * kept.element_size()
-                    owned.append(kept)
-                    shard = Shard(path, placeholder, kept, first, per, num_experts)
-                elif first <= i < first + per:  # this rank's expert module: keep it as it is
-                    local += param.numel() * param.element_size()
-                    owned.append(param)
-                    continue
-                else:
-                    shard = Shard(path, placeholder, None, first, per, num_experts)
-                del module._parameters[attr]
-                module.register_buffer(attr, placeholder, persistent=False)
-                _BY_ID[id(placeholder)] = shard
-                shards.append(shard)
-    if not shards:
-        raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "
-                         "for the layers found and why others were left alone)")
-    assert local <= full and math.isfinite(full)
-    return ShardReport(tuple(shards), full, local, tuple(owned))
-
-
-def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str]:
-    *mods, attr = path.split(".")
-    module = model
-    for m in mods:
-        module = getattr(module, m)
-    return module, attr

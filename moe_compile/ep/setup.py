@@ -14,10 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe_compile import runtime
 from moe_compile.cost.hiermoe import HDCostModel
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
+from moe_compile.ep import runtime
+from moe_compile.ep.comm import MeshComm
 
 _comms: dict[int, Any] = {}
 
@@ -57,8 +58,6 @@ def check_mesh(mesh: Any, topology: Topology | None) -> None:
 
 
 def mesh_comm(mesh: Any) -> Any:
-    from moe_compile.lowering.hier_a2a import MeshComm
-
     key = id(mesh)
     if key not in _comms:
         _comms[key] = (mesh, MeshComm.build(mesh))  # keep the mesh alive so its id stays unique
