@@ -69,11 +69,11 @@ import moe_compile
 from moe_compile.cost import hiermoe as cost_hiermoe
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
-from moe_compile.swap.options import DEFAULT_HYSTERESIS, DEFAULT_PAYBACK
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 from moe_compile.swap import policy as swap_policy
 from moe_compile.swap import swapper as swap
 from moe_compile.swap import transfer as swap_transfer
+from moe_compile.swap.options import DEFAULT_HYSTERESIS, DEFAULT_PAYBACK
 
 # Shape legend: B batch, S sequence, V vocabulary.
 
