@@ -19,7 +19,10 @@ same for every variant at the same step):
   hf_mixtral  transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
 
 Variants; one training step is zero_grad, forward + loss, backward, gradient averaging, AdamW step:
-  hiermoe d*   torch.compile(backend="hiermoe", options={"mesh", "topology"}): HD-d, d* per layer and step
+  hiermoe d*   torch.compile(backend="hiermoe", options={"mesh", "topology"}): HD-d, d* per layer and step,
+               the staged ops (backward sends the forward's payload)
+  hiermoe d* resend  the same with options["ep_backward"] = "resend": the fused op, whose backward
+               dispatches [x | grad_y] again (1.5x the payload; the layout before the staged ops)
   hiermoe HDd  the same with options["dimension"] = d, for every d of the mesh, slowest level first
   flat A2A     options {"dimension": 1, "dedup": False}: one copy per (token, expert), as Megatron and HF
   HF EP        transformers' own, as its docs set it up: DistributedConfig(fsdp_size=G, ep_size=G,
@@ -83,6 +86,8 @@ from moe_compile.tools import calibrate
 HERE = Path(__file__).resolve().parent
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 MODELS = ("tiny_lm", "hf_mixtral")
+
+
 def shown(path: str | Path) -> str:
     """``path`` as the report names it: relative to the repository root when inside it."""
     resolved = Path(path).resolve()
@@ -100,7 +105,7 @@ class Variant:
 
 
 def variants(num_levels: int, model: str) -> list[Variant]:
-    out = [Variant("hiermoe d*", "hiermoe")]
+    out = [Variant("hiermoe d*", "hiermoe"), Variant("hiermoe d* resend", "hiermoe", (("ep_backward", "resend"),))]
     out += [Variant(f"hiermoe HD{d}", "hiermoe", (("dimension", d),)) for d in range(num_levels, 0, -1)]
     out.append(Variant("flat A2A", "hiermoe", (("dimension", 1), ("dedup", False))))
     if model == "hf_mixtral":

@@ -6,6 +6,7 @@ kernels, same arguments and semantics) when the ``triton`` package is importable
 
 import torch
 
+from moe_compile.lowering.ep_stages import ep_combine, ep_dispatch, ep_local_experts
 from moe_compile.lowering.expert_parallel import ep_experts, ep_experts_backward
 from moe_compile.lowering.experts import (
     ACTIVATIONS,
@@ -32,5 +33,5 @@ def triton_kernels_error(device: torch.device) -> str | None:
     return triton_experts.interpreter_error(device)
 
 
-__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_experts", "ep_experts_backward", "experts", "experts_backward",
+__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
            "experts_flops", "experts_reference", "triton_kernels_error"]

@@ -1,4 +1,10 @@
-"""The expert-parallel expert op ``hiermoe::ep_experts`` and its backward.
+"""The fused expert-parallel op ``hiermoe::ep_experts`` and its backward: the "resend" backward.
+
+The expert-parallel pass emits the staged ops of ``ep_stages`` by default, whose backward moves
+the forward's payload and keeps the dispatched rows ([R, H] per layer) from forward to backward.
+This op keeps only its inputs and re-sends the tokens in backward instead (1.5x the forward's
+payload): option ``"ep_backward": "resend"`` chooses it, for when activation memory is what
+runs out.
 
 Each rank calls it with its own tokens and weights holding its local experts; ``layer`` names
 the ``moe_compile.ep.runtime.EPLayer`` holding the mesh, the placement table and the dispatch
@@ -30,16 +36,22 @@ P (row, slot) pairs bound for local experts, E_l local experts.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moe_compile.ep import groups, runtime
+from moe_compile.ep import runtime
 from moe_compile.lowering import hier_a2a
+from moe_compile.lowering.ep_stages import (
+    begin_forward,
+    check_version,
+    collective,
+    local_backward,
+    local_forward,
+)
+from moe_compile.lowering.ep_stages import phase_names as _phases
 from moe_compile.lowering.experts_ref import check_activation
 
 _SCHEMA = (
@@ -54,85 +66,23 @@ _BACKWARD_SCHEMA = (
 )
 
 
-def _check_device(lay: runtime.EPLayer, x: Tensor) -> None:
-    if x.device.type != lay.comm.device.type:
-        raise ValueError(f"layer {lay.name}: tokens are on {x.device} but the mesh is on {lay.comm.device.type}; "
-                         "build the mesh on the device the model runs on (init_device_mesh(device_type, ...))")
-
-
-@contextlib.contextmanager
-def _collective(lay: runtime.EPLayer, what: str) -> Iterator[None]:
-    """Re-raise a failed collective (a peer died, hangs, or diverged) naming the layer and it."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise groups.collective_error(f"layer {lay.name}", what, e) from e
-
-
-def _phases(d: int, lay: runtime.EPLayer) -> str:
-    return f"HD-{d}: " + ", ".join(p.name for p in lay.comm.phases(d))
-
-
-def _local_pairs(ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool, w_dtype: torch.dtype
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(row r_P, slot column s_P, weight row of its expert wrow_P1, weight w_P1) of every valid
-    slot; all must be local."""
-    r_P, s_P = (ids_RS >= 0).nonzero(as_tuple=True)
-    e_P = ids_RS[r_P, s_P]
-    assert bool((lay.local_slot_E[e_P] >= 0).all()), "a row arrived at a rank that does not hold its expert"
-    return r_P, s_P, lay.rows(by_expert)[e_P][:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
-
-
-def _local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool,
-                   weights: list[Tensor | None], activation: str, w_dtype: torch.dtype) -> Tensor:
-    """[R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots (each slot one
-    ``hiermoe::experts`` token with K = 1)."""
-    r_P, _, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
-    out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
-    if r_P.numel():
-        y_PH = torch.ops.hiermoe.experts(rows_RH[r_P], slot_P1, w_P1, *weights, activation)
-        out_RH.index_add_(0, r_P, y_PH.float())
-    return out_RH
-
-
-def _local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer,
-                    by_expert: bool, weights: list[Tensor | None], activation: str, w_dtype: torch.dtype
-                    ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """Grads of ``_local_forward``: rows [R, H], slot weights [R, S] float32, and the six weight
-    tensors (zero-size for absent ones), through ``hiermoe::experts_backward``."""
-    r_P, s_P, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
-    d_rows_RH = torch.zeros_like(rows_RH, dtype=torch.float32)
-    d_w_RS = torch.zeros_like(w_RS, dtype=torch.float32)
-    if not r_P.numel():
-        return d_rows_RH, d_w_RS, [rows_RH.new_empty(0) if w is None else torch.zeros_like(w) for w in weights]
-    d_x_PH, d_w_P1, *d_weights = torch.ops.hiermoe.experts_backward(
-        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, *weights, activation)
-    d_rows_RH.index_add_(0, r_P, d_x_PH.float())
-    d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
-    return d_rows_RH, d_w_RS, d_weights
-
-
 @torch.library.custom_op("hiermoe::ep_experts", mutates_args=(), schema=_SCHEMA)
 def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
                w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
                activation: str, layer: int, by_expert: bool) -> tuple[Tensor, Tensor]:
     lay = runtime.resolve(layer)
-    _check_device(lay, x)
-    lay.settle()  # an expert swap still in flight is put in force before the placement is read
-    lay.last_topk = topk_idx.detach()
-    with _collective(lay, "the exchange of routing statistics that chooses d*"):
-        d = lay.choose_dimension(topk_idx)
-    lay.begin_step(d)
+    d = begin_forward(lay, x, topk_idx)
+    lay.saved_bytes = 0  # autograd keeps only the op's inputs
     phases = lay.comm.phases(d)
     t0 = time.perf_counter()
-    with _collective(lay, f"the forward dispatch all-to-alls ({_phases(d, lay)})"):
+    with collective(lay, f"the forward dispatch all-to-alls ({_phases(d, lay)})"):
         rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E, phases,
                                                          lay.dedup, "forward", layer)
     t1 = time.perf_counter()
-    out_RH = _local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
+    out_RH = local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
                             activation, topk_weights.dtype)
     t2 = time.perf_counter()
-    with _collective(lay, f"the forward combine all-to-alls ({_phases(d, lay)})"):
+    with collective(lay, f"the forward combine all-to-alls ({_phases(d, lay)})"):
         y_TH, _ = hier_a2a.combine(out_RH.to(x.dtype), route, "forward")
     lay.add_comm_time("forward", (t1 - t0) + (time.perf_counter() - t2))
     return y_TH, torch.tensor([d, lay.version, lay.layer_id], dtype=torch.long)
@@ -154,22 +104,19 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
     d, version, actual = (int(v) for v in dim.tolist())
     lay = runtime.layer(actual)  # the layer the forward ran on (the graph's, or another model's weights')
     hidden = x.shape[1]
-    if version != lay.version:
-        raise RuntimeError(f"layer {lay.name}: its experts were swapped between this forward and its backward; "
-                           "swap experts only after backward and the optimizer step (swapper.step() at the end "
-                           "of the training step)")
+    check_version(lay, version)
     phases = lay.comm.phases(d)
     xg_TC = torch.cat([x, grad_out.to(x.dtype)], dim=1)
     t0 = time.perf_counter()
-    with _collective(lay, f"the backward dispatch all-to-alls ({_phases(d, lay)})"):
+    with collective(lay, f"the backward dispatch all-to-alls ({_phases(d, lay)})"):
         rows_RC, ids_RS, w_RS, route = hier_a2a.dispatch(xg_TC, topk_idx, topk_weights, lay.expert_pos_E, phases,
                                                          lay.dedup, "backward", layer)
     t1 = time.perf_counter()
     weights = [w_up, w_gate, w_down, b_up, b_gate, b_down]
-    d_rows_RH, d_w_RS, d_weights = _local_backward(rows_RC[:, hidden:], rows_RC[:, :hidden], ids_RS, w_RS,
+    d_rows_RH, d_w_RS, d_weights = local_backward(rows_RC[:, hidden:], rows_RC[:, :hidden], ids_RS, w_RS,
                                                    lay, by_expert, weights, activation, topk_weights.dtype)
     t2 = time.perf_counter()
-    with _collective(lay, f"the backward combine all-to-alls ({_phases(d, lay)})"):
+    with collective(lay, f"the backward combine all-to-alls ({_phases(d, lay)})"):
         d_x_TH, d_tw_TK = hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward", meta_RS=d_w_RS.float())
     lay.add_comm_time("backward", (t1 - t0) + (time.perf_counter() - t2))
     assert d_tw_TK is not None

@@ -57,6 +57,33 @@ class Route:
     dedup: bool
     layer_id: int
 
+    def pack(self, header: list[int]) -> Tensor:
+        """The route as one int64 CPU tensor (what the staged ops pass each other in the graph):
+        ``header`` (the caller's fixed-size fields), then per hop (rows held before it, its send
+        and receive split sizes), then every hop's source rows. ``unpack`` reverses it, given the
+        header's length and the hops' phases."""
+        small = [v for hop in self.hops for v in (hop.num_rows, *hop.send_counts, *hop.recv_counts)]
+        head = torch.tensor([*header, self.num_tokens, self.top_k, int(self.dedup), *small], dtype=torch.long)
+        return torch.cat([head, *(hop.src_row_N.cpu().long() for hop in self.hops)])
+
+    @classmethod
+    def unpack(cls, packed: Tensor, header_len: int, phases: list[Phase], layer_id: int, device: torch.device
+               ) -> Route:
+        """The route ``pack`` wrote, its hops along ``phases`` (the same d's)."""
+        widths = [1 + 2 * len(ph.peer_pos) for ph in phases]
+        head = packed[: header_len + 3 + sum(widths)].tolist()
+        num_tokens, top_k, dedup = head[header_len: header_len + 3]
+        at, src_at = header_len + 3, header_len + 3 + sum(widths)
+        hops = []
+        for ph in phases:
+            num_peers = len(ph.peer_pos)
+            num_rows, send, recv = head[at], head[at + 1: at + 1 + num_peers], head[at + 1 + num_peers: at + 1 + 2 * num_peers]
+            at += 1 + 2 * num_peers
+            sent = sum(send)
+            hops.append(Hop(ph, packed[src_at: src_at + sent].to(device), send, recv, num_rows))
+            src_at += sent
+        return cls(hops, num_tokens, top_k, bool(dedup), layer_id)
+
 
 def _a2a(t: Tensor, recv_counts: list[int], send_counts: list[int], group: dist.ProcessGroup) -> Tensor:
     """The rows' all-to-all: on gloo with every receive posted before any send (gloo's own runs a
@@ -120,6 +147,20 @@ def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E
         num_slots = ids_RS.shape[1]
         rows, ids_RS, w_RS = new_rows, meta[:, :num_slots].long(), meta[:, num_slots:].view(torch.float32)
     return rows, ids_RS, w_RS, Route(hops, num_tokens, top_k, dedup, layer_id)
+
+
+def redispatch(x_TC: Tensor, route: Route, direction: str) -> Tensor:
+    """Send rows of ``x_TC`` along a route ``dispatch`` found: each hop copies the same source rows
+    to the same peers, with the split sizes known, so only the payload moves (no split sizes, no
+    slots). The backward of ``combine``: a token's output gradient reaches every row its
+    experts' partial results came from. Returns [R, C] aligned with the rows ``dispatch``
+    delivered."""
+    rows = x_TC if route.dedup else x_TC.repeat_interleave(route.top_k, dim=0)
+    row_bytes = rows.shape[1] * rows.element_size()
+    for hop in route.hops:
+        rows = _a2a(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
+        _count(route.layer_id, hop.phase, hop.send_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
+    return rows
 
 
 def combine(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | None = None

@@ -94,8 +94,12 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
     skipped = [SkipReport(s.name, s.reason, index) for s in ctx.skipped]
     if ctx.found is not None and ctx.found.num_topk == 0:
         skipped.append(SkipReport(f"graph {index}", "no MoE layer found (no top-k router in this graph)", index))
+    topology = "" if ctx.topology is None else (
+        f"{'probed' if ctx.topology_probed else 'given'}: {ctx.topology.name or 'unnamed'}; " + ", ".join(
+            f"{lv.name} x{lv.size} alpha {lv.alpha_s * 1e6:.3g} us, {lv.bandwidth_gbps:.3g} Gb/s"
+            for lv in ctx.topology.levels))
     return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
-                       counters=ctx.counters)
+                       counters=ctx.counters, topology=topology)
 
 
 def _expert_params(lay: ExpertLayout) -> tuple[tuple[str, ...], ...]:

@@ -13,6 +13,7 @@ from moe_compile.swap.options import SwapOptions, parse_swap_options
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 KERNELS = ("auto", "triton", "torch")
+EP_BACKWARDS = ("stages", "resend")
 # the pipeline's passes, in order (moe_compile.pipeline.PASSES runs them and checks this list)
 PASS_NAMES = ("find_moe_regions", "canonicalize", "plan", "expert_parallel", "lower_kernels")
 
@@ -41,6 +42,10 @@ class Options:
     dedup: with a mesh, send each token once per destination group (HierMoE, default True);
         False sends one copy per (token, expert), the Megatron/HF flat all-to-all (dimension 1)
         and Tutel's 2DH (dimension 2) baselines.
+    ep_backward: with a mesh, how an expert-parallel layer's backward gets its tokens: "stages"
+        (default: the staged ops keep the dispatched rows from forward, so backward moves the
+        forward's payload, no more) or "resend" (keep only the inputs and dispatch [x | grad_y]
+        again in backward: 1.5x the payload, less activation memory).
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
@@ -56,6 +61,7 @@ class Options:
     mesh: Any = None
     dimension: int | None = None
     dedup: bool = True
+    ep_backward: str = "stages"
     expert_swap: SwapOptions | None = None
 
 
@@ -100,8 +106,10 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'dimension' must be a positive int (1..number of mesh levels) or None, got {dim!r}")
     if "dedup" in kw and not isinstance(kw["dedup"], bool):
         raise ValueError(f"option 'dedup' must be True or False, got {kw['dedup']!r}")
-    if kw.get("mesh") is None and (dim is not None or "dedup" in kw):
-        raise ValueError("options 'dimension' and 'dedup' set how expert-parallel layers communicate; "
+    if "ep_backward" in kw and kw["ep_backward"] not in EP_BACKWARDS:
+        raise ValueError(f"option 'ep_backward' must be one of {list(EP_BACKWARDS)}, got {kw['ep_backward']!r}")
+    if kw.get("mesh") is None and (dim is not None or "dedup" in kw or "ep_backward" in kw):
+        raise ValueError("options 'dimension', 'dedup' and 'ep_backward' set how expert-parallel layers communicate; "
                          "they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])

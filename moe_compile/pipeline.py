@@ -4,12 +4,14 @@ Ordering constraints:
   find_moe_regions  first: every later pass consumes its MoERegion records, and it must see the
                     graph exactly as Dynamo produced it (verification re-runs that graph).
   canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
-  plan              after canonicalize: decides each rewritten layer's strategy with cost/planner.py
+  plan              after canonicalize: with a mesh and neither a topology nor a dimension, probes
+                    the mesh's links (tools/calibrate.probe; every rank, since they agreed on the
+                    rewrites); decides each rewritten layer's strategy with cost/planner.py
                     (the argmin over what the lowering implements: "local" on one process, the
                     all-to-all dimensions with a mesh), recording every candidate's predicted time
                     when a topology is given.
   expert_parallel   after plan, only with options['mesh']: turns each hiermoe::experts node into
-                    hiermoe::ep_experts over the mesh; before lower_kernels, which only sees the
+                    the staged hiermoe::ep_dispatch / ep_local_experts / ep_combine over the mesh; before lower_kernels, which only sees the
                     single-process op.
   lower_kernels     last: retargets the hiermoe::experts nodes left by all earlier passes (options['kernels']).
 """
@@ -23,15 +25,16 @@ import torch
 import torch.fx as fx
 
 from moe_compile.cost.planner import Plan, dispatch_strategy, expert_parallel_strategies, plan
+from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
 from moe_compile.ep import agreement, shard
-from moe_compile.ep.setup import NEED_TOPOLOGY
 from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
 from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.regions import Skip
+from moe_compile.tools import calibrate
 
 
 @dataclass
@@ -47,6 +50,10 @@ class PassContext:
     ep_layers: dict[str, int] = field(default_factory=dict)  # layer name -> runtime.EPLayer id
     input_swaps: dict[int, torch.Tensor] = field(default_factory=dict)  # input position -> shard parameter
     layer_inputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # EP layer id -> its weights' inputs
+    # the topology plans are made on: options['topology'], or with a mesh and neither a topology nor
+    # a dimension, the one moe_compile.tools.calibrate.probe measured (topology_probed)
+    topology: Topology | None = None
+    topology_probed: bool = False
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
@@ -128,6 +135,10 @@ def _plan(ctx: PassContext) -> dict[str, int]:
     """Decide each rewritten layer's strategy from its shapes and routing (cost/ never sees fx)."""
     if ctx.canonical is None:
         return {}
+    opts = ctx.options
+    if opts.mesh is not None and ctx.topology is None and opts.dimension is None and ctx.canonical.rewritten:
+        # every rank rewrites the same layers (agreed in canonicalize), so every rank probes here
+        ctx.topology, ctx.topology_probed = calibrate.probe(opts.mesh), True
     counts: dict[str, int] = {}
     for r in ctx.canonical.rewritten:
         reg = r.region
@@ -135,17 +146,16 @@ def _plan(ctx: PassContext) -> dict[str, int]:
                         num_experts=reg.num_experts, top_k=reg.top_k,
                         dtype_bytes=getattr(torch, reg.dtype).itemsize, gated=r.layout.gated)
         routing = r.routing.cpu().numpy() if r.routing is not None else None
-        opts = ctx.options
+        opts, topology = ctx.options, ctx.topology
         if opts.mesh is None:
-            decided = plan(opts.topology, work, routing)
-        elif opts.topology is None:
-            if opts.dimension is None:
-                raise ValueError(NEED_TOPOLOGY)
+            decided = plan(topology, work, routing)
+        elif topology is None:
+            assert opts.dimension is not None, "a mesh without topology and dimension is probed above"
             decided = Plan(strategy=dispatch_strategy(opts.dimension, opts.dedup),
                            notes=("no topology given: nothing predicted",))
         else:
-            decided = plan(opts.topology, work, routing, implemented=expert_parallel_strategies(
-                len(opts.topology.levels), opts.dimension, opts.dedup))
+            decided = plan(topology, work, routing, implemented=expert_parallel_strategies(
+                len(topology.levels), opts.dimension, opts.dedup))
         ctx.plans[reg.name] = decided
         counts[decided.strategy] = counts.get(decided.strategy, 0) + 1
     return counts
@@ -155,9 +165,9 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     opts = ctx.options
     if opts.mesh is None or ctx.canonical is None or not ctx.canonical.rewritten:
         return {}
-    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=opts.topology,
+    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=ctx.topology,
                                dimension=opts.dimension, dedup=opts.dedup, example_inputs=ctx.example_inputs,
-                               expert_swap=opts.expert_swap)
+                               expert_swap=opts.expert_swap, backward=opts.ep_backward)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     ctx.layer_inputs.update(out.pop("layer_inputs"))
@@ -180,6 +190,7 @@ assert tuple(name for name, _ in PASSES) == PASS_NAMES, "options.PASS_NAMES list
 
 
 def run_pipeline(ctx: PassContext) -> PassContext:
+    ctx.topology = ctx.options.topology
     for name, fn in PASSES:
         if name in ctx.options.disable_passes:
             ctx.counters[name] = {"disabled": 1}

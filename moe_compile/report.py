@@ -47,10 +47,8 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
     rank's own, an upper estimate, on meshes too large to gather), the payload
     bytes it sent per level, the experts this rank holds, the placement (mesh position of every
     expert), the expert swaps made so far (``moe_compile.swap.swapper.SwapRecord`` fields) and the
-    swapper's decisions by outcome (a swap, or why none: ``moe_compile.swap.policy.OUTCOMES``)."""
-    from dataclasses import asdict
-
-
+    swapper's decisions by outcome (a swap, or why none: ``moe_compile.swap.policy.OUTCOMES``),
+    and the bytes its last forward kept for backward (the staged ops' dispatched rows)."""
     lay = runtime.layer(layer_id)
     return {"dimension": lay.last_dimension, "fixed": lay.dimension is not None, "dedup": lay.dedup,
             "predicted_s": {f"d{d}": t for d, t in enumerate(lay.last_times_s, start=1)},
@@ -59,7 +57,15 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
             "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position,
             "placement": lay.placement(), "swaps": [asdict(r) for r in lay.swaps],
-            "swap_decisions": dict(lay.swap_decisions), "swappable": lay.swap_blocker is None}
+            "swap_decisions": dict(lay.swap_decisions), "swappable": lay.swap_blocker is None,
+            "saved_bytes": lay.saved_bytes}
+
+
+def _bytes(n: int) -> str:
+    """Bytes in the nearest binary unit: 512 B, 12.3 KiB, 4.5 MiB."""
+    if n < 1024:
+        return f"{n} B"
+    return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,13 @@ class GraphReport:
     regions: list[RegionReport] = field(default_factory=list)
     skipped: list[SkipReport] = field(default_factory=list)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # where the plans' topology came from: "" (none), "given: <name>" or "probed: <what>"
+    topology: str = ""
+
+
+PROBED_ADVICE = ("the mesh's links were probed for about a second at the first compile; for accurate "
+                 "choices calibrate them (torchrun ... -m moe_compile.tools.calibrate --mesh ... --out "
+                 "cluster.toml, or moe-calibrate) and pass options['topology']")
 
 
 @dataclass
@@ -110,7 +123,7 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(
             {"regions": [asdict(r) for r in self.regions], "skipped": [asdict(s) for s in self.skipped],
-             "graph_breaks": self.graph_breaks,
+             "graph_breaks": self.graph_breaks, "topology": sorted({g.topology for g in self.graphs} - {""}),
              "counters": {g.index: g.counters for g in self.graphs}},
             indent=2,
         )
@@ -147,7 +160,8 @@ class Report:
         parallel = [r for r in self.regions if r.parallel is not None]
         if parallel:
             table = Table(title="expert parallel: last step on this rank (payload bytes sent per level)")
-            for col in ("layer", "d used", "predicted per d (ms)", "bytes per level", "local experts"):
+            for col in ("layer", "d used", "predicted per d (ms)", "bytes per level", "kept for backward",
+                        "local experts"):
                 table.add_column(col, overflow="fold")
             for r in parallel:
                 p = r.parallel
@@ -158,7 +172,7 @@ class Report:
                 sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
                 local = p["local_experts"]
                 contiguous = local == list(range(local[0], local[0] + len(local)))
-                table.add_row(escape(r.name), used, pred, sent,
+                table.add_row(escape(r.name), used, pred, sent, _bytes(p["saved_bytes"]),
                               f"{local[0]}..{local[-1]} ({len(local)})" if contiguous else ", ".join(map(str, local)))
             console.print(table)
             decided = [r for r in parallel if r.parallel and r.parallel["swap_decisions"]]
@@ -199,6 +213,10 @@ class Report:
             for s in skipped:
                 table.add_row(str(s.graph), escape(s.name), escape(s.reason))
             console.print(table)
+        for topology in sorted({g.topology for g in self.graphs} - {""}):
+            console.print(f"topology {escape(topology)}")
+            if topology.startswith("probed"):
+                console.print(f"  ({PROBED_ADVICE})")
         if self.graph_breaks:
             console.print(f"graph breaks ({len(self.graph_breaks)}):")
             for b in self.graph_breaks:

@@ -4,9 +4,11 @@ Contract:
     needs     the ``hiermoe::experts`` nodes that canonicalize emitted (one per layer), a mesh
               that ``moe_compile.ep.setup.check_mesh`` accepted, and either a topology (d* per
               step) or a fixed dimension.
-    does      replaces each by ``hiermoe::ep_experts``, which reads only this rank's experts
-              through the layer's placement table at run time (so an expert swap needs no
-              recompile). Its weights are either indexed by expert id (``by_expert``): stacked
+    does      replaces each by the staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
+              ``ep_local_experts`` -> ``ep_combine``, nodes named after the layer), or with
+              ``backward="resend"`` by the fused ``hiermoe::ep_experts``. The local stage reads
+              only this rank's experts through the layer's placement table at run time (so an
+              expert swap needs no recompile). Its weights are either indexed by expert id (``by_expert``): stacked
               [E, ...] weights as they are (no copy), or, with options['expert_swap'], a stack of
               every expert module; or indexed by local slot: for weights sharded by
               ``moe_compile.shard_experts``, this rank's ``_shard`` parameter in place of the
@@ -27,7 +29,7 @@ Pseudo-code:
         Step 2: sharded weight -> feed the shard (rows = local slots); E modules -> stack every
                 module with expert swap (rows = ids), else only the local ones (rows = slots);
                 stacked tensor -> as it is (rows = ids)
-        Step 3: call ep_experts with the layer id and the row mode, read its output, erase the old op
+        Step 3: emit dispatch -> local experts -> combine (or ep_experts), erase the old op
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 
 def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, mesh: Any,
                          topology: Topology | None, dimension: int | None, dedup: bool,
-                         example_inputs: Sequence[object] = (), expert_swap: Any = None) -> dict[str, Any]:
-    """Returns counters, under "layers" the runtime layer id of every layer by name, under
+                         example_inputs: Sequence[object] = (), expert_swap: Any = None,
+                         backward: str = "stages") -> dict[str, Any]:
+    """``backward``: "stages" or "resend" (options['ep_backward']). Returns counters, under
+    "layers" the runtime layer id of every layer by name, under
     "input_swaps" {input position: shard parameter} for the backend to feed, and under
     "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
     the ``moe_compile.options.SwapOptions`` of options["expert_swap"] (None: off)."""
@@ -116,9 +120,12 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
             by_expert = mode
         # Step 3
         with gm.graph.inserting_before(op):
-            ep = gm.graph.call_function(torch.ops.hiermoe.ep_experts.default,
-                                        (*args, lay.layer_id, bool(by_expert)))
-            y = gm.graph.call_function(operator.getitem, (ep, 0))
+            if backward == "resend":
+                ep = gm.graph.call_function(torch.ops.hiermoe.ep_experts.default,
+                                            (*args, lay.layer_id, bool(by_expert)))
+                y = gm.graph.call_function(operator.getitem, (ep, 0))
+            else:
+                y = _emit_stages(gm.graph, args, lay.layer_id, reg.top_k if dedup else 1, bool(by_expert), name)
         op.replace_all_uses_with(y)
         gm.graph.erase_node(op)
         ids[name] = lay.layer_id
@@ -131,6 +138,25 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
     gm.recompile()
     return {"expert_parallel": len(ids), "sharded_weights": len(swaps), "layers": ids,
             "input_swaps": swaps, "layer_inputs": inputs}
+
+
+def _emit_stages(graph: fx.Graph, args: list[Any], layer_id: int, slots: int, by_expert: bool, name: str
+                 ) -> fx.Node:
+    """dispatch -> local experts -> combine for one layer (``lowering.ep_stages``); returns the
+    combine's node. ``args`` are the ``hiermoe::experts`` arguments."""
+    x, topk_idx, topk_weights, *weights, activation = args
+    prefix = "".join(c if c.isalnum() else "_" for c in name).strip("_") or "moe"
+
+    def node(target: Any, node_args: tuple[Any, ...], what: str) -> fx.Node:
+        return graph.create_node("call_function", target, node_args, {}, name=f"{prefix}_{what}")
+
+    disp = node(torch.ops.hiermoe.ep_dispatch.default, (x, topk_idx, topk_weights, layer_id, slots), "dispatch")
+    rows, ids, w, route = (node(operator.getitem, (disp, i), what)
+                           for i, what in enumerate(("rows", "row_experts", "row_weights", "route")))
+    partial = node(torch.ops.hiermoe.ep_local_experts.default,
+                   (rows, ids, w, *weights, activation, by_expert, route), "local_experts")
+    num_tokens = node(torch.ops.aten.sym_size.int, (x, 0), "num_tokens")
+    return node(torch.ops.hiermoe.ep_combine.default, (partial, route, num_tokens), "combine")
 
 
 def _weight_inputs(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[fx.Node, ...]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import moe_compile
 from moe_compile.backend import collect_reports
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.ep import runtime, setup
+from moe_compile.lowering.ep_stages import staged_experts
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
 LEVELS = ("node", "socket", "gpu")
@@ -110,46 +113,50 @@ def case_op_matrix() -> dict[str, Any]:
         xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
         y_ref = torch.ops.hiermoe.experts(xr, idx, twr, *ref_w, "silu")
         grads_ref = torch.autograd.grad(y_ref, [xr, twr, *(w for w in ref_w if w is not None)], g)
-        for dedup in (True, False):
-            for d in range(1, len(shape) + 1):
-                lay = setup.build_layer(name=f"{kind}-{dedup}-{d}", mesh=mesh, topology=None, dimension=d,
-                                           dedup=dedup, num_experts=E, top_k=k, hidden_size=H, ffn_size=F,
-                                           gated=True, dtype=torch.float32, device=torch.device("cpu"))
-                first, n = lay.local_experts[0], len(lay.local_experts)
-                ws = [None if w is None else w.clone().requires_grad_() for w in full]
-                by_expert = d % 2 == 1  # both row modes: every expert's rows, or only the local slots
-                local = [None if w is None else w if by_expert else w.narrow(0, first, n) for w in ws]
-                xe, twe = x.clone().requires_grad_(), tw.clone().requires_grad_()
-                runtime.reset_counters()
-                y, used = torch.ops.hiermoe.ep_experts(xe, idx, twe, *local, "silu", lay.layer_id, by_expert)
-                grads = torch.autograd.grad(y, [xe, twe, *(w for w in ws if w is not None)], g)
-                errs = {"y": rel_err(y, y_ref), "x": rel_err(grads[0], grads_ref[0]),
-                        "topk_weights": rel_err(grads[1], grads_ref[1])}
-                for i, (a, b) in enumerate(zip(grads[2:], grads_ref[2:], strict=True)):
-                    a, b = a.clone(), b.clone()
-                    dist.all_reduce(a)  # expert grads live on their owner: compare the sums over ranks
-                    dist.all_reduce(b)
-                    errs[f"w{i}"] = rel_err(a, b)
-                c = runtime.counters()
-                row_bytes = H * 4
-                stats = hd_statistics(idx, E, shape)
-                p_inter1 = stats.p_inter[0] if len(shape) > 1 else None
-                p_flat = stats.p_intra[0]
-                records.append({
-                    "kind": kind, "dedup": dedup, "d": d, "used": int(used[0]), "errs": errs,
-                    "sent": {lv: {ph: {dr: c[name][ph][dr]["payload_bytes"] for dr in ("forward", "backward")}
-                                  for ph in ("dispatch", "combine")} for lv, name in enumerate(mesh.mesh_dim_names)},
-                    "meta": sum(c[name][ph][dr]["meta_bytes"] for name in mesh.mesh_dim_names
-                                for ph in ("dispatch", "combine") for dr in ("forward", "backward")),
-                    "expected": expected_bytes(idx.numpy(), E, shape, rank, d, dedup, row_bytes),
-                    # HierMoE Eq. 4 and Eq. 2 from this rank's p statistics, without the max padding
-                    # (sum over destinations that are not this rank's own) and with it (n_a2a)
-                    "eq4_sum": None if p_inter1 is None else
-                    int(p_inter1.sum() - p_inter1[mesh.get_coordinate()[0]]) * row_bytes,
-                    "eq4_n": None if p_inter1 is None else int(shape[0] * p_inter1.max()) * row_bytes,
-                    "eq2_sum": int(p_flat.sum() - p_flat[rank]) * row_bytes,
-                    "eq2_n": int(world * p_flat.max()) * row_bytes,
-                })
+        for dedup, d, mode in itertools.product((True, False), range(1, len(shape) + 1), ("stages", "resend")):
+            lay = setup.build_layer(name=f"{kind}-{dedup}-{d}", mesh=mesh, topology=None, dimension=d,
+                                    dedup=dedup, num_experts=E, top_k=k, hidden_size=H, ffn_size=F,
+                                    gated=True, dtype=torch.float32, device=torch.device("cpu"))
+            first, n = lay.local_experts[0], len(lay.local_experts)
+            ws = [None if w is None else w.clone().requires_grad_() for w in full]
+            by_expert = d % 2 == 1  # both row modes: every expert's rows, or only the local slots
+            local = [None if w is None else w if by_expert else w.narrow(0, first, n) for w in ws]
+            xe, twe = x.clone().requires_grad_(), tw.clone().requires_grad_()
+            runtime.reset_counters()
+            if mode == "resend":
+                y, dim = torch.ops.hiermoe.ep_experts(xe, idx, twe, *local, "silu", lay.layer_id, by_expert)
+                used = int(dim[0])
+            else:
+                y = staged_experts(xe, idx, twe, local, "silu", lay.layer_id, by_expert, k if dedup else 1)
+                used = lay.last_dimension
+            grads = torch.autograd.grad(y, [xe, twe, *(w for w in ws if w is not None)], g)
+            errs = {"y": rel_err(y, y_ref), "x": rel_err(grads[0], grads_ref[0]),
+                    "topk_weights": rel_err(grads[1], grads_ref[1])}
+            for i, (a, b) in enumerate(zip(grads[2:], grads_ref[2:], strict=True)):
+                a, b = a.clone(), b.clone()
+                dist.all_reduce(a)  # expert grads live on their owner: compare the sums over ranks
+                dist.all_reduce(b)
+                errs[f"w{i}"] = rel_err(a, b)
+            c = runtime.counters()
+            row_bytes = H * 4
+            stats = hd_statistics(idx, E, shape)
+            p_inter1 = stats.p_inter[0] if len(shape) > 1 else None
+            p_flat = stats.p_intra[0]
+            records.append({
+                "kind": kind, "dedup": dedup, "d": d, "mode": mode, "used": used, "errs": errs,
+                "sent": {lv: {ph: {dr: c[name][ph][dr]["payload_bytes"] for dr in ("forward", "backward")}
+                              for ph in ("dispatch", "combine")} for lv, name in enumerate(mesh.mesh_dim_names)},
+                "meta": sum(c[name][ph][dr]["meta_bytes"] for name in mesh.mesh_dim_names
+                            for ph in ("dispatch", "combine") for dr in ("forward", "backward")),
+                "expected": expected_bytes(idx.numpy(), E, shape, rank, d, dedup, row_bytes),
+                # HierMoE Eq. 4 and Eq. 2 from this rank's p statistics, without the max padding
+                # (sum over destinations that are not this rank's own) and with it (n_a2a)
+                "eq4_sum": None if p_inter1 is None else
+                int(p_inter1.sum() - p_inter1[mesh.get_coordinate()[0]]) * row_bytes,
+                "eq4_n": None if p_inter1 is None else int(shape[0] * p_inter1.max()) * row_bytes,
+                "eq2_sum": int(p_flat.sum() - p_flat[rank]) * row_bytes,
+                "eq2_n": int(world * p_flat.max()) * row_bytes,
+            })
     return {"records": records}
 
 
@@ -175,7 +182,7 @@ def average_grads(model: torch.nn.Module, shard_report: Any) -> None:
 
 def compile_options(mesh: Any) -> dict[str, Any]:
     opts: dict[str, Any] = {"mesh": mesh, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
-    for key in ("dimension", "dedup", "topology"):
+    for key in ("dimension", "dedup", "topology", "ep_backward"):
         if key in PARAMS:
             opts[key] = PARAMS[key]
     return opts
@@ -193,9 +200,15 @@ def case_compile() -> dict[str, Any]:
         compiled = torch.compile(model, backend="hiermoe", options=compile_options(mesh))
         gen = torch.Generator().manual_seed(10 + rank)
         ids = torch.randint(0, 32, (2, 8), generator=gen)
-        loss, loss_ref = compiled(ids, ids), ref(ids, ids)
-        loss.backward()
-        loss_ref.backward()
+        with collect_reports() as graphs:
+            runtime.reset_counters()
+            loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+            loss.backward()
+            loss_ref.backward()
+        c = runtime.counters()
+        # payload and metadata bytes this rank sent, per (phase, direction), over every level
+        sent = {f"{ph} {dr} {kind}": sum(c[lv][ph][dr][f"{kind}_bytes"] for lv in c)
+                for ph in ("dispatch", "combine") for dr in ("forward", "backward") for kind in ("payload", "meta")}
         errs = []
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             a = torch.zeros_like(p) if p.grad is None else p.grad.clone()  # non-local expert modules: no grad
@@ -204,7 +217,11 @@ def case_compile() -> dict[str, Any]:
             dist.all_reduce(b)
             errs.append(rel_err(a, b))
         ops = sum(lay.num_steps > 0 for lay in runtime.layers())
+        code = "\n".join(gr.after for gr in graphs)
         out[kind] = {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": max(errs), "layers_run": ops,
+                     "sent": sent, "stage_ops": code.count("hiermoe.ep_dispatch"),
+                     "fused_ops": code.count("hiermoe.ep_experts"),
+                     "saved_bytes": [lay.saved_bytes for lay in runtime.layers()][-2:],
                      "d": [lay.last_dimension for lay in runtime.layers()][-2:],
                      "times": [lay.last_times_s for lay in runtime.layers()][-2:]}
     return out
@@ -292,6 +309,34 @@ def case_explain() -> dict[str, Any]:
     return out
 
 
+def case_probe() -> dict[str, Any]:
+    """``{"mesh": mesh}`` alone: the first compile probes the links; the model trains as eager
+    does, d* is chosen per step from the probed topology, and explain says it was probed."""
+    mesh = make_mesh(PARAMS["shape"])
+    rank = dist.get_rank()
+    model = tiny("grouped_gemm", 8)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 32, (2, 8), generator=gen)
+    t0 = time.perf_counter()
+    report = moe_compile.explain(model, ids, ids, options={"mesh": mesh, "inner_compiler": "aot_eager"})
+    explain_s = time.perf_counter() - t0
+    compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager"})
+    loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+    loss.backward()
+    loss_ref.backward()
+    errs = []
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        a, b = p.grad.clone(), q.grad.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+        errs.append(rel_err(a, b))
+    topology = sorted({g.topology for g in report.graphs} - {""})
+    return {"text": str(report), "topology": topology, "explain_s": explain_s,
+            "predicted": [r.parallel["predicted_s"] for r in report.regions],
+            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": max(errs)}
+
+
 def case_shard() -> dict[str, Any]:
     """shard_experts: per-rank expert memory, outputs/grads against eager, no expert-weight copy in
     the compiled step, and AdamW steps equal to eager DDP."""
@@ -371,7 +416,6 @@ def case_errors() -> dict[str, Any]:
     catch("level_names", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh, "topology": bad_topo}))
     sub = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("gpu",))
     catch("world_size", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": sub, "dimension": 1}))
-    catch("no_topology", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh}))
     catch("dimension", lambda: run_compiled(tiny("grouped_gemm", 8), {"mesh": mesh, "dimension": 5}))
     catch("device", lambda: setup.build_layer(
         name="l", mesh=mesh, topology=None, dimension=1, dedup=True, num_experts=8, top_k=2, hidden_size=4,

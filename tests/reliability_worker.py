@@ -74,7 +74,7 @@ def case_unlucky() -> dict[str, Any]:
             (ge,) = torch.autograd.grad(ye, xe, g)
             errs.append(max(rel_err(yc.detach(), ye.detach()), rel_err(gc, ge)))
         code = "\n".join(gr.after for gr in graphs)
-        out[kind] = {"errs": errs, "expert_parallel": code.count("ep_experts"),
+        out[kind] = {"errs": errs, "expert_parallel": code.count("hiermoe.ep_dispatch"),
                      "rewritten": [r.name for gr in graphs for r in gr.regions],
                      "verification": [r.verification for gr in graphs for r in gr.regions],
                      "skipped": [s.reason for gr in graphs for s in gr.skipped]}
@@ -122,7 +122,7 @@ def case_fuzz() -> dict[str, Any]:
             errs.append(rel_err(a, b))
         if os.environ.get("HIERMOE_DEBUG_GRAPHS"):
             Path(os.environ["HIERMOE_DEBUG_GRAPHS"], f"rank{rank}_{i}.py").write_text("\n".join(gr.after for gr in graphs))
-        out.append({"rewritten": any("ep_experts" in gr.after for gr in graphs), "errs": errs,
+        out.append({"rewritten": any("hiermoe.ep_dispatch" in gr.after for gr in graphs), "errs": errs,
                     "skipped": [s.reason for gr in graphs for s in gr.skipped]})
     return {str(i): r for i, r in enumerate(out)}
 

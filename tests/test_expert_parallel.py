@@ -21,9 +21,9 @@ ROUTINGS = ["random", "one_expert", "t1", "k_eq_e", "empty_rank", "local_only"]
 def check_matrix(results: list[dict], num_levels: int) -> None:
     for rank, res in enumerate(results):
         records = res["records"]
-        assert len(records) == len(ROUTINGS) * 2 * num_levels
+        assert len(records) == len(ROUTINGS) * 2 * num_levels * 2
         for rec in records:
-            where = f"rank {rank} routing {rec['kind']} dedup {rec['dedup']} d {rec['d']}"
+            where = f"rank {rank} routing {rec['kind']} dedup {rec['dedup']} d {rec['d']} {rec['mode']}"
             assert rec["used"] == rec["d"], where
             for name, err in rec["errs"].items():
                 assert err < TOL, f"{where}: {name} rel err {err}"
@@ -31,9 +31,12 @@ def check_matrix(results: list[dict], num_levels: int) -> None:
             for level, want in rec["expected"].items():
                 got = sent[int(level)]["dispatch"]["forward"]
                 assert got == want, f"{where}: level {level} dispatch bytes {got} != routing-derived {want}"
-            # backward dispatch carries [x | grad_y]: exactly twice the forward rows
+            # the staged ops' backward sends the output gradient where the rows went and the rows'
+            # gradients back: per level exactly the forward's payload; the fused op's backward
+            # dispatches [x | grad_y] rows, twice the forward's
             for s in sent.values():
-                assert s["dispatch"]["backward"] == 2 * s["dispatch"]["forward"], where
+                factor = 1 if rec["mode"] == "stages" else 2
+                assert s["dispatch"]["backward"] == factor * s["dispatch"]["forward"], where
                 assert s["combine"]["backward"] == s["combine"]["forward"], where
             if rec["dedup"] and rec["d"] > 1:  # HierMoE Eq. 4 (Inter-level-1) from the p statistics
                 assert sent[0]["dispatch"]["forward"] == rec["eq4_sum"] <= rec["eq4_n"], where
@@ -72,15 +75,51 @@ def test_dedup_sends_less_than_flat() -> None:
         assert by[(True, 2)] <= by[(True, 1)]
 
 
-@pytest.mark.parametrize("options", [{"dimension": 2}, {"dimension": 1, "dedup": False}])
+@pytest.mark.parametrize("options", [{"dimension": 2}, {"dimension": 1, "dedup": False},
+                                     {"dimension": 2, "ep_backward": "resend"}])
 def test_compiled_samples_match_eager(options: dict) -> None:
+    """The tiny LM's two MoE layers, compiled over a 2x2 mesh, against eager: loss and every
+    gradient; and the token payload its backward sends against its forward's."""
     results = run_ranks(4, "compile", shape=[2, 2], kinds=["grouped_gemm", "expert_loop", "gshard_einsum"],
                         **options)
+    resend = options.get("ep_backward") == "resend"
     for rank, res in enumerate(results):
         for kind, r in res.items():
-            assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, kind, r)
-            assert r["grad_err"] < 1e-5, (rank, kind, r)
-            assert r["d"] == [options["dimension"]] * 2, (rank, kind, r)
+            where = (rank, kind, r)
+            assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), where
+            assert r["grad_err"] < 1e-5, where
+            assert r["d"] == [options["dimension"]] * 2, where
+            assert (r["stage_ops"], r["fused_ops"]) == ((0, 2) if resend else (2, 0)), where
+            s = r["sent"]
+            fwd = s["dispatch forward payload"] + s["combine forward payload"]
+            bwd = s["dispatch backward payload"] + s["combine backward payload"]
+            assert fwd > 0, where
+            if resend:  # [x | grad_y] dispatched again: 1.5x over dispatch + combine (when they are equal)
+                assert s["dispatch backward payload"] == 2 * s["dispatch forward payload"], where
+                assert all(b == 0 for b in r["saved_bytes"]), where
+            else:  # the staged ops' adjoints: exactly the forward's payload, dispatch- and combine-wise
+                assert s["dispatch backward payload"] == s["dispatch forward payload"], where
+                assert bwd == fwd, where
+                # what they keep for it: the dispatched rows, their slots and the route
+                assert all(b > 0 for b in r["saved_bytes"]), where
+            assert s["combine backward payload"] == s["combine forward payload"], where
+
+
+def test_mesh_alone_probes_the_links() -> None:
+    """options={"mesh": mesh} alone: the links are probed once at the first compile, every rank
+    gets the same topology, d* is predicted from it, the loss and summed gradients equal eager's,
+    and explain says the topology was probed and how to calibrate it."""
+    results = run_ranks(4, "probe", shape=[2, 2])
+    first = results[0]["topology"]
+    assert len(first) == 1 and first[0].startswith("probed: "), first
+    assert "socket x2" in first[0] and "gpu x2" in first[0], first  # the mesh levels (make_mesh)
+    for rank, r in enumerate(results):
+        assert r["topology"] == first, (rank, r["topology"], first)  # the same numbers on every rank
+        assert "moe_compile.tools.calibrate" in r["text"] and "probed" in r["text"], r["text"]
+        assert len(r["predicted"]) == 2 and all(set(p) == {"d1", "d2"} for p in r["predicted"]), r["predicted"]
+        assert all(t > 0 for p in r["predicted"] for t in p.values()), r["predicted"]
+        assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, r)
+        assert r["grad_err"] < 1e-5, (rank, r)
 
 
 def test_setup_errors() -> None:
@@ -90,7 +129,6 @@ def test_setup_errors() -> None:
         assert "ValueError" in m["indivisible"] and "6 experts do not split evenly over 4 ranks" in m["indivisible"]
         assert "ValueError" in m["level_names"] and "do not match the topology" in m["level_names"]
         assert "ValueError" in m["world_size"] and "world size is 4" in m["world_size"]
-        assert "ValueError" in m["no_topology"] and "options['topology']" in m["no_topology"]
         assert "ValueError" in m["dimension"] and "1..2" in m["dimension"]
         assert "ValueError" in m["device"] and "mesh is on cpu" in m["device"]
         assert res["world_ok"]
@@ -141,7 +179,7 @@ def test_shard_experts_memory_equality_and_training() -> None:
             # no expert weights are copied in the step: the op reads the shard parameters (stacked
             # family) or stacks only the two local modules (E modules)
             code = r["after_code"]
-            assert "ep_experts" in code, where
+            assert all(f"ep_{s}" in code for s in ("dispatch", "local_experts", "combine")), where
             assert "torch.stack" not in code or kind == "expert_loop", where
             if kind == "grouped_gemm":  # the shard is fed whole: no narrow over the expert dim
                 assert re.search(r"torch\.narrow\([^,]+, 0,", code) is None, where

@@ -100,6 +100,10 @@ class EPLayer:
     # wall seconds this rank spent in dispatch + combine since the last forward, per direction
     step_comm_s: dict[str, float] = field(default_factory=dict)
     num_steps: int = 0
+    # bytes the staged ops keep from this rank's last forward to its backward: the dispatched rows
+    # with their expert ids and weights, and the route (0 for the fused "resend" op, which keeps
+    # only its inputs)
+    saved_bytes: int = 0
     # identity of the layer across recompiles: the weight tensors its graphs read (graph inputs)
     tensors: tuple[Any, ...] = ()
     # why experts of this layer cannot be swapped (None: they can), e.g. a graph that stacks only

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -270,6 +271,62 @@ def build_topology(fits: Sequence[Fit], names: Sequence[str], sizes: Sequence[in
     efficiency["all_gather"] = efficiency[f"all_gather_{names[-1]}"]
     return Topology(levels=tuple(levels), flops_per_s=tuple(flops_per_s), mem_bw_bytes_per_s=tuple(mem_bw_bytes_per_s),
                     efficiency=efficiency, name=name)
+
+
+# the probe (``probe``): per level, all-to-all buffers of 64 KiB .. 1 MiB per rank, 3 sizes, one
+# untimed and 3 timed runs each: about 0.5 s on 4 gloo ranks of a 2-core machine
+PROBE_BYTES = (1 << 16, 1 << 20)
+PROBE_STEPS = 3
+PROBE_REPS = 3
+_probed: dict[tuple[Any, ...], Topology] = {}
+
+
+def probe(mesh: Any) -> Topology:
+    """The topology of ``mesh`` measured now, quickly: what ``{"mesh": mesh}`` alone runs on.
+
+    Every rank calls it at the same point (it is collective). Per mesh level, the subgroup
+    all-to-all (the one the expert-parallel dispatch uses: ``resolve_a2a``) is timed at
+    ``PROBE_STEPS`` buffer sizes in ``PROBE_BYTES``, each run's time the slowest rank's, and fitted
+    to HierMoE Eq. 1 (``fit_collective``, non-negative least squares); matmul rate and copy
+    bandwidth as ``measure_compute``. Every rank gets the same numbers (max-reduced and gathered
+    times, the same fit), so every rank plans alike. A level whose fit finds no growth with size
+    (beta = 0: start-up dominates at these sizes) gets alpha = 0 and beta = its largest run's time
+    per byte sent, an upper estimate. No efficiency curves: calibrate (``moe-calibrate``, this
+    module's command line) for those and for accurate alpha/beta.
+
+    Cached in this process per (level names, sizes, ranks, every rank's host name): the next
+    compile on the same mesh and hosts reuses it."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = tuple(int(s) for s in mesh.mesh.shape)
+    world = dist.get_world_size()
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    key = (names, sizes, tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(hosts))
+    if key in _probed:
+        return _probed[key]
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    a2a = resolve_a2a(None, device)
+    plan = [("all_to_all", name, size, message_sizes(*PROBE_BYTES, PROBE_STEPS, multiple_of=size * _ELEMENT_BYTES))
+            for name, size in zip(names, sizes, strict=True)]
+    t0 = time.perf_counter()
+    fits = fit_measurements(measure(mesh, plan, device, PROBE_REPS, 1, lambda _: None, a2a))
+    levels = []
+    for f, name, size in zip(fits, names, sizes, strict=True):
+        m = f.measurement
+        alpha, beta = f.alpha_s, f.beta_s_per_byte
+        if beta <= 0:
+            alpha, beta = 0.0, m.times_s[-1] / (m.sizes_bytes[-1] * link_fraction(size))
+        levels.append(Level(name, size, alpha, beta))
+    flops, mem_bw = measure_compute(device)
+    flops_values, mem_values = _compute_values(flops, device, world), _compute_values(mem_bw, device, world)
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's, so the name is the same everywhere
+    topo = Topology(levels=tuple(levels), flops_per_s=tuple(flops_values), mem_bw_bytes_per_s=tuple(mem_values),
+                    name=f"measured at the first compile in {float(took):.2f} s ({a2a} all-to-all)")
+    _probed[key] = topo
+    return topo
 
 
 def fit_table(fits: Sequence[Fit]) -> Table:

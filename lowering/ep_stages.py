@@ -1,0 +1,354 @@
+"""Expert parallelism as three graph-visible stages: ``hiermoe::ep_dispatch``,
+``hiermoe::ep_local_experts`` and ``hiermoe::ep_combine``, each with its adjoint as backward.
+
+The expert-parallel pass replaces a layer's ``hiermoe::experts`` by (HierMoE Section III-A, HD-d):
+
+    rows, ids, w, route = ep_dispatch(x, topk_idx, topk_weights)   # tokens reach their experts' ranks
+    partial             = ep_local_experts(rows, ids, w, weights, route)   # sum_s w * FFN_e(row)
+    y                   = ep_combine(partial, route, T)             # summed at every relay on the way back
+
+``route`` is an int64 CPU tensor (``hier_a2a.Route.pack``): the dimension d, the placement
+version, the runtime layer the forward ran on, and per hop the split sizes and which row every
+sent row came from. It is an ordinary value of the graph, so nothing is kept outside autograd's
+saved tensors: a forward without backward leaves nothing behind.
+
+Backward (each op's autograd is the adjoint of its forward; papers/hiermoe.txt: "combine is the
+reverse of dispatch"):
+
+    ep_combine'       d_partial = redispatch(d_y, route)       # dispatch-shaped, payload only
+    ep_local_experts' d_rows, d_w, d_weights from the dispatched rows saved by autograd
+    ep_dispatch'      d_x, d_topk_weights = combine(d_rows, route, meta = d_w)
+
+so backward moves exactly the forward's token payload (one dispatch, one combine), where the
+fused ``hiermoe::ep_experts`` re-dispatches ``[x | grad_y]`` (1.5x). The price is the
+dispatched rows ([R, H] per layer) kept from forward to backward; ``explain`` reports them per
+layer (``EPLayer.saved_bytes``).
+
+Legend: T tokens, K top-k, H hidden, R rows at this rank after dispatch, S slots per row (K
+with dedup, 1 without), P (row, slot) pairs bound for local experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moe_compile.ep import groups, runtime
+from moe_compile.lowering import hier_a2a
+from moe_compile.lowering.experts_ref import check_activation
+
+# route header: d, placement version, runtime layer id
+_HEADER = 3
+_WEIGHTS = "Tensor w_up, Tensor? w_gate, Tensor w_down, Tensor? b_up, Tensor? b_gate, Tensor? b_down"
+
+
+def check_device(lay: runtime.EPLayer, x: Tensor) -> None:
+    if x.device.type != lay.comm.device.type:
+        raise ValueError(f"layer {lay.name}: tokens are on {x.device} but the mesh is on {lay.comm.device.type}; "
+                         "build the mesh on the device the model runs on (init_device_mesh(device_type, ...))")
+
+
+@contextlib.contextmanager
+def collective(lay: runtime.EPLayer, what: str) -> Iterator[None]:
+    """Re-raise a failed collective (a peer died, hangs, or diverged) naming the layer and it."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise groups.collective_error(f"layer {lay.name}", what, e) from e
+
+
+def phase_names(d: int, lay: runtime.EPLayer) -> str:
+    return f"HD-{d}: " + ", ".join(p.name for p in lay.comm.phases(d))
+
+
+def begin_forward(lay: runtime.EPLayer, x: Tensor, topk_idx: Tensor) -> int:
+    """What every forward does before its dispatch: check the device, put in force a swap still
+    in flight (before the placement is read), choose d (the per-step statistics exchange) and
+    start the layer's step record. Returns d."""
+    check_device(lay, x)
+    lay.settle()
+    lay.last_topk = topk_idx.detach()
+    with collective(lay, "the exchange of routing statistics that chooses d*"):
+        d = lay.choose_dimension(topk_idx)
+    lay.begin_step(d)
+    return d
+
+
+def check_version(lay: runtime.EPLayer, version: int) -> None:
+    if version != lay.version:
+        raise RuntimeError(f"layer {lay.name}: its experts were swapped between this forward and its backward; "
+                           "swap experts only after backward and the optimizer step (swapper.step() at the end "
+                           "of the training step)")
+
+
+def _local_pairs(ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool, w_dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(row r_P, slot column s_P, weight row of its expert wrow_P1, weight w_P1) of every valid
+    slot; all must be local."""
+    r_P, s_P = (ids_RS >= 0).nonzero(as_tuple=True)
+    e_P = ids_RS[r_P, s_P]
+    assert bool((lay.local_slot_E[e_P] >= 0).all()), "a row arrived at a rank that does not hold its expert"
+    return r_P, s_P, lay.rows(by_expert)[e_P][:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
+
+
+def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool,
+                  weights: list[Tensor | None], activation: str, w_dtype: torch.dtype) -> Tensor:
+    """[R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots (each slot one
+    ``hiermoe::experts`` token with K = 1)."""
+    r_P, _, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
+    out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
+    if r_P.numel():
+        y_PH = torch.ops.hiermoe.experts(rows_RH[r_P], slot_P1, w_P1, *weights, activation)
+        out_RH.index_add_(0, r_P, y_PH.float())
+    return out_RH
+
+
+def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer,
+                   by_expert: bool, weights: list[Tensor | None], activation: str, w_dtype: torch.dtype
+                   ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Grads of ``local_forward``: rows [R, H] float32, slot weights [R, S] float32, and the six
+    weight tensors (zero-size for absent ones), through ``hiermoe::experts_backward``."""
+    r_P, s_P, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
+    d_rows_RH = torch.zeros_like(rows_RH, dtype=torch.float32)
+    d_w_RS = torch.zeros_like(w_RS, dtype=torch.float32)
+    if not r_P.numel():
+        return d_rows_RH, d_w_RS, [rows_RH.new_empty(0) if w is None else torch.zeros_like(w) for w in weights]
+    d_x_PH, d_w_P1, *d_weights = torch.ops.hiermoe.experts_backward(
+        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, *weights, activation)
+    d_rows_RH.index_add_(0, r_P, d_x_PH.float())
+    d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
+    return d_rows_RH, d_w_RS, d_weights
+
+
+def _route(packed: Tensor, device: torch.device) -> tuple[runtime.EPLayer, int, hier_a2a.Route]:
+    """(the layer the forward ran on, d, the route) from a packed route."""
+    d, version, actual = (int(v) for v in packed[:_HEADER].tolist())
+    lay = runtime.layer(actual)
+    check_version(lay, version)
+    return lay, d, hier_a2a.Route.unpack(packed, _HEADER, lay.comm.phases(d), actual, device)
+
+
+def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
+    lay.add_comm_time(direction, time.perf_counter() - t0)
+
+
+# -- dispatch --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("hiermoe::ep_dispatch", mutates_args=(),
+                         schema="(Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, int slots) "
+                                "-> (Tensor, Tensor, Tensor, Tensor)")
+def ep_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(rows [R, H], their expert ids [R, S] (-1: no slot), weights [R, S] float32, packed route)
+    at this rank after HD-d's dispatch, d chosen for this step. ``slots`` is S (K with dedup, 1
+    without), for the fake."""
+    lay = runtime.resolve(layer)
+    d = begin_forward(lay, x, topk_idx)
+    t0 = time.perf_counter()
+    with collective(lay, f"the forward dispatch all-to-alls ({phase_names(d, lay)})"):
+        rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E,
+                                                         lay.comm.phases(d), lay.dedup, "forward", lay.layer_id)
+    _timed(lay, "forward", t0)
+    assert ids_RS.shape[1] == slots, (ids_RS.shape, slots)
+    packed = route.pack([d, lay.version, lay.layer_id])
+    lay.saved_bytes = sum(t.numel() * t.element_size() for t in (rows_RH, ids_RS, w_RS, packed))
+    return rows_RH, ids_RS, w_RS, packed
+
+
+@ep_dispatch.register_fake
+def _ep_dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ctx = torch.library.get_ctx()
+    num_rows, route_len = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return (x.new_empty((num_rows, x.shape[1])), topk_idx.new_empty((num_rows, slots), dtype=torch.long),
+            x.new_empty((num_rows, slots), dtype=torch.float32),
+            torch.empty((route_len,), dtype=torch.long, device="cpu"))
+
+
+@torch.library.custom_op("hiermoe::ep_dispatch_backward", mutates_args=(),
+                         schema="(Tensor grad_rows, Tensor grad_w, Tensor route, SymInt[] x_shape, "
+                                "ScalarType x_dtype, SymInt[] w_shape, ScalarType w_dtype) -> (Tensor, Tensor)")
+def ep_dispatch_backward(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int], x_dtype: torch.dtype,
+                         w_shape: list[int], w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(d_x, d_topk_weights): the rows' and slot weights' gradients summed back into their tokens
+    along the route (combine-shaped), the routing-weight gradients as float32 per-slot metadata."""
+    lay, d, rt = _route(route, grad_rows.device)
+    t0 = time.perf_counter()
+    with collective(lay, f"the backward combine all-to-alls ({phase_names(d, lay)})"):
+        d_x, d_tw = hier_a2a.combine(grad_rows.to(x_dtype), rt, "backward", meta_RS=grad_w.float())
+    _timed(lay, "backward", t0)
+    assert d_tw is not None and list(d_x.shape) == list(x_shape) and list(d_tw.shape) == list(w_shape)
+    return d_x, d_tw.to(w_dtype)
+
+
+@ep_dispatch_backward.register_fake
+def _ep_dispatch_backward_fake(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int],
+                               x_dtype: torch.dtype, w_shape: list[int], w_dtype: torch.dtype
+                               ) -> tuple[Tensor, Tensor]:
+    return grad_rows.new_empty(x_shape, dtype=x_dtype), grad_rows.new_empty(w_shape, dtype=w_dtype)
+
+
+def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, _, topk_weights, _, _ = inputs
+    rows, ids, w, route = output
+    ctx.mark_non_differentiable(ids, route)
+    ctx.save_for_backward(route)
+    ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
+    ctx.w_shape, ctx.w_dtype = list(topk_weights.shape), topk_weights.dtype
+    ctx.w_rows_shape = list(w.shape)
+
+
+def _dispatch_backward(ctx: Any, grad_rows: Tensor | None, _g_ids: Any, grad_w: Tensor | None, _g_route: Any
+                       ) -> tuple[Tensor | None, ...]:
+    (route,) = ctx.saved_tensors
+    if grad_rows is None:
+        raise RuntimeError("hiermoe::ep_dispatch: its rows got no gradient (the staged layer was cut apart)")
+    if grad_w is None:  # the routing weights need no gradient
+        grad_w = grad_rows.new_zeros(ctx.w_rows_shape, dtype=torch.float32)
+    d_x, d_tw = torch.ops.hiermoe.ep_dispatch_backward(grad_rows, grad_w, route, ctx.x_shape, ctx.x_dtype,
+                                                       ctx.w_shape, ctx.w_dtype)
+    return d_x, None, d_tw, None, None
+
+
+ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# -- local experts ---------------------------------------------------------------------------------
+
+@torch.library.custom_op("hiermoe::ep_local_experts", mutates_args=(),
+                         schema=f"(Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, bool by_expert, "
+                                "Tensor route) -> Tensor")
+def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
+                     b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+                     by_expert: bool, route: Tensor) -> Tensor:
+    """[R, H] in the rows' dtype: each dispatched row's weighted sum over its slots of its local
+    experts' FFN outputs. ``by_expert``: the weights are indexed by expert id (they hold every
+    expert) rather than by local slot (this rank's shard or stack)."""
+    lay = runtime.layer(int(route[2]))
+    out = local_forward(rows, ids, w, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down], activation,
+                        w_up.dtype)
+    return out.to(rows.dtype)
+
+
+@ep_local_experts.register_fake
+def _ep_local_experts_fake(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None,
+                           w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
+                           activation: str, by_expert: bool, route: Tensor) -> Tensor:
+    check_activation(activation)
+    return rows.new_empty(rows.shape)
+
+
+@torch.library.custom_op("hiermoe::ep_local_experts_backward", mutates_args=(),
+                         schema=f"(Tensor grad_out, Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, "
+                                "bool by_expert, Tensor route) "
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor,
+                              w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
+                              b_down: Tensor | None, activation: str, by_expert: bool, route: Tensor
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_rows, d_w float32, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
+    absent weights) from the dispatched rows autograd saved (activations recomputed)."""
+    lay = runtime.layer(int(route[2]))
+    check_version(lay, int(route[1]))
+    d_rows, d_w, d_weights = local_backward(grad_out, rows, ids, w, lay, by_expert,
+                                            [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w_up.dtype)
+    return (d_rows.to(rows.dtype), d_w, *d_weights)  # type: ignore[return-value]
+
+
+@ep_local_experts_backward.register_fake
+def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor,
+                                    w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None,
+                                    b_gate: Tensor | None, b_down: Tensor | None, activation: str, by_expert: bool,
+                                    route: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                            Tensor]:
+    def like(t: Tensor | None) -> Tensor:
+        return rows.new_empty(0) if t is None else t.new_empty(t.shape)
+
+    return (like(rows), w.new_empty(w.shape, dtype=torch.float32), like(w_up), like(w_gate), like(w_down), like(b_up),
+            like(b_gate), like(b_down))
+
+
+def _local_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    *tensors, activation, by_expert, route = inputs
+    ctx.save_for_backward(*tensors, route)
+    ctx.activation, ctx.by_expert = activation, by_expert
+
+
+def _local_experts_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, route = ctx.saved_tensors
+    d_rows, d_w, *d_weights = torch.ops.hiermoe.ep_local_experts_backward(
+        grad_out, rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation, ctx.by_expert, route)
+    inputs = (w_up, w_gate, w_down, b_up, b_gate, b_down)
+    return (d_rows, None, d_w, *(None if t is None else g for g, t in zip(d_weights, inputs, strict=True)),
+            None, None, None)
+
+
+ep_local_experts.register_autograd(_local_experts_backward, setup_context=_local_setup)
+
+
+# -- combine ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("hiermoe::ep_combine", mutates_args=(),
+                         schema="(Tensor partial, Tensor route, SymInt num_tokens) -> Tensor")
+def ep_combine(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
+    """[T, H]: every row's partial result summed back into its token along the route (float32
+    sums at every relay, sent in the rows' dtype)."""
+    lay, d, rt = _route(route, partial.device)
+    t0 = time.perf_counter()
+    with collective(lay, f"the forward combine all-to-alls ({phase_names(d, lay)})"):
+        y, _ = hier_a2a.combine(partial, rt, "forward")
+    _timed(lay, "forward", t0)
+    return y
+
+
+@ep_combine.register_fake
+def _ep_combine_fake(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
+    return partial.new_empty((num_tokens, partial.shape[1]))
+
+
+@torch.library.custom_op("hiermoe::ep_combine_backward", mutates_args=(),
+                         schema="(Tensor grad_y, Tensor route, SymInt num_rows) -> Tensor")
+def ep_combine_backward(grad_y: Tensor, route: Tensor, num_rows: int) -> Tensor:
+    """[R, H]: the output gradient of every token sent to each row that contributed to it, along
+    the route (dispatch-shaped; payload only, the split sizes are the route's)."""
+    lay, d, rt = _route(route, grad_y.device)
+    t0 = time.perf_counter()
+    with collective(lay, f"the backward dispatch all-to-alls ({phase_names(d, lay)})"):
+        rows = hier_a2a.redispatch(grad_y.contiguous(), rt, "backward")
+    _timed(lay, "backward", t0)
+    assert rows.shape[0] == num_rows, (rows.shape, num_rows)
+    return rows
+
+
+@ep_combine_backward.register_fake
+def _ep_combine_backward_fake(grad_y: Tensor, route: Tensor, num_rows: int) -> Tensor:
+    return grad_y.new_empty((num_rows, grad_y.shape[1]))
+
+
+def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    partial, route, _ = inputs
+    ctx.save_for_backward(route)
+    ctx.num_rows = partial.shape[0]
+
+
+def _combine_backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+    (route,) = ctx.saved_tensors
+    return torch.ops.hiermoe.ep_combine_backward(grad_y, route, ctx.num_rows), None, None
+
+
+ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+def staged_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weights: list[Tensor | None], activation: str,
+                   layer: int, by_expert: bool, slots: int) -> Tensor:
+    """The three stages as the expert-parallel pass emits them, called eagerly (for tests and
+    benchmarks that drive one layer without compiling a model). ``weights``: w_up, w_gate,
+    w_down, b_up, b_gate, b_down."""
+    rows, ids, w, route = torch.ops.hiermoe.ep_dispatch(x, topk_idx, topk_weights, layer, slots)
+    partial = torch.ops.hiermoe.ep_local_experts(rows, ids, w, *weights, activation, by_expert, route)
+    return torch.ops.hiermoe.ep_combine(partial, route, x.shape[0])
