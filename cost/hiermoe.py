@@ -15,7 +15,10 @@ Assumptions:
   convention). The paper fits each separately; its Fig. 9 (b)-(c) finds Intra-(i) close to
   Inter-(i+1), which is what one alpha/beta per level gives.
 - Dispatch only: combine moves the same volumes back, so one layer step costs twice this.
-- The routing metadata sent with a token (K ids and weights) is small against M*v and ignored.
+- The routing metadata sent with a row is ignored, as in the paper, unless the workload gives its
+  bytes per slot (``Workload.slot_bytes``, what the runtime sends): then a deduplicated row is
+  M*v + K*m bytes and a per-(token, expert) copy M*v + m (the planner compares the two families
+  with it; at small M it decides between them).
 - Levels 1..D are the mesh dims slowest first; U[i] = s_1*...*s_i groups at level i, U[0] = 1.
 """
 
@@ -44,7 +47,11 @@ from moe_compile.cost.workload import Workload
 M_hidden = sp.Symbol("M_hidden", positive=True)  # M: elements per token (hidden size)
 v_bytes_per_element = sp.Symbol("v_bytes_per_element", positive=True)  # v
 G_ranks = sp.Symbol("G_ranks", positive=True, integer=True)  # G: ranks in the cluster
+m_slot_bytes = sp.Symbol("m_slot_bytes", nonnegative=True)  # routing metadata per slot (0 in the paper)
+K_top = sp.Symbol("K_top", positive=True, integer=True)  # K: routing slots of a token
 token_bytes = M_hidden * v_bytes_per_element
+dedup_row_bytes = token_bytes + K_top * m_slot_bytes  # a token with all its slots
+copy_row_bytes = token_bytes + m_slot_bytes  # one (token, expert) copy with its slot
 
 
 def U_groups(i: int) -> sp.Expr:
@@ -101,14 +108,14 @@ def copy_symbols(num_levels: int) -> list[sp.Symbol]:
 
 # the equations ------------------------------------------------------------------------------------
 
-def n_inter_bytes(i: int, tokens: sp.Expr | None = None) -> sp.Expr:
-    """HierMoE Eq. 4: n^Inter(i) = U[i]/U[i-1] * max(p^Inter(i)) * M * v."""
-    return U_groups(i) / U_groups(i - 1) * (p_inter_max_tokens(i) if tokens is None else tokens) * token_bytes
+def n_inter_bytes(i: int, tokens: sp.Expr | None = None, row: sp.Expr = dedup_row_bytes) -> sp.Expr:
+    """HierMoE Eq. 4: n^Inter(i) = U[i]/U[i-1] * max(p^Inter(i)) * M * v (+ the slots' metadata)."""
+    return U_groups(i) / U_groups(i - 1) * (p_inter_max_tokens(i) if tokens is None else tokens) * row
 
 
-def n_intra_bytes(i: int, tokens: sp.Expr | None = None) -> sp.Expr:
-    """HierMoE Eq. 5: n^Intra(i) = G/U[i] * max(p^Intra(i)) * M * v; i = 0 is Eq. 2."""
-    return G_ranks / U_groups(i) * (p_intra_max_tokens(i) if tokens is None else tokens) * token_bytes
+def n_intra_bytes(i: int, tokens: sp.Expr | None = None, row: sp.Expr = dedup_row_bytes) -> sp.Expr:
+    """HierMoE Eq. 5: n^Intra(i) = G/U[i] * max(p^Intra(i)) * M * v (+ metadata); i = 0 is Eq. 2."""
+    return G_ranks / U_groups(i) * (p_intra_max_tokens(i) if tokens is None else tokens) * row
 
 
 def t_flat_expr() -> sp.Expr:
@@ -119,13 +126,13 @@ def t_flat_expr() -> sp.Expr:
 def t_d_expr(d: int) -> sp.Expr:
     """HierMoE Eq. 3: t_d = sum_{i<d} (n^Inter(i) beta^Inter(i) + alpha^Inter(i))
     + n^Intra(d-1) beta^Intra(d-1) + alpha^Intra(d-1); d = 1 gives t_1 (Eq. 8's convention)."""
-    return _t_expr(d, p_inter_max_tokens, p_intra_max_tokens)
+    return _t_expr(d, p_inter_max_tokens, p_intra_max_tokens, dedup_row_bytes)
 
 
 def t_hier_nodedup_expr(d: int) -> sp.Expr:
     """Baseline: the same d phases sending one copy per (token, expert) (HierMoE's H-d, Fig. 13;
     d = 2 is Tutel's 2DH all-to-all, d = 1 the flat all-to-all of Megatron and HF)."""
-    return _t_expr(d, c_inter_max_copies, c_intra_max_copies)
+    return _t_expr(d, c_inter_max_copies, c_intra_max_copies, copy_row_bytes)
 
 
 def t_flat_nodedup_expr() -> sp.Expr:
@@ -133,11 +140,11 @@ def t_flat_nodedup_expr() -> sp.Expr:
     return t_hier_nodedup_expr(1)
 
 
-def _t_expr(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol]) -> sp.Expr:
+def _t_expr(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol], row: sp.Expr) -> sp.Expr:
     assert d >= 1
-    inter_s = sum((alpha_inter_s(i) + n_inter_bytes(i, inter(i)) * beta_inter_s_per_byte(i)
+    inter_s = sum((alpha_inter_s(i) + n_inter_bytes(i, inter(i), row) * beta_inter_s_per_byte(i)
                    for i in range(1, d)), sp.Integer(0))
-    return inter_s + alpha_intra_s(d - 1) + n_intra_bytes(d - 1, intra(d - 1)) * beta_intra_s_per_byte(d - 1)
+    return inter_s + alpha_intra_s(d - 1) + n_intra_bytes(d - 1, intra(d - 1), row) * beta_intra_s_per_byte(d - 1)
 
 
 # substitution -------------------------------------------------------------------------------------
@@ -146,7 +153,8 @@ def symbol_values(topology: Topology, workload: Workload) -> dict[sp.Symbol, flo
     """Every non-statistic symbol's value (see Assumptions for the link mapping)."""
     levels, sizes = topology.levels, topology.sizes
     out: dict[sp.Symbol, float] = {M_hidden: workload.hidden_size, v_bytes_per_element: workload.dtype_bytes,
-                                   G_ranks: topology.world_size}
+                                   G_ranks: topology.world_size, m_slot_bytes: workload.slot_bytes,
+                                   K_top: workload.top_k}
     # Topology's beta is seconds per byte leaving a rank over a level's link; HierMoE's beta (Fig. 9)
     # is per byte of the whole A2A send buffer n.  In an A2A whose slowest link is level l, the part
     # of n addressed outside the sender's level-l group, (s_l - 1)/s_l, crosses that link:

@@ -14,7 +14,8 @@ Candidates and where their times come from (seconds of one layer's forward on on
     hexa_{data,model}_centric   HEXA-MoE's execution modes (hexa.py, Section 4.3)
 
 Assumptions: the dispatch models give one direction; the combine is its mirror, so dispatch
-strategies count twice their time, plus the expert compute at the device's FLOP rate (an
+strategies count twice their time (the HierMoE ones: the dispatch with the routing slots' bytes
+when ``Workload.slot_bytes`` counts them, the combine without), plus the expert compute at the device's FLOP rate (an
 expert-parallel layer computes T*K (token, expert) pairs per rank on average).  HybridEP's and
 HEXA-MoE's own models already cover the whole layer.  Without routing indices the statistics are
 those of uniform random routing of T tokens.
@@ -23,7 +24,7 @@ those of uniform random routing of T tokens.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
 
 # What the lowering runs on one process; with a mesh, the expert-parallel lowering runs the
-# all-to-all strategies (``expert_parallel_strategies``).
+# all-to-all candidates of the strategies ``moe_compile.lowering.strategies`` registers.
 IMPLEMENTED: tuple[str, ...] = ("local",)
 
 
@@ -44,12 +45,6 @@ def dispatch_strategy(dimension: int, dedup: bool) -> str:
     if dedup:
         return f"hd{dimension}"
     return {1: "flat_a2a", 2: "hier_a2a"}.get(dimension, f"hier{dimension}_a2a")
-
-
-def expert_parallel_strategies(num_levels: int, dimension: int | None, dedup: bool) -> tuple[str, ...]:
-    """What the expert-parallel lowering can run: the fixed dimension, or every d (d* per step)."""
-    dims = [dimension] if dimension is not None else range(1, num_levels + 1)
-    return tuple(dispatch_strategy(d, dedup) for d in dims)
 
 
 @dataclass(frozen=True)
@@ -106,20 +101,21 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
                  compute_s: float) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     predicted: dict[str, float] = {}
     params: dict[str, dict[str, Any]] = {}
-    # HierMoE: HD-d for every d, and the no-dedup baselines (two directions + compute)
-    model = _hd_model(topology, workload)
+    # HierMoE: HD-d for every d, and the no-dedup baselines (dispatch, with the routing slots'
+    # metadata when the workload counts it, + combine, rows only, + compute)
+    model, back = _hd_model(topology, workload), _hd_model(topology, replace(workload, slot_bytes=0))
     idx = topk_idx if topk_idx is not None else uniform_routing(workload)
     stats = hd_statistics(idx, workload.num_experts, topology.sizes, copies=True)
-    hd = model.times_s(stats)
+    hd = model.times_s(stats) + back.times_s(stats)
     for d, t in enumerate(hd, start=1):
-        predicted[f"hd{d}"] = 2 * float(t) + compute_s
+        predicted[f"hd{d}"] = float(t) + compute_s
         params[f"hd{d}"] = {"dimension": d}
-    nodedup = model.nodedup_times_s(stats)
-    predicted["flat_a2a"] = 2 * float(nodedup[0]) + compute_s
+    nodedup = model.nodedup_times_s(stats) + back.nodedup_times_s(stats)
+    predicted["flat_a2a"] = float(nodedup[0]) + compute_s
     if len(nodedup) > 1 and len(topology.levels) >= 2:
-        predicted["hier_a2a"] = 2 * float(nodedup[1]) + compute_s
+        predicted["hier_a2a"] = float(nodedup[1]) + compute_s
     for d in range(3, len(nodedup) + 1):  # HierMoE's H-d (Fig. 13) beyond Tutel's two levels
-        predicted[f"hier{d}_a2a"] = 2 * float(nodedup[d - 1]) + compute_s
+        predicted[f"hier{d}_a2a"] = float(nodedup[d - 1]) + compute_s
     # MoNTA: inter-node A2A + intra-node AllGather, chunked
     choice = monta.plan(topology, workload)
     for option, t in choice.times_s.items():

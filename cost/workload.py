@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# bytes of one routing slot as lowering/hier_a2a.py sends it with a row: int32 expert id + float32 weight
+SLOT_BYTES = 8
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -11,7 +14,10 @@ class Workload:
 
     num_tokens: T, tokens on this rank; hidden_size: H; ffn_size: F (per expert, per projection);
     num_experts: E; top_k: K; dtype_bytes: bytes per activation/weight element; gated: SwiGLU-style
-    experts (3 matrices) or not (2)."""
+    experts (3 matrices) or not (2); slot_bytes: routing metadata a dispatched row carries per
+    routing slot (0: ignored, as HierMoE's model does; ``SLOT_BYTES`` for what the expert-parallel
+    runtime sends: an int32 expert id and a float32 weight per slot, K slots on a deduplicated
+    row, 1 on a per-(token, expert) copy)."""
 
     num_tokens: int
     hidden_size: int
@@ -20,6 +26,7 @@ class Workload:
     top_k: int
     dtype_bytes: int = 2
     gated: bool = True
+    slot_bytes: int = 0
 
     @property
     def token_bytes(self) -> int:

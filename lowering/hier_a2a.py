@@ -96,6 +96,21 @@ def _a2a(t: Tensor, recv_counts: list[int], send_counts: list[int], group: dist.
     return out
 
 
+def _pack(rows: Tensor, meta: Tensor) -> Tensor:
+    """[N, C] rows and [N, m] 4-byte metadata as one [N, C * itemsize + 4 m] byte tensor: one
+    all-to-all message per peer instead of two (each costs a start-up alpha on every link)."""
+    return torch.cat([rows.contiguous().view(torch.uint8), meta.contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack(packed: Tensor, cols: int, dtype: torch.dtype, meta_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The rows ([N, cols] ``dtype``) and the metadata (``meta_dtype``) ``_pack`` joined, each in
+    its own storage (a custom op's outputs must not alias each other, even with 0 rows)."""
+    split = cols * dtype.itemsize
+    contiguous = torch.contiguous_format
+    return (packed[:, :split].clone(memory_format=contiguous).view(dtype),
+            packed[:, split:].clone(memory_format=contiguous).view(meta_dtype))
+
+
 def _count(layer_id: int, phase: Phase, counts: list[int], row_bytes: int, meta_row_bytes: int, what: str,
            direction: str, count_msg_bytes: int) -> None:
     for p, n in enumerate(counts):
@@ -104,7 +119,7 @@ def _count(layer_id: int, phase: Phase, counts: list[int], row_bytes: int, meta_
             continue
         record_traffic(layer_id, level, what, direction, payload_bytes=n * row_bytes, payload_messages=int(n > 0),
                        meta_bytes=n * meta_row_bytes + count_msg_bytes,
-                       meta_messages=int(n > 0 and meta_row_bytes > 0) + int(count_msg_bytes > 0))
+                       meta_messages=int(count_msg_bytes > 0))  # slots travel in the rows' message
 
 
 def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E: Tensor, phases: list[Phase],
@@ -113,7 +128,7 @@ def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E
 
     Returns (rows [R, C] received at the last phase, their expert ids [R, S] (-1 = no slot),
     their weights [R, S] float32, the route). Collectives: per phase, one all-to-all of the
-    split sizes, one of the rows, one of the slots (ids and weights packed as int32)."""
+    split sizes, one of the rows with their slots (ids and weights, as bytes after each row)."""
     num_tokens, top_k = topk_idx_TK.shape
     ids_RS = topk_idx_TK.long()
     w_RS = weights_TK.float()
@@ -140,8 +155,8 @@ def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E
         recv_counts_P = torch.empty_like(send_counts_P)
         dist.all_to_all_single(recv_counts_P, send_counts_P, group=phase.group)
         send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
-        new_rows = _a2a(rows[src_N], recv_counts, send_counts, phase.group)
-        meta = _a2a(meta_NS2, recv_counts, send_counts, phase.group)
+        packed = _a2a(_pack(rows[src_N], meta_NS2), recv_counts, send_counts, phase.group)
+        new_rows, meta = _unpack(packed, rows.shape[1], rows.dtype, torch.int32)
         _count(layer_id, phase, send_counts, row_bytes, meta_NS2.shape[1] * 4, "dispatch", direction, count_msg_bytes=8)
         hops.append(Hop(phase, src_N, send_counts, recv_counts, rows.shape[0]))
         num_slots = ids_RS.shape[1]
@@ -175,13 +190,15 @@ def combine(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | Non
     meta = meta_RS
     row_bytes = rows_RC.shape[1] * rows_RC.element_size()
     for hop in reversed(route.hops):
-        back = _a2a(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)
         meta_bytes = 0
-        summed = acc.new_zeros((hop.num_rows, acc.shape[1])).index_add_(0, hop.src_row_N, back.float())
-        if meta is not None:
-            meta_back = _a2a(meta, hop.send_counts, hop.recv_counts, hop.phase.group)
+        if meta is None:
+            back = _a2a(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)
+        else:  # the per-slot values travel in the rows' message
+            packed = _a2a(_pack(acc.to(out_dtype), meta), hop.send_counts, hop.recv_counts, hop.phase.group)
+            back, meta_back = _unpack(packed, acc.shape[1], out_dtype, torch.float32)
             meta = meta.new_zeros((hop.num_rows, meta.shape[1])).index_add_(0, hop.src_row_N, meta_back)
             meta_bytes = meta.shape[1] * 4
+        summed = acc.new_zeros((hop.num_rows, acc.shape[1])).index_add_(0, hop.src_row_N, back.float())
         _count(route.layer_id, hop.phase, hop.recv_counts, row_bytes, meta_bytes, "combine", direction, count_msg_bytes=0)
         acc = summed
     if not route.dedup:

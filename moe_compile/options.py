@@ -39,9 +39,10 @@ class Options:
     dimension: with a mesh, fix the all-to-all dimension d (1 = flat, 2 = node then inside the
         node, ... up to the mesh levels); default None = d* per layer and step from the
         topology's cost model (HierMoE Eq. 6 / Alg. 1).
-    dedup: with a mesh, send each token once per destination group (HierMoE, default True);
-        False sends one copy per (token, expert), the Megatron/HF flat all-to-all (dimension 1)
-        and Tutel's 2DH (dimension 2) baselines.
+    dedup: with a mesh, True sends each token once per destination group (HierMoE's HD-d);
+        False one copy per (token, expert), the Megatron/HF flat all-to-all (dimension 1) and
+        Tutel's 2DH (dimension 2); None (default) lets the planner choose per layer (with a
+        topology, given or probed; without one, True).
     ep_backward: with a mesh, how an expert-parallel layer's backward gets its tokens: "stages"
         (default: the staged ops keep the dispatched rows from forward, so backward moves the
         forward's payload, no more) or "resend" (keep only the inputs and dispatch [x | grad_y]
@@ -60,7 +61,7 @@ class Options:
     kernels: str = "auto"
     mesh: Any = None
     dimension: int | None = None
-    dedup: bool = True
+    dedup: bool | None = None
     ep_backward: str = "stages"
     expert_swap: SwapOptions | None = None
 
@@ -104,11 +105,11 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
     dim = kw.get("dimension")
     if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
         raise ValueError(f"option 'dimension' must be a positive int (1..number of mesh levels) or None, got {dim!r}")
-    if "dedup" in kw and not isinstance(kw["dedup"], bool):
-        raise ValueError(f"option 'dedup' must be True or False, got {kw['dedup']!r}")
+    if "dedup" in kw and kw["dedup"] is not None and not isinstance(kw["dedup"], bool):
+        raise ValueError(f"option 'dedup' must be True, False or None (the planner's choice), got {kw['dedup']!r}")
     if "ep_backward" in kw and kw["ep_backward"] not in EP_BACKWARDS:
         raise ValueError(f"option 'ep_backward' must be one of {list(EP_BACKWARDS)}, got {kw['ep_backward']!r}")
-    if kw.get("mesh") is None and (dim is not None or "dedup" in kw or "ep_backward" in kw):
+    if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw):
         raise ValueError("options 'dimension', 'dedup' and 'ep_backward' set how expert-parallel layers communicate; "
                          "they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:

@@ -4,14 +4,17 @@ Ordering constraints:
   find_moe_regions  first: every later pass consumes its MoERegion records, and it must see the
                     graph exactly as Dynamo produced it (verification re-runs that graph).
   canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
-  plan              after canonicalize: with a mesh and neither a topology nor a dimension, probes
-                    the mesh's links (tools/calibrate.probe; every rank, since they agreed on the
-                    rewrites); decides each rewritten layer's strategy with cost/planner.py
+                    With a mesh and neither a topology nor a dimension it first probes the mesh's
+                    links (tools/calibrate.probe, once per mesh; every rank reaches the agreement
+                    together), and the ranks' agreement settles each layer's planned strategy.
+  plan              after canonicalize: passes/plan.py decides each rewritten layer's strategy with
+                    cost/planner.py over what lowering/strategies can run
                     (the argmin over what the lowering implements: "local" on one process, the
                     all-to-all dimensions with a mesh), recording every candidate's predicted time
                     when a topology is given.
   expert_parallel   after plan, only with options['mesh']: turns each hiermoe::experts node into
-                    the staged hiermoe::ep_dispatch / ep_local_experts / ep_combine over the mesh; before lower_kernels, which only sees the
+                    the stages its planned strategy emits (hiermoe::ep_dispatch / ep_local_experts
+                    / ep_combine) over the mesh; before lower_kernels, which only sees the
                     single-process op.
   lower_kernels     last: retargets the hiermoe::experts nodes left by all earlier passes (options['kernels']).
 """
@@ -24,15 +27,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from moe_compile.cost.planner import Plan, dispatch_strategy, expert_parallel_strategies, plan
 from moe_compile.cost.topology import Topology
-from moe_compile.cost.workload import Workload
 from moe_compile.ep import agreement, shard
 from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
 from moe_compile.passes.lower_kernels import lower_kernels_pass
+from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
 from moe_compile.tools import calibrate
 
@@ -44,7 +46,8 @@ class PassContext:
     options: Options
     found: FindResult | None = None
     canonical: CanonicalizeResult | None = None
-    plans: dict[str, Plan] = field(default_factory=dict)
+    plans: dict[str, LayerPlan] = field(default_factory=dict)
+    agreed_plans: dict[str, str | None] = field(default_factory=dict)  # layer name -> candidate the ranks agreed on
     skipped: list[Skip] = field(default_factory=list)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     ep_layers: dict[str, int] = field(default_factory=dict)  # layer name -> runtime.EPLayer id
@@ -77,7 +80,12 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
                          "options['mesh'] set to the mesh it was sharded over")
     # sharded expert weights are zero placeholders: verify on random weights of their shape instead
     inputs = [shard.verification_value(ex, seed=i) for i, ex in enumerate(ctx.example_inputs)]
-    agree = _agreement(ctx) if ctx.options.mesh is not None else None
+    opts = ctx.options
+    if opts.mesh is not None and ctx.topology is None and opts.dimension is None:
+        # every rank reaches this point together (the agreement below is collective too); the probe
+        # runs once per mesh in the process, before the first agreement, which plans on it
+        ctx.topology, ctx.topology_probed = calibrate.probe(opts.mesh), True
+    agree = _agreement(ctx) if opts.mesh is not None else None
     ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, inputs, ctx.found, verify=ctx.options.verify, agree=agree)
     ctx.skipped.extend(ctx.canonical.skipped)
     return {"rewritten": len(ctx.canonical.rewritten), "left_alone": len(ctx.canonical.skipped),
@@ -103,13 +111,21 @@ def _agreement(ctx: PassContext) -> Agree:
         return (f"E={reg.num_experts} K={reg.top_k} H={reg.hidden_size} {reg.dtype}: {interp.layout.signature()}",
                 f"output {index.anchor(interp.output.node)}, weights {index.anchor(interp.weights.node)}")
 
+    def planned(d: Decision) -> str | None:
+        """The candidate this rank's planner would run the layer with."""
+        if d.chosen is None or d.vacuous:
+            return None
+        return plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
+                          dimension=opts.dimension, dedup=opts.dedup).plan.strategy
+
     def agree(decisions: list[Decision], routers_left: list[Skip]) -> list[Decision]:
         proposals = []
         for d in decisions:
             mine = key(d, -1) if d.chosen is not None and not d.vacuous else (None, "")
             proposals.append(agreement.Proposal(
                 anchor=params.path[d.region.router_weight], name=d.region.name, key=mine[0], where=mine[1],
-                reason=d.reason, vacuous=d.vacuous, candidates=tuple(key(d, i) for i in range(len(d.passing)))))
+                reason=d.reason, vacuous=d.vacuous, candidates=tuple(key(d, i) for i in range(len(d.passing))),
+                plan=planned(d)))
         proposals += [agreement.Proposal(anchor=params.path[s.router_weight], name=s.name, key=None, reason=s.reason)
                       for s in routers_left if s.router_weight is not None]
         # a layer is known by its router's weight tensor on every compile of this rank, whether the
@@ -119,6 +135,7 @@ def _agreement(ctx: PassContext) -> Agree:
         agreed = agreement.agree(settings, proposals, identities)
         out = []
         for d, p, a in zip(decisions, proposals[:len(decisions)], agreed[:len(decisions)], strict=True):
+            ctx.agreed_plans[d.region.name] = a.plan
             if a.key is None:
                 out.append(Decision(d.region, None, a.reason))
             elif a.key != p.key:  # this rank had 0 tokens: it takes what the others verified, where they found it
@@ -132,42 +149,29 @@ def _agreement(ctx: PassContext) -> Agree:
 
 
 def _plan(ctx: PassContext) -> dict[str, int]:
-    """Decide each rewritten layer's strategy from its shapes and routing (cost/ never sees fx)."""
+    """Decide each rewritten layer's strategy (passes/plan.py; cost/ never sees fx)."""
     if ctx.canonical is None:
         return {}
     opts = ctx.options
-    if opts.mesh is not None and ctx.topology is None and opts.dimension is None and ctx.canonical.rewritten:
-        # every rank rewrites the same layers (agreed in canonicalize), so every rank probes here
-        ctx.topology, ctx.topology_probed = calibrate.probe(opts.mesh), True
+    ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
+                          dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans)
     counts: dict[str, int] = {}
-    for r in ctx.canonical.rewritten:
-        reg = r.region
-        work = Workload(num_tokens=reg.num_tokens, hidden_size=reg.hidden_size, ffn_size=r.layout.ffn_size,
-                        num_experts=reg.num_experts, top_k=reg.top_k,
-                        dtype_bytes=getattr(torch, reg.dtype).itemsize, gated=r.layout.gated)
-        routing = r.routing.cpu().numpy() if r.routing is not None else None
-        opts, topology = ctx.options, ctx.topology
-        if opts.mesh is None:
-            decided = plan(topology, work, routing)
-        elif topology is None:
-            assert opts.dimension is not None, "a mesh without topology and dimension is probed above"
-            decided = Plan(strategy=dispatch_strategy(opts.dimension, opts.dedup),
-                           notes=("no topology given: nothing predicted",))
-        else:
-            decided = plan(topology, work, routing, implemented=expert_parallel_strategies(
-                len(topology.levels), opts.dimension, opts.dedup))
-        ctx.plans[reg.name] = decided
-        counts[decided.strategy] = counts.get(decided.strategy, 0) + 1
+    for p in ctx.plans.values():
+        counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1
     return counts
+
+
+def _mesh_levels(opts: Options) -> int | None:
+    return None if opts.mesh is None else int(opts.mesh.mesh.ndim)
 
 
 def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     opts = ctx.options
     if opts.mesh is None or ctx.canonical is None or not ctx.canonical.rewritten:
         return {}
-    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, mesh=opts.mesh, topology=ctx.topology,
-                               dimension=opts.dimension, dedup=opts.dedup, example_inputs=ctx.example_inputs,
-                               expert_swap=opts.expert_swap, backward=opts.ep_backward)
+    out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, ctx.plans, mesh=opts.mesh, topology=ctx.topology,
+                               example_inputs=ctx.example_inputs, expert_swap=opts.expert_swap,
+                               backward=opts.ep_backward)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     ctx.layer_inputs.update(out.pop("layer_inputs"))

@@ -25,7 +25,7 @@ class RegionReport:
     gated: bool
     bias: bool
     router: str
-    plan: str
+    plan: str  # the chosen candidate and, under expert parallelism, its strategy and settings
     predicted_s: dict[str, float]  # planner's predicted seconds per candidate strategy
     layout: str
     drops: bool
@@ -38,6 +38,7 @@ class RegionReport:
     ep_layer: int | None = None  # runtime.EPLayer id when the layer runs expert-parallel
     expert_params: tuple[tuple[str, ...], ...] = ()  # module paths of each expert tensor family
     parallel: dict[str, Any] | None = None  # filled by explain after running: see ParallelReport keys
+    executable: list[str] = field(default_factory=list)  # the candidates the planner could choose
 
 
 def parallel_summary(layer_id: int) -> dict[str, Any]:
@@ -89,7 +90,7 @@ class GraphReport:
     topology: str = ""
 
 
-PROBED_ADVICE = ("the mesh's links were probed for about a second at the first compile; for accurate "
+PROBED_ADVICE = ("the mesh's links were probed briefly (3 all-to-all sizes per level) at the first compile; for accurate "
                  "choices calibrate them (torchrun ... -m moe_compile.tools.calibrate --mesh ... --out "
                  "cluster.toml, or moe-calibrate) and pass options['topology']")
 
@@ -149,13 +150,15 @@ class Report:
         console.print(regions)
         planned = [r for r in self.regions if len(r.predicted_s) > 1]
         if planned:
-            table = Table(title="planner: predicted time per layer forward (fastest candidates first)")
+            table = Table(title="planner: predicted time per layer forward (fastest candidates first; "
+                                "* = executable here, the others predicted only)")
             table.add_column("layer")
             table.add_column("chosen")
             table.add_column("predicted (ms)", overflow="fold")
             for r in planned:
                 ranked = sorted(r.predicted_s.items(), key=lambda kv: kv[1])
-                table.add_row(escape(r.name), r.plan, escape(", ".join(f"{k} {v * 1e3:.3g}" for k, v in ranked)))
+                table.add_row(escape(r.name), escape(r.plan), escape(", ".join(
+                    f"{k}{'*' if k in r.executable else ''} {v * 1e3:.3g}" for k, v in ranked)))
             console.print(table)
         parallel = [r for r in self.regions if r.parallel is not None]
         if parallel:

@@ -4,9 +4,11 @@ Contract:
     needs     the ``hiermoe::experts`` nodes that canonicalize emitted (one per layer), a mesh
               that ``moe_compile.ep.setup.check_mesh`` accepted, and either a topology (d* per
               step) or a fixed dimension.
-    does      replaces each by the staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
-              ``ep_local_experts`` -> ``ep_combine``, nodes named after the layer), or with
-              ``backward="resend"`` by the fused ``hiermoe::ep_experts``. The local stage reads
+    does      replaces each by what its planned strategy (``passes.plan``, ``lowering.strategies``)
+              emits: the staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
+              ``ep_local_experts`` -> ``ep_combine``, nodes named after the layer), with the
+              runtime settings the plan chose (fixed d or d* per step, dedup or not); or with
+              ``backward="resend"`` the fused ``hiermoe::ep_experts``. The local stage reads
               only this rank's experts through the layer's placement table at run time (so an
               expert swap needs no recompile). Its weights are either indexed by expert id (``by_expert``): stacked
               [E, ...] weights as they are (no copy), or, with options['expert_swap'], a stack of
@@ -29,13 +31,13 @@ Pseudo-code:
         Step 2: sharded weight -> feed the shard (rows = local slots); E modules -> stack every
                 module with expert swap (rows = ids), else only the local ones (rows = slots);
                 stacked tensor -> as it is (rows = ids)
-        Step 3: emit dispatch -> local experts -> combine (or ep_experts), erase the old op
+        Step 3: the strategy emits dispatch -> local experts -> combine (or ep_experts), erase the old op
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,17 +49,18 @@ from moe_compile.ep import shard
 from moe_compile.ep.setup import build_layer
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.graph_index import tensor_meta
+from moe_compile.passes.plan import LayerPlan
 
 _WEIGHT_ARGS = range(3, 9)  # w_up, w_gate, w_down, b_up, b_gate, b_down in hiermoe::experts
 # ops emit.py puts between a weight's storage and the op; all keep dim 0 (experts) in place
 _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 
 
-def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, mesh: Any,
-                         topology: Topology | None, dimension: int | None, dedup: bool,
-                         example_inputs: Sequence[object] = (), expert_swap: Any = None,
-                         backward: str = "stages") -> dict[str, Any]:
-    """``backward``: "stages" or "resend" (options['ep_backward']). Returns counters, under
+def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], plans: Mapping[str, LayerPlan], *,
+                         mesh: Any, topology: Topology | None, example_inputs: Sequence[object] = (),
+                         expert_swap: Any = None, backward: str = "stages") -> dict[str, Any]:
+    """``plans``: each layer's ``passes.plan.LayerPlan`` (its strategy and runtime settings).
+    ``backward``: "stages" or "resend" (options['ep_backward']). Returns counters, under
     "layers" the runtime layer id of every layer by name, under
     "input_swaps" {input position: shard parameter} for the backend to feed, and under
     "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
@@ -77,7 +80,10 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
         weight_nodes: list[fx.Node] = [a for i in _WEIGHT_ARGS if isinstance(a := args[i], fx.Node)]
         weight_inputs = _weight_inputs(weight_nodes, value, num_experts)
         # Step 1
-        lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=dimension, dedup=dedup,
+        planned = plans[name]
+        assert planned.strategy is not None and planned.settings is not None, f"layer {name} has no EP plan"
+        settings = planned.settings
+        lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=settings.dimension, dedup=settings.dedup,
                           num_experts=num_experts, top_k=reg.top_k, hidden_size=reg.hidden_size,
                           ffn_size=r.layout.ffn_size, gated=r.layout.gated, dtype=getattr(torch, reg.dtype),
                           device=x_meta.device, tensors=tuple(value[n] for n in weight_inputs))
@@ -125,7 +131,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
                                             (*args, lay.layer_id, bool(by_expert)))
                 y = gm.graph.call_function(operator.getitem, (ep, 0))
             else:
-                y = _emit_stages(gm.graph, args, lay.layer_id, reg.top_k if dedup else 1, bool(by_expert), name)
+                y = planned.strategy.emit(gm.graph, args, lay.layer_id, bool(by_expert), name, settings, reg.top_k)
         op.replace_all_uses_with(y)
         gm.graph.erase_node(op)
         ids[name] = lay.layer_id
@@ -138,25 +144,6 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], *, 
     gm.recompile()
     return {"expert_parallel": len(ids), "sharded_weights": len(swaps), "layers": ids,
             "input_swaps": swaps, "layer_inputs": inputs}
-
-
-def _emit_stages(graph: fx.Graph, args: list[Any], layer_id: int, slots: int, by_expert: bool, name: str
-                 ) -> fx.Node:
-    """dispatch -> local experts -> combine for one layer (``lowering.ep_stages``); returns the
-    combine's node. ``args`` are the ``hiermoe::experts`` arguments."""
-    x, topk_idx, topk_weights, *weights, activation = args
-    prefix = "".join(c if c.isalnum() else "_" for c in name).strip("_") or "moe"
-
-    def node(target: Any, node_args: tuple[Any, ...], what: str) -> fx.Node:
-        return graph.create_node("call_function", target, node_args, {}, name=f"{prefix}_{what}")
-
-    disp = node(torch.ops.hiermoe.ep_dispatch.default, (x, topk_idx, topk_weights, layer_id, slots), "dispatch")
-    rows, ids, w, route = (node(operator.getitem, (disp, i), what)
-                           for i, what in enumerate(("rows", "row_experts", "row_weights", "route")))
-    partial = node(torch.ops.hiermoe.ep_local_experts.default,
-                   (rows, ids, w, *weights, activation, by_expert, route), "local_experts")
-    num_tokens = node(torch.ops.aten.sym_size.int, (x, 0), "num_tokens")
-    return node(torch.ops.hiermoe.ep_combine.default, (partial, route, num_tokens), "combine")
 
 
 def _weight_inputs(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[fx.Node, ...]:

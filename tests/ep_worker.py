@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import moe_compile
 from moe_compile.backend import collect_reports
 from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.topology import Topology
 from moe_compile.ep import runtime, setup
 from moe_compile.lowering.ep_stages import staged_experts
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
@@ -335,6 +336,43 @@ def case_probe() -> dict[str, Any]:
     return {"text": str(report), "topology": topology, "explain_s": explain_s,
             "predicted": [r.parallel["predicted_s"] for r in report.regions],
             "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": max(errs)}
+
+
+def case_plan() -> dict[str, Any]:
+    """The planner's choice decides what runs: one MoE layer (grouped GEMM sample, E=8, K=2, 64
+    tokens per rank) at two hidden sizes, each on a topology whose inter-node link is slow and
+    on one with equal links. Returns per case the plan explain shows, the runtime layer's
+    settings, and the output's and token gradient's error against the layer run eagerly."""
+    from moe_compile.samples import SAMPLES
+
+    mesh = make_mesh(PARAMS["shape"])
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for hidden in (4, 64):
+        for label, node_gbps in (("slow_node", 0.1), ("equal", 100.0)):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            layer = SAMPLES["grouped_gemm"].make(hidden_size=hidden, ffn_size=8, num_experts=8, top_k=2)
+            gen = torch.Generator().manual_seed(rank)
+            x = torch.randn(4, 16, hidden, generator=gen)  # 64 tokens
+            links = {n: {"alpha_s": 2e-5, "bandwidth_gbps": node_gbps if i == 0 else 100.0}
+                     for i, n in enumerate(mesh.mesh_dim_names)}
+            options = {"mesh": mesh, "topology": Topology.from_mesh(mesh, links, flops_per_s=1e12),
+                       "inner_compiler": "aot_eager"}
+            report = moe_compile.explain(layer, x, options=options)
+            xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            compiled = torch.compile(layer, backend="hiermoe", options=options)
+            g = torch.randn(x.shape, generator=gen)
+            yc, ye = compiled(xc), layer(xe)
+            (gc,) = torch.autograd.grad(yc, xc, g)
+            (ge,) = torch.autograd.grad(ye, xe, g)
+            (region,) = report.regions
+            lay = runtime.layer(region.ep_layer)
+            out[f"{hidden} {label}"] = {
+                "plan": region.plan, "executable": region.executable, "predicted": region.predicted_s,
+                "dedup": lay.dedup, "dimension": lay.dimension, "text": str(report),
+                "err": max(rel_err(yc.detach(), ye.detach()), rel_err(gc, ge))}
+    return out
 
 
 def case_shard() -> dict[str, Any]:

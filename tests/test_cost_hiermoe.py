@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -196,7 +197,29 @@ def test_t_2_is_the_papers_expression():
     g = hm.G_ranks
     by_hand = (hm.alpha_inter_s(1) + u1 * hm.p_inter_max_tokens(1) * mv * hm.beta_inter_s_per_byte(1)
                + hm.alpha_intra_s(1) + g / u1 * hm.p_intra_max_tokens(1) * mv * hm.beta_intra_s_per_byte(1))
-    assert sp.simplify(hm.t_d_expr(2) - by_hand) == 0
+    assert sp.simplify(hm.t_d_expr(2).subs(hm.m_slot_bytes, 0) - by_hand) == 0  # the paper ignores metadata
+    # with the routing slots counted, every deduplicated row is K * m bytes longer
+    rows = u1 * hm.p_inter_max_tokens(1) * hm.beta_inter_s_per_byte(1) + g / u1 * hm.p_intra_max_tokens(1) * \
+        hm.beta_intra_s_per_byte(1)
+    assert sp.simplify(hm.t_d_expr(2) - by_hand - rows * hm.K_top * hm.m_slot_bytes) == 0
+
+
+def test_slot_metadata_makes_one_copy_per_expert_win_at_tiny_rows():
+    """A deduplicated row carries all K routing slots, a per-expert copy one: with rows of a few
+    bytes the flat all-to-all sends less, with real hidden sizes dedup does."""
+    topo = topology((2, 2), (100.0, 100.0), (2e-5, 2e-5))
+    # experts 2r, 2r+1 on rank r: half the tokens have both their experts on one rank, so every
+    # destination receives 24 deduplicated rows against 32 copies
+    idx = np.array([[0, 1], [2, 3], [4, 5], [6, 7]] * 8 + [[0, 2], [4, 6], [1, 5], [3, 7]] * 8)
+    for hidden, dedup_wins in ((4, False), (64, True)):
+        work = Workload(num_tokens=64, hidden_size=hidden, ffn_size=8, num_experts=8, top_k=2, dtype_bytes=2,
+                        slot_bytes=8)  # 24 (2 H + 16) against 32 (2 H + 8) bytes: dedup wins above H = 8
+        model = hm.HDCostModel(topo, work)
+        stats = hd_statistics(idx, 8, topo.sizes, copies=True)
+        hd1, flat = model.times_s(stats)[0], model.nodedup_times_s(stats)[0]
+        assert (hd1 < flat) == dedup_wins, (hidden, hd1, flat)
+        paper = hm.HDCostModel(topo, replace(work, slot_bytes=0))  # without metadata dedup always wins here
+        assert paper.times_s(stats)[0] < paper.nodedup_times_s(stats)[0]
 
 
 def test_t_d_structure_and_monotonicity():
@@ -213,9 +236,12 @@ def test_t_d_structure_and_monotonicity():
         for sym in [hm.M_hidden, hm.v_bytes_per_element, hm.beta_intra_s_per_byte(d - 1),
                     *[hm.beta_inter_s_per_byte(i) for i in range(1, d)]]:
             assert sp.diff(t, sym).is_nonnegative, (d, sym)
-        # copies in place of distinct tokens give the no-dedup baseline, term by term
+        # copies in place of distinct tokens give the no-dedup baseline, term by term (rows whose
+        # routing slots are not counted; counted, a copy carries 1 slot where a token carries K)
         to_p = dict(zip(hm.copy_symbols(d), hm.stat_symbols(d)))
-        assert sp.simplify(hm.t_hier_nodedup_expr(d).subs(to_p) - t) == 0
+        no_meta = {hm.m_slot_bytes: 0}
+        assert sp.simplify(hm.t_hier_nodedup_expr(d).subs(to_p).subs(no_meta) - t.subs(no_meta)) == 0
+        assert sp.simplify(hm.t_hier_nodedup_expr(d).subs(to_p) - t.subs(hm.K_top, 1)) == 0
 
 
 def hand_case():
@@ -551,7 +577,7 @@ def test_user_errors_say_what_to_change():
 
 def test_every_phase_symbol_is_named():
     names = {str(s) for s in hm.t_d_expr(3).free_symbols}
-    assert names == {"alpha_inter1_s", "alpha_inter2_s", "beta_inter1_s_per_byte", "beta_inter2_s_per_byte",
+    assert names == {"K_top", "m_slot_bytes", "alpha_inter1_s", "alpha_inter2_s", "beta_inter1_s_per_byte", "beta_inter2_s_per_byte",
                      "alpha_intra2_s", "beta_intra2_s_per_byte", "U_1_groups", "U_2_groups", "G_ranks",
                      "M_hidden", "v_bytes_per_element", "p_inter1_max_tokens", "p_inter2_max_tokens",
                      "p_intra2_max_tokens"}

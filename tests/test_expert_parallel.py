@@ -122,6 +122,29 @@ def test_mesh_alone_probes_the_links() -> None:
         assert r["grad_err"] < 1e-5, (rank, r)
 
 
+def test_planner_choice_decides_what_runs() -> None:
+    """The plan pass chooses among what the registered strategies run, and the choice is what
+    runs: at H = 4 (fp32) a deduplicated row's two routing slots cost more than dedup saves, so
+    the flat one-copy-per-expert all-to-all runs; at H = 64 HD-d with d* per step, predicted HD2
+    on a slow inter-node link and HD1 on equal links. Outputs and gradients equal eager's."""
+    results = run_ranks(4, "plan", shape=[2, 2])
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            where = (rank, case, r["plan"], r["predicted"])
+            assert r["err"] < TOL, where
+            assert set(r["executable"]) == {"hd1", "hd2", "flat_a2a", "hier_a2a"}, where
+            chosen = r["plan"].split()[0]
+            runnable = {k: v for k, v in r["predicted"].items() if k in r["executable"]}
+            assert chosen == min(runnable, key=runnable.__getitem__), where  # the argmin, on every rank
+            assert "flat_a2a*" in r["text"] and "monta_O1 " in r["text"], where  # executable ones marked
+        assert res["4 equal"]["plan"] == "flat_a2a (nodedup, d=1)", res["4 equal"]["plan"]
+        assert (res["4 equal"]["dedup"], res["4 equal"]["dimension"]) == (False, 1)
+        assert res["64 slow_node"]["plan"] == "hd2 (hd, d* per step)", res["64 slow_node"]["plan"]
+        assert res["64 equal"]["plan"] == "hd1 (hd, d* per step)", res["64 equal"]["plan"]
+        for case in ("64 slow_node", "64 equal"):
+            assert (res[case]["dedup"], res[case]["dimension"]) == (True, None), case
+
+
 def test_setup_errors() -> None:
     results = run_ranks(4, "errors", shape=[2, 2])
     for res in results:

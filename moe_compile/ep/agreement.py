@@ -1,7 +1,7 @@
 """Every rank rewrites the same MoE layers the same way, or none does.
 
 An expert-parallel layer is a collective: if one rank leaves a layer as written while the
-others turn it into ``hiermoe::ep_experts``, the others wait in all-to-alls that rank never
+others turn it into the expert-parallel stages, the others wait in all-to-alls that rank never
 joins.  Each rank decides from sample values seeded alike (``passes/verify.py``), so ranks that
 compile the same graph at the same shapes decide alike; but Dynamo specializes a graph to each
 rank's own shapes (a rank whose first batch is empty compiles a graph of 0 tokens, on which the
@@ -13,7 +13,8 @@ a layer settles it with one small exchange, before any expert-parallel collectiv
     why none, or (0 tokens) every interpretation it could use; and its expert-parallel settings
     agreed key <- the one every rank with tokens verified, if each rank with 0 tokens has it at
     the place the first of them found it; otherwise the layer stays as written on every rank,
-    with the reason naming the rank
+    with the reason naming the rank; and the strategy the planner chose on the lowest rank with
+    tokens (ranks plan from their own token counts; the runtime settings must be the same)
 
 The decision is kept per layer (its name and weight tensors): a later compile of the same layer
 (a recompile for new shapes, which one rank may do alone) uses it without an exchange.  The
@@ -46,6 +47,9 @@ class Proposal:
     where: str = ""
     vacuous: bool = False  # 0 tokens: nothing was verified; ``candidates`` lists what could be used
     candidates: tuple[tuple[str, str], ...] = ()  # (key, where)
+    # the planner's candidate this rank would run the layer with (its own token count); every rank
+    # takes the lowest rank's, so the runtime settings agree too
+    plan: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Agreed:
     key: str | None  # the interpretation every rank uses; None: the layer stays as written
     reason: str = ""
     where: str = ""  # where the ranks with tokens found it (ranks with 0 tokens take this)
+    plan: str | None = None  # the planner's candidate every rank runs (the lowest planning rank's)
 
 
 _lock = threading.Lock()
@@ -111,13 +116,14 @@ def _combine(name: str, by_rank: list[Proposal | None]) -> Agreed:
         keys = "; ".join(f"rank {r}: {p.key}" for r, p in enumerate(by_rank) if p is not None and not p.vacuous)
         return Agreed(None, f"left alone on every rank: the ranks verified different interpretations ({keys})")
     (key,) = verified
-    where = next(p.where for p in by_rank if p is not None and not p.vacuous)
+    first = next(p for p in by_rank if p is not None and not p.vacuous)
+    where = first.where
     for r, p in enumerate(by_rank):
         assert p is not None
         if p.vacuous and (key, where) not in p.candidates:
             return Agreed(None, f"left alone on every rank: rank {r} (0 tokens in its batch) cannot form the "
                                 f"interpretation the other ranks verified ({key}; {where})")
-    return Agreed(key, where=where)
+    return Agreed(key, where=where, plan=first.plan)
 
 
 def _check_local(p: Proposal, agreed: Agreed) -> Agreed:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from moe_compile.cost.hiermoe import HDCostModel
 from moe_compile.cost.topology import Topology
-from moe_compile.cost.workload import Workload
+from moe_compile.cost.workload import SLOT_BYTES, Workload
 from moe_compile.ep import runtime
 from moe_compile.ep.comm import MeshComm
 
@@ -91,7 +91,7 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
     cost = None
     if topology is not None:
         work = Workload(num_tokens=1, hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts,
-                        top_k=top_k, dtype_bytes=dtype.itemsize, gated=gated)
+                        top_k=top_k, dtype_bytes=dtype.itemsize, gated=gated, slot_bytes=SLOT_BYTES)
         cost = HDCostModel(topology, work)
     old = runtime.find_layer(name, comm, tensors)
     if old is not None:
