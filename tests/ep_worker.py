@@ -375,6 +375,48 @@ def case_plan() -> dict[str, Any]:
     return out
 
 
+def case_lag() -> dict[str, Any]:
+    """d* from the previous forward's statistics: two forwards with different routings; the
+    second decides from the first's gathered statistics (its own are exchanged off the critical
+    path and read afterwards), or from its own with ``lag_statistics = False``."""
+    from moe_compile.cost.routing import gathered_statistics, source_table
+    from moe_compile.lowering.ep_stages import staged_experts
+
+    shape = PARAMS["shape"]
+    mesh = make_mesh(shape)
+    rank = dist.get_rank()
+    E, K, H, F, T = 8, 2, 6, 5, 12  # noqa: N806
+    topo = topology_for(mesh, 0.1, 100.0)
+    torch.manual_seed(0)
+    weights = [torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), None, None, None]
+    out: dict[str, Any] = {}
+    for lag in (True, False):
+        lay = setup.build_layer(name=f"lag-{lag}", mesh=mesh, topology=topo, dimension=None, dedup=True,
+                                num_experts=E, top_k=K, hidden_size=H, ffn_size=F, gated=True, dtype=torch.float32,
+                                device=torch.device("cpu"))
+        lay.lag_statistics = lag
+        routings = [routing("random", T, K, E, rank + 10 * step) for step in range(2)]
+        placement = lay.expert_pos_E.numpy()
+        # what each step's statistics are, from every rank's routing (the same seeds on every rank)
+        every = [[routing("random", T, K, E, r + 10 * step) for r in range(dist.get_world_size())] for step in range(2)]
+        expected = []
+        for step in range(2):
+            tables = np.stack([source_table(t, E, tuple(shape), placement=placement) for t in every[step]])
+            stats = gathered_statistics(tables, tuple(shape), copies=False)
+            expected.append([float(t) for t in lay.cost.times_from_values(stats.values())])
+        times = []
+        for idx in routings:
+            x = torch.randn(T, H)
+            staged_experts(x, idx, torch.rand(T, K), weights, "silu", lay.layer_id, True, K)
+            times.append(list(lay.last_times_s))
+        got = lay.last_stats  # the second forward's, collected now
+        want = np.stack([source_table(t, E, tuple(shape), placement=placement) for t in every[1]])
+        same = bool(np.array_equal(lay.last_tables, want))
+        out[str(lag)] = {"times": times, "expected": expected, "last_is_second": same,
+                         "last_values": got.values(), "d": lay.last_dimension}
+    return out
+
+
 def case_shard() -> dict[str, Any]:
     """shard_experts: per-rank expert memory, outputs/grads against eager, no expert-weight copy in
     the compiled step, and AdamW steps equal to eager DDP."""

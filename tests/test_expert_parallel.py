@@ -145,6 +145,22 @@ def test_planner_choice_decides_what_runs() -> None:
             assert (res[case]["dedup"], res[case]["dimension"]) == (True, None), case
 
 
+def test_dimension_decided_off_the_critical_path() -> None:
+    """d* per step decides from the previous forward's statistics of every rank (exchanged
+    asynchronously on the mesh's statistics group), the first forward from its own; the last
+    forward's statistics are still there to read (the expert swapper reads them). With
+    ``lag_statistics = False`` every forward decides from its own."""
+    results = run_ranks(4, "lag", shape=[2, 2])
+    for rank, res in enumerate(results):
+        lagged, fresh = res["True"], res["False"]
+        assert lagged["times"][0] == lagged["expected"][0], rank  # first forward: its own statistics
+        assert lagged["times"][1] == lagged["expected"][0], rank  # second: the first's
+        assert fresh["times"] == fresh["expected"], rank
+        assert lagged["expected"][0] != lagged["expected"][1], rank  # the two routings differ
+        assert lagged["last_is_second"] and fresh["last_is_second"], rank
+        assert res["True"]["d"] == results[0]["True"]["d"], rank  # every rank decides alike
+
+
 def test_setup_errors() -> None:
     results = run_ranks(4, "errors", shape=[2, 2])
     for res in results:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,9 @@ class MeshComm:
     device: torch.device
     inter: list[Phase] = field(default_factory=list)  # [i]: Inter-level-(i+1), i < D-1 used
     intra: list[Phase] = field(default_factory=list)  # [i]: Intra-level-i (i = 0: flat, world)
+    # a gloo group over every rank for the per-step routing statistics (CPU tensors, asynchronous:
+    # its own group, so it runs beside the dispatch's collectives instead of queueing with them)
+    stats_group: Any = None
 
     @property
     def world(self) -> int:
@@ -80,6 +84,7 @@ class MeshComm:
             device = torch.device("cuda", torch.cuda.current_device())
         me = dist.get_rank()
         comm = cls(sizes, names, ranks, ranks.index(me), device)
+        comm.stats_group = groups.new_group(backend="gloo")
         my = comm.coords(comm.position)
         num_levels = len(sizes)
         # Inter-level-(i+1): positions that differ from mine only in coordinate i.

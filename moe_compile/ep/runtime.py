@@ -117,13 +117,19 @@ class EPLayer:
     last_topk: Any = None  # this rank's [T, K] routing of the last forward (expert swap reads it)
     # the exact statistics of every rank's routing of the last forward (choose_dimension; None
     # with a fixed dimension or on a mesh too large to gather them) and the placement they are for
-    last_stats: Any = None  # cost.routing.HDStatistics
-    last_stats_placement: Any = None  # numpy [E]
+    _stats: Any = None  # cost.routing.HDStatistics (read through last_stats)
+    _stats_placement: Any = None  # numpy [E]
     # set by the expert swapper when its payback bound wants them: every rank's routing.source_table
     # ([source, G, D+1]) and routing.expert_table ([source, D+1, E]) of the last forward, gathered
     gather_experts: bool = False
-    last_tables: Any = None
-    last_experts: Any = None
+    # decide d from the previous forward's gathered statistics (exchanged off the critical path);
+    # False: from this forward's (one blocking exchange per layer and step)
+    lag_statistics: bool = True
+    _tables: Any = None
+    _experts: Any = None
+    # the exchange of the last forward's tables still in flight: (work, received [world, n], sizes of
+    # the parts, placement they were made for); its result decides the next forward's d
+    _pending: Any = None
     # this rank's shard parameters (moe_compile.shard_experts) whose rows are its local slots: what
     # an expert swap moves; empty when every rank holds every expert
     slot_params: tuple[Any, ...] = ()
@@ -180,45 +186,89 @@ class EPLayer:
                 self._update_slots()
             self.version += 1
 
+    @property
+    def last_stats(self) -> Any:
+        """The exact statistics of every rank's routing of the last forward (None with a fixed
+        dimension or on a mesh too large to gather them); see ``choose_dimension``."""
+        self.collect_statistics()
+        return self._stats
+
+    @property
+    def last_stats_placement(self) -> Any:
+        self.collect_statistics()
+        return self._stats_placement
+
+    @property
+    def last_tables(self) -> Any:
+        self.collect_statistics()
+        return self._tables
+
+    @property
+    def last_experts(self) -> Any:
+        self.collect_statistics()
+        return self._experts
+
+    def collect_statistics(self) -> None:
+        """Wait for the last forward's statistics exchange (normally long finished) and keep what
+        it gathered. Every rank calls it at the same points (the next forward, or the swapper's
+        step), so every rank holds the same statistics."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, received, size, placement = pending
+        work.wait()
+        rows = received.numpy()[list(self.comm.ranks)]
+        world, num_levels = self.comm.world, len(self.comm.sizes)
+        tables = rows[:, :size].reshape(world, world, -1)
+        self._stats = gathered_statistics(tables, self.comm.sizes, copies=not self.dedup)
+        self._stats_placement, self._tables = placement, tables
+        self._experts = rows[:, size:].reshape(world, num_levels + 1, -1) if rows.shape[1] > size else None
+
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
         agrees on: every rank's ``routing.source_table`` (G*(D+1) counts), gathered, give the
         statistics of all ranks' tokens together, each at its source (``gathered_statistics``,
         the exact p of Eq. 7), kept in ``last_stats`` with the placement they were made for (and,
         where the expert swapper asked with ``gather_experts``, every rank's
-        ``routing.expert_table`` too, for its payback bound). On a
-        mesh whose tables would exceed ``GATHER_MAX`` numbers, each rank's own p statistics
-        (its tokens standing in for every source of a relay) max-reduced instead: an upper
-        estimate, and ``last_stats`` is None."""
+        ``routing.expert_table`` too, for its payback bound).
+
+        Off the critical path: the tables travel in an asynchronous all-to-all on the mesh's own
+        statistics group (``MeshComm.stats_group``), started here and collected at the next
+        forward, which decides from them; so a step's d comes from the previous step's routing
+        of all ranks (routing changes slowly between steps), and only the first forward of a
+        layer waits for its own. ``lag_statistics = False`` decides from this step's instead.
+        On a mesh whose tables would exceed ``GATHER_MAX`` numbers, each rank's own p statistics
+        (its tokens standing in for every source of a relay) max-reduced, this step:
+        an upper estimate, and ``last_stats`` is None."""
         if self.dimension is not None:
             return self.dimension
         topk = topk_idx_TK.detach().cpu()
         placement = self.expert_pos_E.cpu().numpy()
         world, sizes = self.comm.world, self.comm.sizes
-        gloo = dist.get_backend() == "gloo"
         width = world * (len(sizes) + 1) + (len(sizes) + 1) * self.num_experts * self.gather_experts
         if world * width <= GATHER_MAX:
+            self.collect_statistics()  # the previous forward's, every rank's
+            decide_now = self._stats is None or not self.lag_statistics
             parts = [source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1)]
             if self.gather_experts:
                 parts.append(expert_table(topk, self.num_experts, sizes, placement=placement).reshape(-1))
-            rows = gather_by_position(torch.from_numpy(np.concatenate(parts)), self.comm)
-            tables = rows[:, : parts[0].size].reshape(world, world, -1)
-            stats = gathered_statistics(tables, sizes, copies=not self.dedup)
-            self.last_stats, self.last_stats_placement = stats, placement.copy()
-            self.last_tables = tables
-            self.last_experts = rows[:, parts[0].size:].reshape(world, len(sizes) + 1, -1) if self.gather_experts \
-                else None
+            own = torch.from_numpy(np.concatenate(parts))
+            received, work = exchange_with_all(own, dist.get_world_size(), self.comm.stats_group, async_op=True)
+            self._pending = (work, received, parts[0].size, placement.copy())
+            if decide_now:
+                self.collect_statistics()
+            stats = self._stats
             agreed = stats.values() if self.dedup else stats.copy_values()
         else:
             mine = hd_statistics(topk, self.num_experts, sizes, placement=placement, copies=not self.dedup)
             vals = torch.tensor(mine.values() if self.dedup else mine.copy_values(), dtype=torch.float64,
                                 device=self.comm.device)
-            if gloo:
+            if dist.get_backend() == "gloo":
                 agreed = exchange_with_all(vals, dist.get_world_size())[0].amax(0).tolist()
             else:
                 dist.all_reduce(vals, op=dist.ReduceOp.MAX)
                 agreed = vals.cpu().tolist()
-            self.last_stats, self.last_stats_placement, self.last_tables, self.last_experts = None, None, None, None
+            self._pending, self._stats, self._stats_placement, self._tables, self._experts = None, None, None, None, None
         times = self.cost.times_from_values(agreed, dedup=self.dedup)
         self.last_times_s = [float(t) for t in times]
         return dimension_rule(times)
