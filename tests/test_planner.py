@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,9 @@ import torch
 import moe_compile
 from moe_compile.cost import Level, Topology, Workload, plan
 from moe_compile.cost.planner import uniform_routing
+from moe_compile.cost.routing import hd_statistics
 from moe_compile.samples import TinyLMConfig, TinyMoELM
+from moe_compile.tools import plan as moe_plan
 
 TESTBED = files("moe_compile.cost") / "topologies" / "hiermoe_testbed.toml"
 
@@ -83,3 +87,48 @@ def test_bad_topology_option() -> None:
         moe_compile.parse_options({"topology": "/nonexistent/cluster.toml"})
     with pytest.raises(ValueError, match="option 'topology' must be"):
         moe_compile.parse_options({"topology": 3})
+
+
+DGX = files("moe_compile.cost") / "topologies" / "dgx_h100_2node.toml"
+
+
+def test_moe_plan_prints_the_choice_and_bytes_per_level(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """moe-plan on a config.json, the DGX topology scaled to 4 nodes: the planner's choice over
+    what the strategies run (the same as plan_table's), every candidate's prediction, and HD2's
+    node-link bytes at most the flat all-to-all's (dedup never sends more across nodes)."""
+    config = {"model_type": "my_moe", "hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 64,
+              "num_experts_per_tok": 4, "num_hidden_layers": 6, "first_k_dense_replace": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert moe_plan.main(["--model", str(path), "--topology", str(DGX), "--nodes", "4", "--tokens", "2048"]) == 0
+    out = capsys.readouterr().out
+    shape = moe_plan.load_shape(str(path))
+    assert (shape.num_experts, shape.top_k, shape.hidden_size, shape.ffn_size, shape.num_layers) == (64, 4, 1024, 512, 4)
+    topo = moe_plan.scale_nodes(Topology.load(str(DGX)), 4)
+    assert topo.sizes == (4, 8)
+    decided, _ = moe_plan.plan_table(shape, topo, 2048, 2)
+    assert decided.strategy in ("hd1", "hd2", "flat_a2a", "hier_a2a")
+    assert f"{decided.strategy} <- chosen" in out and f"4 MoE layers, each: {decided.strategy}" in out
+    for name in decided.predicted:
+        assert name in out
+    work = Workload(num_tokens=2048, hidden_size=1024, ffn_size=512, num_experts=64, top_k=4, dtype_bytes=2,
+                    slot_bytes=8)
+    stats = hd_statistics(uniform_routing(work), 64, topo.sizes, copies=True)
+    hd2 = moe_plan.phase_bytes(topo, work, "hd2", stats)
+    flat = moe_plan.phase_bytes(topo, work, "flat_a2a", stats)
+    assert 0 < hd2["node"] <= flat["node"]
+    assert hd2["gpu"] > 0 and flat["gpu"] == 0  # the flat all-to-all is charged at the slowest link it crosses
+
+
+def test_moe_plan_errors_say_what_to_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128}))
+    assert moe_plan.main(["--model", str(dense), "--topology", str(DGX)]) == 2
+    assert "no expert count" in capsys.readouterr().err
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_local_experts": 8,
+                               "num_experts_per_tok": 2}))
+    assert moe_plan.main(["--model", str(moe), "--topology", str(DGX), "--nodes", "3"]) == 2
+    assert "8 experts do not split evenly over 24 ranks" in capsys.readouterr().err
+    assert moe_plan.main(["--model", "mixtral", "--topology", str(DGX), "--nodes", "1"]) == 0  # a model type
+    assert "mixtral: E=8 K=2" in capsys.readouterr().out
