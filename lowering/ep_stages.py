@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moe_compile.ep import groups, runtime
+from moe_compile.ep import groups, runtime, worker
 from moe_compile.lowering import hier_a2a
 from moe_compile.lowering.experts_ref import check_activation
 
@@ -137,32 +137,75 @@ def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
     lay.add_comm_time(direction, time.perf_counter() - t0)
 
 
+Job = tuple[torch.device, Callable[[], Any]]
+# the stages whose collectives are split into start and wait (``passes.overlap``)
+SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward")
+
+
+def _stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job], fake: Callable[..., Any]) -> Any:
+    """Register one communicating stage as three ops: ``hiermoe::<name>`` (start and wait at
+    once, what the passes emit and autograd differentiates), ``<name>_start`` (same arguments,
+    returns the worker's ticket, ``moe_compile.ep.worker``) and ``<name>_wait`` (the ticket, then
+    the same arguments again, so that everything the stage reads stays alive until it is done;
+    returns what ``<name>`` returns). ``make_job`` does the caller-side part of the stage and
+    returns (device, the collectives as a job); ``fake`` is ``<name>``'s fake. Returns the op."""
+
+    def run(*a: Any) -> Any:
+        return worker.run(*make_job(*a))
+
+    def start(*a: Any) -> Tensor:
+        return worker.start(*make_job(*a))
+
+    def wait(ticket: Tensor, *a: Any) -> Any:
+        return worker.wait(ticket)
+
+    def start_fake(*a: Any) -> Tensor:
+        return torch.empty((1,), dtype=torch.long, device="cpu")
+
+    def wait_fake(ticket: Tensor, *a: Any) -> Any:
+        return fake(*a)
+
+    op = torch.library.custom_op(f"hiermoe::{name}", run, mutates_args=(), schema=f"({args}) -> {returns}")
+    op.register_fake(fake)
+    torch.library.custom_op(f"hiermoe::{name}_start", start, mutates_args=(),
+                            schema=f"({args}) -> Tensor").register_fake(start_fake)
+    torch.library.custom_op(f"hiermoe::{name}_wait", wait, mutates_args=(),
+                            schema=f"(Tensor ticket, {args}) -> {returns}").register_fake(wait_fake)
+    return op
+
+
 # -- dispatch --------------------------------------------------------------------------------------
 
-@torch.library.custom_op("hiermoe::ep_dispatch", mutates_args=(),
-                         schema="(Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, int slots) "
-                                "-> (Tensor, Tensor, Tensor, Tensor)")
-def ep_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+_DISPATCH = "Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, int slots"
+_DISPATCH_OUT = "(Tensor, Tensor, Tensor, Tensor)"
+
+
+def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int) -> Job:
     """(rows [R, H], their expert ids [R, S] (-1: no slot), weights [R, S] float32, packed route)
     at this rank after HD-d's dispatch, d chosen for this step. ``slots`` is S (K with dedup, 1
-    without), for the fake."""
+    without), for the fake. Choosing d runs here, on the caller's thread; the all-to-alls are the
+    job."""
     lay = runtime.resolve(layer)
     d = begin_forward(lay, x, topk_idx)
-    t0 = time.perf_counter()
-    with collective(lay, f"the forward dispatch all-to-alls ({phase_names(d, lay)})"):
-        rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E,
-                                                         lay.comm.phases(d), lay.dedup, "forward", lay.layer_id)
-    _timed(lay, "forward", t0)
-    assert ids_RS.shape[1] == slots, (ids_RS.shape, slots)
-    packed = route.pack([d, lay.version, lay.layer_id])
-    lay.saved_bytes = sum(t.numel() * t.element_size() for t in (rows_RH, ids_RS, w_RS, packed))
-    return rows_RH, ids_RS, w_RS, packed
+
+    def job() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        t0 = time.perf_counter()
+        with collective(lay, f"the forward dispatch all-to-alls ({phase_names(d, lay)})"):
+            rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E,
+                                                             lay.comm.phases(d), lay.dedup, "forward", lay.layer_id)
+        _timed(lay, "forward", t0)
+        assert ids_RS.shape[1] == slots, (ids_RS.shape, slots)
+        packed = route.pack([d, lay.version, lay.layer_id])
+        # contiguous, as the fake says (the compiler checks the strides of a wait's outputs)
+        out = (rows_RH.contiguous(), ids_RS.contiguous(), w_RS.contiguous(), packed)
+        lay.saved_bytes = sum(t.numel() * t.element_size() for t in out)
+        return out
+
+    return x.device, job
 
 
-@ep_dispatch.register_fake
-def _ep_dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = torch.library.get_ctx()
     num_rows, route_len = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return (x.new_empty((num_rows, x.shape[1])), topk_idx.new_empty((num_rows, slots), dtype=torch.long),
@@ -170,27 +213,36 @@ def _ep_dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: 
             torch.empty((route_len,), dtype=torch.long, device="cpu"))
 
 
-@torch.library.custom_op("hiermoe::ep_dispatch_backward", mutates_args=(),
-                         schema="(Tensor grad_rows, Tensor grad_w, Tensor route, SymInt[] x_shape, "
-                                "ScalarType x_dtype, SymInt[] w_shape, ScalarType w_dtype) -> (Tensor, Tensor)")
-def ep_dispatch_backward(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int], x_dtype: torch.dtype,
-                         w_shape: list[int], w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+ep_dispatch = _stage_ops("ep_dispatch", _DISPATCH, _DISPATCH_OUT, _dispatch_job, _dispatch_fake)
+
+
+_DISPATCH_BW = ("Tensor grad_rows, Tensor grad_w, Tensor route, SymInt[] x_shape, ScalarType x_dtype, "
+                "SymInt[] w_shape, ScalarType w_dtype")
+
+
+def _dispatch_backward_job(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int],
+                           x_dtype: torch.dtype, w_shape: list[int], w_dtype: torch.dtype) -> Job:
     """(d_x, d_topk_weights): the rows' and slot weights' gradients summed back into their tokens
     along the route (combine-shaped), the routing-weight gradients as float32 per-slot metadata."""
     lay, d, rt = _route(route, grad_rows.device)
-    t0 = time.perf_counter()
-    with collective(lay, f"the backward combine all-to-alls ({phase_names(d, lay)})"):
-        d_x, d_tw = hier_a2a.combine(grad_rows.to(x_dtype), rt, "backward", meta_RS=grad_w.float())
-    _timed(lay, "backward", t0)
-    assert d_tw is not None and list(d_x.shape) == list(x_shape) and list(d_tw.shape) == list(w_shape)
-    return d_x, d_tw.to(w_dtype)
+
+    def job() -> tuple[Tensor, Tensor]:
+        t0 = time.perf_counter()
+        with collective(lay, f"the backward combine all-to-alls ({phase_names(d, lay)})"):
+            d_x, d_tw = hier_a2a.combine(grad_rows.to(x_dtype), rt, "backward", meta_RS=grad_w.float())
+        _timed(lay, "backward", t0)
+        assert d_tw is not None and list(d_x.shape) == list(x_shape) and list(d_tw.shape) == list(w_shape)
+        return d_x.contiguous(), d_tw.to(w_dtype).contiguous()
+
+    return grad_rows.device, job
 
 
-@ep_dispatch_backward.register_fake
-def _ep_dispatch_backward_fake(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int],
-                               x_dtype: torch.dtype, w_shape: list[int], w_dtype: torch.dtype
-                               ) -> tuple[Tensor, Tensor]:
+def _dispatch_backward_fake(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int],
+                            x_dtype: torch.dtype, w_shape: list[int], w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return grad_rows.new_empty(x_shape, dtype=x_dtype), grad_rows.new_empty(w_shape, dtype=w_dtype)
+
+
+_stage_ops("ep_dispatch_backward", _DISPATCH_BW, "(Tensor, Tensor)", _dispatch_backward_job, _dispatch_backward_fake)
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -293,41 +345,51 @@ ep_local_experts.register_autograd(_local_experts_backward, setup_context=_local
 
 # -- combine ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("hiermoe::ep_combine", mutates_args=(),
-                         schema="(Tensor partial, Tensor route, SymInt num_tokens) -> Tensor")
-def ep_combine(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
+def _combine_job(partial: Tensor, route: Tensor, num_tokens: int) -> Job:
     """[T, H]: every row's partial result summed back into its token along the route (float32
     sums at every relay, sent in the rows' dtype)."""
     lay, d, rt = _route(route, partial.device)
-    t0 = time.perf_counter()
-    with collective(lay, f"the forward combine all-to-alls ({phase_names(d, lay)})"):
-        y, _ = hier_a2a.combine(partial, rt, "forward")
-    _timed(lay, "forward", t0)
-    return y
+
+    def job() -> Tensor:
+        t0 = time.perf_counter()
+        with collective(lay, f"the forward combine all-to-alls ({phase_names(d, lay)})"):
+            y, _ = hier_a2a.combine(partial, rt, "forward")
+        _timed(lay, "forward", t0)
+        return y.contiguous()
+
+    return partial.device, job
 
 
-@ep_combine.register_fake
-def _ep_combine_fake(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
+def _combine_fake(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
     return partial.new_empty((num_tokens, partial.shape[1]))
 
 
-@torch.library.custom_op("hiermoe::ep_combine_backward", mutates_args=(),
-                         schema="(Tensor grad_y, Tensor route, SymInt num_rows) -> Tensor")
-def ep_combine_backward(grad_y: Tensor, route: Tensor, num_rows: int) -> Tensor:
+ep_combine = _stage_ops("ep_combine", "Tensor partial, Tensor route, SymInt num_tokens", "Tensor", _combine_job,
+                        _combine_fake)
+
+
+def _combine_backward_job(grad_y: Tensor, route: Tensor, num_rows: int) -> Job:
     """[R, H]: the output gradient of every token sent to each row that contributed to it, along
     the route (dispatch-shaped; payload only, the split sizes are the route's)."""
     lay, d, rt = _route(route, grad_y.device)
-    t0 = time.perf_counter()
-    with collective(lay, f"the backward dispatch all-to-alls ({phase_names(d, lay)})"):
-        rows = hier_a2a.redispatch(grad_y.contiguous(), rt, "backward")
-    _timed(lay, "backward", t0)
-    assert rows.shape[0] == num_rows, (rows.shape, num_rows)
-    return rows
+
+    def job() -> Tensor:
+        t0 = time.perf_counter()
+        with collective(lay, f"the backward dispatch all-to-alls ({phase_names(d, lay)})"):
+            rows = hier_a2a.redispatch(grad_y.contiguous(), rt, "backward")
+        _timed(lay, "backward", t0)
+        assert rows.shape[0] == num_rows, (rows.shape, num_rows)
+        return rows.contiguous()
+
+    return grad_y.device, job
 
 
-@ep_combine_backward.register_fake
-def _ep_combine_backward_fake(grad_y: Tensor, route: Tensor, num_rows: int) -> Tensor:
+def _combine_backward_fake(grad_y: Tensor, route: Tensor, num_rows: int) -> Tensor:
     return grad_y.new_empty((num_rows, grad_y.shape[1]))
+
+
+_stage_ops("ep_combine_backward", "Tensor grad_y, Tensor route, SymInt num_rows", "Tensor", _combine_backward_job,
+           _combine_backward_fake)
 
 
 def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:

@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
-from moe_compile.dump import dump_graph_report
+from moe_compile.dump import dump_graph_report, dump_scheduled
 from moe_compile.ep import runtime, shard
 from moe_compile.options import Options, parse_options
 from moe_compile.passes.canonicalize import Rewritten
+from moe_compile.passes.overlap import OverlapPass, Split
 from moe_compile.passes.regions import ExpertLayout
 from moe_compile.pipeline import PassContext, run_pipeline
 from moe_compile.report import GraphReport, RegionReport, SkipReport
@@ -40,7 +41,7 @@ def hiermoe_backend(gm: fx.GraphModule, example_inputs: Sequence[object], *,
     inputs = list(example_inputs)
     for pos, t in ctx.input_swaps.items():
         inputs[pos] = t
-    compiled = _inner_compile(gm, inputs, opts, mode)
+    compiled = _inner_compile(gm, inputs, opts, mode, _overlap(opts, report) if ctx.ep_layers else None)
     return _with_expert_inputs(compiled, tuple(ctx.input_swaps), ctx.layer_inputs) if ctx.layer_inputs else compiled
 
 
@@ -118,19 +119,47 @@ def _verification(r: Rewritten, parallel: bool) -> str:
     return "verified"
 
 
+def _overlap(opts: Options, report: GraphReport) -> OverlapPass | None:
+    """The pass that splits the graph's expert-parallel stages into start and wait (options
+    ``overlap``), recording what it did in ``report`` (and the dump)."""
+    if not opts.overlap:
+        return None
+
+    def done(split: Split, code: str) -> None:
+        report.scheduled.append((split.stages, split.moved, code))
+        if opts.dump_dir:
+            dump_scheduled(opts.dump_dir, report, code)
+
+    return OverlapPass(done)
+
+
 def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Options,
-                   mode: str | None) -> Callable[..., object]:
+                   mode: str | None, overlap: OverlapPass | None) -> Callable[..., object]:
+    """Compile the rewritten graph; ``overlap`` runs on the graphs AOTAutograd makes of it
+    (Inductor's post-grad custom pass, or aot_eager's compilers); the eager compiler has none."""
     if opts.inner_compiler == "eager":
         return gm.forward
     if opts.inner_compiler == "aot_eager":
-        from torch._dynamo.backends.registry import lookup_backend
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-        return lookup_backend("aot_eager")(gm, example_inputs)  # type: ignore[arg-type]
+        def nop(g: fx.GraphModule, ex: list[object]) -> Callable[..., object]:
+            if overlap is not None:
+                overlap(g.graph)
+                g.recompile()
+            return boxed_nop(g, ex)  # type: ignore[arg-type]
+
+        return aot_eager(gm, example_inputs, fw_compiler=nop, bw_compiler=nop)  # type: ignore[arg-type]
+    from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
-    patches = list_mode_options(mode) if mode else None
-    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[arg-type,return-value]
+    patches = dict(list_mode_options(mode)) if mode else {}
+    if overlap is not None:  # after any pass the user set
+        theirs = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
+        patches["post_grad_custom_post_pass"] = [*theirs, overlap] if theirs else overlap
+        patches["reorder_for_peak_memory"] = False
+    return compile_fx(gm, example_inputs, config_patches=patches or None)  # type: ignore[arg-type,return-value]
 
 
 class collect_reports:

@@ -31,3 +31,13 @@ def dump_graph_report(directory: str, report: GraphReport, gm: fx.GraphModule) -
         except ImportError:  # pydot missing: the text dumps above are complete without the picture
             pass
     return out
+
+
+def dump_scheduled(directory: str, report: GraphReport, code: str) -> Path:
+    """Write the ``k``-th graph AOTAutograd made of this one (0 forward, 1 backward) as split by
+    ``passes.overlap`` (``report.scheduled[k]`` holds it), ``graph_<n>_scheduled_<k>.py``."""
+    out = Path(directory) / f"rank{os.environ.get('RANK', '0')}"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"graph_{report.index:03d}_scheduled_{len(report.scheduled) - 1}.py"
+    path.write_text(code)
+    return path

@@ -47,6 +47,10 @@ class Options:
         (default: the staged ops keep the dispatched rows from forward, so backward moves the
         forward's payload, no more) or "resend" (keep only the inputs and dispatch [x | grad_y]
         again in backward: 1.5x the payload, less activation memory).
+    overlap: with a mesh, split every expert-parallel all-to-all stage into start and wait and run
+        the graph's independent work (a shared expert, ...) between them, forward and backward
+        (default True; ``passes.overlap``, ``moe_compile.ep.worker``). False runs each stage
+        start to end where it stands.
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
@@ -63,6 +67,7 @@ class Options:
     dimension: int | None = None
     dedup: bool | None = None
     ep_backward: str = "stages"
+    overlap: bool = True
     expert_swap: SwapOptions | None = None
 
 
@@ -109,8 +114,12 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'dedup' must be True, False or None (the planner's choice), got {kw['dedup']!r}")
     if "ep_backward" in kw and kw["ep_backward"] not in EP_BACKWARDS:
         raise ValueError(f"option 'ep_backward' must be one of {list(EP_BACKWARDS)}, got {kw['ep_backward']!r}")
-    if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw):
-        raise ValueError("options 'dimension', 'dedup' and 'ep_backward' set how expert-parallel layers communicate; "
+    if "overlap" in kw and not isinstance(kw["overlap"], bool):
+        raise ValueError(f"option 'overlap' must be True or False, got {kw['overlap']!r}")
+    if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
+                                   or "overlap" in kw):
+        raise ValueError("options 'dimension', 'dedup', 'ep_backward' and 'overlap' set how expert-parallel layers "
+                         "communicate; "
                          "they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])

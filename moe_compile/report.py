@@ -88,6 +88,10 @@ class GraphReport:
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     # where the plans' topology came from: "" (none), "given: <name>" or "probed: <what>"
     topology: str = ""
+    # per graph the inner compiler got from AOTAutograd (forward, then backward) with
+    # expert-parallel stages: (stages split into start/wait, nodes moved between them, its code);
+    # filled when that graph compiles (the backward's at the first backward)
+    scheduled: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 PROBED_ADVICE = ("the mesh's links were probed briefly (3 all-to-all sizes per level) at the first compile; for accurate "
@@ -216,6 +220,11 @@ class Report:
             for s in skipped:
                 table.add_row(str(s.graph), escape(s.name), escape(s.reason))
             console.print(table)
+        for g in self.graphs:
+            if g.scheduled:
+                console.print(f"graph {g.index}: collectives split into start/wait (passes.overlap): " + "; ".join(
+                    f"{'forward' if i == 0 else 'backward' if i == 1 else f'graph {i}'} {n} stages, {m} nodes "
+                    "run between a start and its wait" for i, (n, m, _) in enumerate(g.scheduled)))
         for topology in sorted({g.topology for g in self.graphs} - {""}):
             console.print(f"topology {escape(topology)}")
             if topology.startswith("probed"):

@@ -1,0 +1,162 @@
+"""Split every expert-parallel all-to-all stage into start and wait, and put independent graph
+work between them.
+
+Runs on the graphs AOTAutograd hands the inner compiler (forward and backward, after autograd:
+Inductor's ``post_grad_custom_post_pass``, or the aot_eager compilers), so the backward's stages
+(``ep_combine_backward``, ``ep_dispatch_backward``) are split as well as the forward's.
+
+Contract:
+    needs     a post-grad FX graph that may call the stage ops of ``lowering.ep_stages``
+              (``SPLIT_STAGES``: ``hiermoe::ep_dispatch``, ``ep_combine`` and their backward ops).
+    does      replaces each such call ``out = stage(*args)`` by ``t = stage_start(*args)`` and
+              ``out = stage_wait(t, *args)`` at the same place (the wait takes the arguments again
+              so that the compiler keeps every buffer the stage reads alive until it is done),
+              moves each start up to where its arguments are ready, then moves before each wait every later node that neither depends on it nor comes after a
+              node with side effects (a mutation, a seeded random op, anything not a plain
+              operator): on the caller's thread it runs while the worker thread
+              (``moe_compile.ep.worker``) moves the tokens. The stages keep their order among
+              themselves, so every rank issues its collectives in the same order.
+    guarantees the graph computes what it computed (only the order of independent pure nodes
+              changes); ``split_stages`` returns, per graph, the stages split and the nodes moved.
+
+Pseudo-code::
+
+    for n in graph with target in SPLIT_STAGES:                      # Step 1: split
+        t = stage_start(*n.args); w = stage_wait(t, *n.args); n -> w
+    for t in starts: move t up to just below the last of: its         # Step 2: start early
+        arguments, the previous start, a node with side effects
+    for w in waits, in graph order:                                  # Step 3: overlap
+        dependent = {w}
+        for m after w until a node with side effects or the output:
+            if m reads a dependent node: dependent.add(m)
+            else: move m before w
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.lowering.ep_stages import SPLIT_STAGES
+
+
+@dataclass
+class Split:
+    """What ``split_stages`` did to one graph."""
+
+    stages: int  # start/wait pairs made
+    moved: int  # nodes moved between a start and its wait
+
+
+def _stage_targets() -> dict[Any, tuple[Any, Any]]:
+    ops = torch.ops.hiermoe
+    return {getattr(ops, s).default: (getattr(ops, f"{s}_start").default, getattr(ops, f"{s}_wait").default)
+            for s in SPLIT_STAGES}
+
+
+def _pure(n: fx.Node) -> bool:
+    """Whether ``n`` may run earlier than written: a plain function of its inputs."""
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if t is operator.getitem or getattr(t, "__module__", None) in ("_operator", "math", "torch.fx.experimental.sym_node"):
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False  # higher-order ops (effects, rng state), Python callables: leave where they are
+    return not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags
+
+
+def _fake_ticket(n: fx.Node) -> Any:
+    vals = n.meta.get("val")
+    for v in vals if isinstance(vals, (tuple, list)) else (vals,):
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            with mode:
+                return torch.empty((1,), dtype=torch.long, device="cpu")
+    return None
+
+
+def split_stages(graph: fx.Graph) -> Split:
+    """Step 1 and 2 of the module docstring on ``graph`` (in place)."""
+    targets = _stage_targets()
+    waits: list[fx.Node] = []
+    # Step 1: split each stage where it is.
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in targets:
+            continue
+        start_op, wait_op = targets[n.target]
+        with graph.inserting_before(n):
+            start = graph.call_function(start_op, n.args, dict(n.kwargs))
+            wait = graph.call_function(wait_op, (start, *n.args), dict(n.kwargs))
+        start.name, wait.name = f"{n.name}_start", f"{n.name}_wait"
+        # the start takes the stage's arguments (and their recorded eager values); the wait
+        # produces its outputs (the same fake values and unbacked sizes)
+        start.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "unbacked_bindings")})
+        ticket = _fake_ticket(n)
+        if ticket is not None:
+            start.meta["val"] = ticket
+        wait.meta.update({k: v for k, v in n.meta.items() if k != "eager_input_vals"})
+        n.replace_all_uses_with(wait)
+        graph.erase_node(n)
+        waits.append(wait)
+    # Step 2: each start as early as its arguments allow (not above a node with side effects,
+    # nor above the previous start: the stages keep their order).
+    previous: fx.Node | None = None
+    for wait in waits:
+        arg = wait.args[0]
+        assert isinstance(arg, fx.Node)
+        start = arg
+        inputs = set(start.all_input_nodes)
+        m: fx.Node = start.prev
+        while m.op != "root" and m.op != "placeholder" and m not in inputs and m is not previous and _pure(m):
+            m = m.prev
+        if m is not start.prev:
+            m.append(start)
+        previous = start
+    # Step 3: independent work before each wait.
+    moved = 0
+    for wait in waits:
+        dependent = {wait}
+        later: list[fx.Node] = []
+        m = wait.next
+        while m.op != "output" and m.op != "root":
+            if not _pure(m):
+                break
+            if any(a in dependent for a in m.all_input_nodes):
+                dependent.add(m)
+            else:
+                later.append(m)
+            m = m.next
+        for m in later:
+            wait.prepend(m)
+        moved += len(later)
+    return Split(len(waits), moved)
+
+
+class OverlapPass(CustomGraphPass):
+    """``split_stages`` as Inductor's ``post_grad_custom_post_pass``. ``done(split, code)`` is
+    called for every graph with stages."""
+
+    def __init__(self, done: Callable[[Split, str], None] | None = None) -> None:
+        self.done = done
+
+    def __call__(self, graph: fx.Graph) -> None:
+        split = split_stages(graph)
+        if split.stages and self.done is not None:
+            self.done(split, graph.python_code("self").src)
+
+    def uuid(self) -> Any:
+        # None: Inductor does not cache the graphs this pass runs on (a cache hit would skip the
+        # pass and with it what ``done`` records for explain and the dump), so a recompile of an
+        # expert-parallel graph pays Inductor's compile time again.
+        return None
+
+
+__all__ = ["OverlapPass", "Split", "split_stages"]
