@@ -96,10 +96,25 @@ def _local_pairs(ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: 
     return r_P, s_P, lay.rows(by_expert)[e_P][:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
 
 
+def _weight_rows(ids_RS: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
+    """[R, S] the weight row of every slot's expert, -1 for no slot: the routing the Triton kernels
+    take as it is (they skip ids outside [0, E)), so no row is copied per slot."""
+    valid = ids_RS >= 0
+    e_RS = ids_RS.clamp(min=0)
+    assert bool((lay.local_slot_E[e_RS] >= 0)[valid].all()), "a row arrived at a rank that does not hold its expert"
+    return torch.where(valid, lay.rows(by_expert)[e_RS], -1)
+
+
 def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool,
-                  weights: list[Tensor | None], activation: str, w_dtype: torch.dtype) -> Tensor:
-    """[R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots (each slot one
-    ``hiermoe::experts`` token with K = 1)."""
+                  weights: list[Tensor | None], activation: str, w_dtype: torch.dtype, triton: bool = False
+                  ) -> Tensor:
+    """[R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots. ``triton``: one
+    ``hiermoe::experts_triton`` call over the dispatched rows and their [R, S] slots (the ESMM
+    kernels gather each slot's row themselves); else each slot one ``hiermoe::experts`` token
+    with K = 1."""
+    if triton:
+        return torch.ops.hiermoe.experts_triton(rows_RH, _weight_rows(ids_RS, lay, by_expert), w_RS.to(w_dtype),
+                                                *weights, activation).float()
     r_P, _, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
     out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
     if r_P.numel():
@@ -109,10 +124,16 @@ def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EP
 
 
 def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer,
-                   by_expert: bool, weights: list[Tensor | None], activation: str, w_dtype: torch.dtype
-                   ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """Grads of ``local_forward``: rows [R, H] float32, slot weights [R, S] float32, and the six
-    weight tensors (zero-size for absent ones), through ``hiermoe::experts_backward``."""
+                   by_expert: bool, weights: list[Tensor | None], activation: str, w_dtype: torch.dtype,
+                   triton: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Grads of ``local_forward``: rows [R, H] float32, slot weights [R, S] float32 (0 where no
+    slot), and the six weight tensors (zero-size for absent ones), through
+    ``hiermoe::experts_backward`` (or ``experts_triton_backward``)."""
+    if triton:
+        d_rows_RH, d_w_RS, *d_weights = torch.ops.hiermoe.experts_triton_backward(
+            grad_RH.to(rows_RH.dtype), rows_RH, _weight_rows(ids_RS, lay, by_expert), w_RS.to(w_dtype), *weights,
+            activation)
+        return d_rows_RH.float(), d_w_RS.float(), d_weights
     r_P, s_P, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
     d_rows_RH = torch.zeros_like(rows_RH, dtype=torch.float32)
     d_w_RS = torch.zeros_like(w_RS, dtype=torch.float32)
@@ -274,41 +295,44 @@ ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 @torch.library.custom_op("hiermoe::ep_local_experts", mutates_args=(),
                          schema=f"(Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, bool by_expert, "
-                                "Tensor route) -> Tensor")
+                                "Tensor route, bool triton=False) -> Tensor")
 def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
                      b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
-                     by_expert: bool, route: Tensor) -> Tensor:
+                     by_expert: bool, route: Tensor, triton: bool = False) -> Tensor:
     """[R, H] in the rows' dtype: each dispatched row's weighted sum over its slots of its local
     experts' FFN outputs. ``by_expert``: the weights are indexed by expert id (they hold every
-    expert) rather than by local slot (this rank's shard or stack)."""
+    expert) rather than by local slot (this rank's shard or stack). ``triton``: by the ESMM/ESFK
+    kernels (``passes.lower_kernels`` sets it, options['kernels'])."""
     lay = runtime.layer(int(route[2]))
     out = local_forward(rows, ids, w, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down], activation,
-                        w_up.dtype)
+                        w_up.dtype, triton)
     return out.to(rows.dtype)
 
 
 @ep_local_experts.register_fake
 def _ep_local_experts_fake(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None,
                            w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
-                           activation: str, by_expert: bool, route: Tensor) -> Tensor:
+                           activation: str, by_expert: bool, route: Tensor, triton: bool = False) -> Tensor:
     check_activation(activation)
     return rows.new_empty(rows.shape)
 
 
 @torch.library.custom_op("hiermoe::ep_local_experts_backward", mutates_args=(),
                          schema=f"(Tensor grad_out, Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, "
-                                "bool by_expert, Tensor route) "
+                                "bool by_expert, Tensor route, bool triton=False) "
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor,
                               w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
-                              b_down: Tensor | None, activation: str, by_expert: bool, route: Tensor
-                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                              b_down: Tensor | None, activation: str, by_expert: bool, route: Tensor,
+                              triton: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                             Tensor]:
     """(d_rows, d_w float32, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
     absent weights) from the dispatched rows autograd saved (activations recomputed)."""
     lay = runtime.layer(int(route[2]))
     check_version(lay, int(route[1]))
     d_rows, d_w, d_weights = local_backward(grad_out, rows, ids, w, lay, by_expert,
-                                            [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w_up.dtype)
+                                            [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w_up.dtype,
+                                            triton)
     return (d_rows.to(rows.dtype), d_w, *d_weights)  # type: ignore[return-value]
 
 
@@ -316,8 +340,8 @@ def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Te
 def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor,
                                     w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None,
                                     b_gate: Tensor | None, b_down: Tensor | None, activation: str, by_expert: bool,
-                                    route: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                            Tensor]:
+                                    route: Tensor, triton: bool = False
+                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     def like(t: Tensor | None) -> Tensor:
         return rows.new_empty(0) if t is None else t.new_empty(t.shape)
 
@@ -326,18 +350,19 @@ def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor,
 
 
 def _local_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    *tensors, activation, by_expert, route = inputs
+    *tensors, activation, by_expert, route, triton = inputs
     ctx.save_for_backward(*tensors, route)
-    ctx.activation, ctx.by_expert = activation, by_expert
+    ctx.activation, ctx.by_expert, ctx.triton = activation, by_expert, triton
 
 
 def _local_experts_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
     rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, route = ctx.saved_tensors
     d_rows, d_w, *d_weights = torch.ops.hiermoe.ep_local_experts_backward(
-        grad_out, rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation, ctx.by_expert, route)
+        grad_out, rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation, ctx.by_expert, route,
+        ctx.triton)
     inputs = (w_up, w_gate, w_down, b_up, b_gate, b_down)
     return (d_rows, None, d_w, *(None if t is None else g for g, t in zip(d_weights, inputs, strict=True)),
-            None, None, None)
+            None, None, None, None)
 
 
 ep_local_experts.register_autograd(_local_experts_backward, setup_context=_local_setup)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moe_compile.ep import runtime
+from moe_compile.ep import runtime, worker
 from moe_compile.lowering import hier_a2a
 from moe_compile.lowering.ep_stages import (
     begin_forward,
@@ -76,14 +76,14 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     phases = lay.comm.phases(d)
     t0 = time.perf_counter()
     with collective(lay, f"the forward dispatch all-to-alls ({_phases(d, lay)})"):
-        rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E, phases,
-                                                         lay.dedup, "forward", layer)
+        rows_RH, ids_RS, w_RS, route = worker.run(x.device, lambda: hier_a2a.dispatch(
+            x, topk_idx, topk_weights, lay.expert_pos_E, phases, lay.dedup, "forward", layer))
     t1 = time.perf_counter()
     out_RH = local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
                             activation, topk_weights.dtype)
     t2 = time.perf_counter()
     with collective(lay, f"the forward combine all-to-alls ({_phases(d, lay)})"):
-        y_TH, _ = hier_a2a.combine(out_RH.to(x.dtype), route, "forward")
+        y_TH, _ = worker.run(x.device, lambda: hier_a2a.combine(out_RH.to(x.dtype), route, "forward"))
     lay.add_comm_time("forward", (t1 - t0) + (time.perf_counter() - t2))
     return y_TH, torch.tensor([d, lay.version, lay.layer_id], dtype=torch.long)
 
@@ -109,15 +109,16 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
     xg_TC = torch.cat([x, grad_out.to(x.dtype)], dim=1)
     t0 = time.perf_counter()
     with collective(lay, f"the backward dispatch all-to-alls ({_phases(d, lay)})"):
-        rows_RC, ids_RS, w_RS, route = hier_a2a.dispatch(xg_TC, topk_idx, topk_weights, lay.expert_pos_E, phases,
-                                                         lay.dedup, "backward", layer)
+        rows_RC, ids_RS, w_RS, route = worker.run(x.device, lambda: hier_a2a.dispatch(
+            xg_TC, topk_idx, topk_weights, lay.expert_pos_E, phases, lay.dedup, "backward", layer))
     t1 = time.perf_counter()
     weights = [w_up, w_gate, w_down, b_up, b_gate, b_down]
     d_rows_RH, d_w_RS, d_weights = local_backward(rows_RC[:, hidden:], rows_RC[:, :hidden], ids_RS, w_RS,
                                                    lay, by_expert, weights, activation, topk_weights.dtype)
     t2 = time.perf_counter()
     with collective(lay, f"the backward combine all-to-alls ({_phases(d, lay)})"):
-        d_x_TH, d_tw_TK = hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward", meta_RS=d_w_RS.float())
+        d_x_TH, d_tw_TK = worker.run(x.device, lambda: hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward",
+                                                                       meta_RS=d_w_RS.float()))
     lay.add_comm_time("backward", (t1 - t0) + (time.perf_counter() - t2))
     assert d_tw_TK is not None
     return (d_x_TH, d_tw_TK.to(topk_weights.dtype), *d_weights)  # type: ignore[return-value]

@@ -37,12 +37,15 @@ def _device_of(node: fx.Node) -> torch.device | None:
 
 def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
     """Retarget every ``hiermoe::experts`` call to ``hiermoe::experts_triton`` where ``kernels``
-    resolves to Triton.
+    resolves to Triton, and run every expert-parallel local stage (``hiermoe::ep_local_experts``)
+    on the kernels there (its ``triton`` argument: one ESMM call over the dispatched rows and
+    their slots, no per-slot copy of a row).
 
     Contract:
       needs       a graph whose expert ops are ``torch.ops.hiermoe.experts.default`` call nodes (what
-                  canonicalize emits, or what a model calls itself), with fake values recorded on
-                  the op's input x or on its producers (Dynamo's ``example_value`` or ``val``).
+                  canonicalize emits, or what a model calls itself) or ``ep_local_experts`` nodes
+                  (what the expert-parallel pass emits), with fake values recorded on the op's
+                  input x (the tokens) or on its producers (Dynamo's ``example_value`` or ``val``).
       guarantees  the graph computes the same function (same arguments, same semantics); each op is
                   counted once, under "triton" (retargeted) or "torch" (left as is); with
                   kernels="auto" on CPU inputs nothing changes, so default CPU behaviour is unchanged.
@@ -53,15 +56,18 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
 
     Pseudo-code::
 
-        ops = [n for n in graph if n.target is experts.default]        # Step 1
-        for n in ops: choice[n] = resolve(kernels, device(n.x))        # Step 2 (may refuse)
-        for n in ops with choice triton: n.target = experts_triton     # Step 3
+        ops = [n for n in graph if n.target in (experts, ep_local_experts)]   # Step 1
+        for n in ops: choice[n] = resolve(kernels, device(n.x))              # Step 2 (may refuse)
+        for n in ops with choice triton: experts -> experts_triton,          # Step 3
+                                         ep_local_experts(..., triton=True)
         return {"triton": #retargeted, "torch": #left}
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
     # Step 1: the expert ops.
-    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.hiermoe.experts.default]
+    local = torch.ops.hiermoe.ep_local_experts.default
+    ops = [n for n in gm.graph.nodes
+           if n.op == "call_function" and n.target in (torch.ops.hiermoe.experts.default, local)]
     # Step 2: resolve the option per op; refuse before changing anything.
     choices: dict[fx.Node, str] = {}
     for n in ops:
@@ -80,7 +86,9 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
     # Step 3: retarget.
     counts = {"triton": 0, "torch": 0}
     for n, choice in choices.items():
-        if choice == "triton":
+        if choice == "triton" and n.target is local:
+            n.update_kwarg("triton", True)
+        elif choice == "triton":
             n.target = torch.ops.hiermoe.experts_triton.default
         counts[choice] += 1
     if counts["triton"]:

@@ -28,15 +28,15 @@ def free_port() -> int:
 
 
 def launch(world: int, case: str, params: dict[str, Any], timeout_s: float, out_dir: str,
-           worker: Path = WORKER) -> list[subprocess.CompletedProcess[str]]:
+           worker: Path = WORKER, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        rank_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    HIERMOE_TEST_OUT=out_dir, HIERMOE_TEST_PARAMS=json.dumps(params))
-        procs.append(subprocess.Popen([sys.executable, str(worker), case], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(worker), case], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=rank_env))
     deadline = time.monotonic() + timeout_s
     results = []
     for p in procs:
@@ -52,9 +52,10 @@ def launch(world: int, case: str, params: dict[str, Any], timeout_s: float, out_
 
 
 def run_ranks(world: int, case: str, timeout_s: float = 240.0, worker: str = "ep_worker.py",
-              **params: Any) -> list[dict[str, Any]]:
+              env: dict[str, str] | None = None, **params: Any) -> list[dict[str, Any]]:
+    """``env``: environment variables the ranks get beyond this process's."""
     with tempfile.TemporaryDirectory(prefix="hiermoe_ranks_") as out_dir:
-        done = launch(world, case, params, timeout_s, out_dir, WORKER.with_name(worker))
+        done = launch(world, case, params, timeout_s, out_dir, WORKER.with_name(worker), env)
         failed = [(r, p) for r, p in enumerate(done) if p.returncode != 0]
         # show the root cause first: ranks that failed because a peer died say so
         failed.sort(key=lambda rp: "closed by peer" in rp[1].stdout or "killed after" in rp[1].stdout)

@@ -186,7 +186,7 @@ def average_grads(model: torch.nn.Module, shard_report: Any) -> None:
 
 def compile_options(mesh: Any) -> dict[str, Any]:
     opts: dict[str, Any] = {"mesh": mesh, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
-    for key in ("dimension", "dedup", "topology", "ep_backward"):
+    for key in ("dimension", "dedup", "topology", "ep_backward", "kernels"):
         if key in PARAMS:
             opts[key] = PARAMS[key]
     return opts
@@ -224,6 +224,7 @@ def case_compile() -> dict[str, Any]:
         code = "\n".join(gr.after for gr in graphs)
         out[kind] = {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": max(errs), "layers_run": ops,
                      "sent": sent, "stage_ops": code.count("hiermoe.ep_dispatch"),
+                     "triton_stages": code.count("triton = True"),
                      "fused_ops": code.count("hiermoe.ep_experts"),
                      "saved_bytes": [lay.saved_bytes for lay in runtime.layers()][-2:],
                      "d": [lay.last_dimension for lay in runtime.layers()][-2:],

@@ -105,6 +105,20 @@ def test_compiled_samples_match_eager(options: dict) -> None:
             assert s["combine backward payload"] == s["combine forward payload"], where
 
 
+def test_local_stage_on_the_triton_kernels() -> None:
+    """options kernels="triton" under a mesh (the Triton interpreter on CPU): each layer's local
+    stage is one ESMM call over its dispatched rows and their [R, S] slots (non-local slots -1,
+    skipped by the kernels), forward and backward (ESFK), and loss and summed gradients equal
+    eager's."""
+    results = run_ranks(4, "compile", shape=[2, 2], kinds=["grouped_gemm"], dimension=2, kernels="triton",
+                        env={"TRITON_INTERPRET": "1"}, timeout_s=600)
+    for rank, res in enumerate(results):
+        r = res["grouped_gemm"]
+        assert r["triton_stages"] == 2, (rank, r)
+        assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, r)
+        assert r["grad_err"] < 1e-5, (rank, r)
+
+
 def test_mesh_alone_probes_the_links() -> None:
     """options={"mesh": mesh} alone: the links are probed once at the first compile, every rank
     gets the same topology, d* is predicted from it, the loss and summed gradients equal eager's,
