@@ -48,6 +48,8 @@ class PassContext:
     canonical: CanonicalizeResult | None = None
     plans: dict[str, LayerPlan] = field(default_factory=dict)
     agreed_plans: dict[str, str | None] = field(default_factory=dict)  # layer name -> candidate the ranks agreed on
+    # layer name -> the plan this rank made for the agreement (reused by the plan pass where agreed)
+    own_plans: dict[str, LayerPlan] = field(default_factory=dict)
     skipped: list[Skip] = field(default_factory=list)
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     ep_layers: dict[str, int] = field(default_factory=dict)  # layer name -> runtime.EPLayer id
@@ -112,11 +114,14 @@ def _agreement(ctx: PassContext) -> Agree:
                 f"output {index.anchor(interp.output.node)}, weights {index.anchor(interp.weights.node)}")
 
     def planned(d: Decision) -> str | None:
-        """The candidate this rank's planner would run the layer with."""
+        """The candidate this rank's planner would run the layer with (its plan is kept for the
+        plan pass, which reuses it when the ranks agree on it)."""
         if d.chosen is None or d.vacuous:
             return None
-        return plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
-                          dimension=opts.dimension, dedup=opts.dedup).plan.strategy
+        lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
+                        dimension=opts.dimension, dedup=opts.dedup)
+        ctx.own_plans[d.region.name] = lp
+        return lp.plan.strategy
 
     def agree(decisions: list[Decision], routers_left: list[Skip]) -> list[Decision]:
         proposals = []
@@ -154,7 +159,7 @@ def _plan(ctx: PassContext) -> dict[str, int]:
         return {}
     opts = ctx.options
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
-                          dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans)
+                          dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans)
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1

@@ -84,13 +84,19 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
 
 
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,
-              dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None
-              ) -> dict[str, LayerPlan]:
+              dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
+              known: Mapping[str, LayerPlan] | None = None) -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
-    the ranks agreed on. Returns each layer's plan by name."""
+    the ranks agreed on. ``known``: plans this compile already made of a layer with the same
+    arguments (the agreement's, on uniform routing), reused where the ranks agreed on their
+    choice. Returns each layer's plan by name."""
     out: dict[str, LayerPlan] = {}
     for r in rewritten:
+        mine = (known or {}).get(r.region.name)
+        if mine is not None and mesh_levels is not None and (agreed or {}).get(r.region.name) == mine.plan.strategy:
+            out[r.region.name] = mine
+            continue
         routing = r.routing.cpu().numpy() if r.routing is not None and mesh_levels is None else None
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
                                         dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name))

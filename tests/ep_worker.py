@@ -15,6 +15,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import moe_compile
+from moe_compile import pipeline
 from moe_compile.backend import collect_reports
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.ep import runtime, setup
 from moe_compile.lowering.ep_stages import staged_experts
+from moe_compile.passes import plan as plan_mod
 from moe_compile.samples import SAMPLES
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
@@ -232,6 +236,22 @@ def case_compile() -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def _counting(module: Any, name: str) -> Iterator[list[int]]:
+    """Counts the calls of ``module.name`` inside the block (the real function still runs)."""
+    real, calls = getattr(module, name), [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
+
+
 def _between(code: str, start: str, wait: str, what: str) -> int:
     """Lines calling ``what`` between the first line with ``start`` and the next with ``wait``."""
     lines = code.splitlines()
@@ -427,7 +447,9 @@ def case_plan() -> dict[str, Any]:
         xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
         compiled = torch.compile(layer, backend="hiermoe", options=options)
         g = torch.randn(x.shape, generator=gen)
-        yc, ye = compiled(xc), layer(xe)
+        with _counting(pipeline, "plan_layer") as n_agree, _counting(plan_mod, "plan_layer") as n_pass:
+            yc = compiled(xc)
+        ye = layer(xe)
         (gc,) = torch.autograd.grad(yc, xc, g)
         (ge,) = torch.autograd.grad(ye, xe, g)
         (region,) = report.regions
@@ -435,6 +457,7 @@ def case_plan() -> dict[str, Any]:
         out[f"{hidden} {label}"] = {
             "plan": region.plan, "executable": region.executable, "predicted": region.predicted_s,
             "dedup": lay.dedup, "dimension": lay.dimension, "text": str(report),
+            "plans_made": n_agree[0] + n_pass[0],
             "err": max(rel_err(yc.detach(), ye.detach()), rel_err(gc, ge))}
     return out
 

@@ -141,12 +141,13 @@ def test_planner_choice_decides_what_runs() -> None:
     runs: at H = 4 (fp32, equal links) a deduplicated row's two routing slots cost more than
     dedup saves, so the flat one-copy-per-expert all-to-all runs; at H = 64 HD-d with d* per
     step, predicted HD2 on a slow inter-node link and HD1 on equal links. Outputs and gradients
-    equal eager's."""
+    equal eager's. Each compile plans the layer once: the plan the ranks agreed on is reused."""
     results = run_ranks(4, "plan", shape=[2, 2])
     for rank, res in enumerate(results):
         for case, r in res.items():
             where = (rank, case, r["plan"], r["predicted"])
             assert r["err"] < TOL, where
+            assert r["plans_made"] == 1, where  # the agreement's plan is the one that runs
             assert set(r["executable"]) == {"hd1", "hd2", "flat_a2a", "hier_a2a"}, where
             chosen = r["plan"].split()[0]
             runnable = {k: v for k, v in r["predicted"].items() if k in r["executable"]}
