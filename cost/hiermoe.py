@@ -141,10 +141,26 @@ def t_flat_nodedup_expr() -> sp.Expr:
 
 
 def _t_expr(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol], row: sp.Expr) -> sp.Expr:
+    return sum((a + b for a, b in _phase_exprs(d, inter, intra, row)), sp.Integer(0))
+
+
+def _phase_exprs(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol], row: sp.Expr
+                 ) -> list[tuple[sp.Expr, sp.Expr]]:
+    """Eq. 3's summands, one per phase in order: (fixed latency alpha, transfer n * beta)."""
     assert d >= 1
-    inter_s = sum((alpha_inter_s(i) + n_inter_bytes(i, inter(i), row) * beta_inter_s_per_byte(i)
-                   for i in range(1, d)), sp.Integer(0))
-    return inter_s + alpha_intra_s(d - 1) + n_intra_bytes(d - 1, intra(d - 1), row) * beta_intra_s_per_byte(d - 1)
+    return ([(alpha_inter_s(i), n_inter_bytes(i, inter(i), row) * beta_inter_s_per_byte(i)) for i in range(1, d)]
+            + [(alpha_intra_s(d - 1), n_intra_bytes(d - 1, intra(d - 1), row) * beta_intra_s_per_byte(d - 1))])
+
+
+def phase_times_s(d: int, topology: Topology, workload: Workload, stats: HDStatistics, dedup: bool = True
+                  ) -> list[tuple[float, float]]:
+    """(alpha, transfer seconds) of each phase of one HD-d dispatch (dedup; Eq. 3's summands) or
+    of the no-dedup H-d baseline's (``stats`` then from ``hd_statistics(..., copies=True)``): what
+    the chunked pipeline's model (``cost.pipeline``) divides among chunks."""
+    exprs = (_phase_exprs(d, p_inter_max_tokens, p_intra_max_tokens, dedup_row_bytes) if dedup
+             else _phase_exprs(d, c_inter_max_copies, c_intra_max_copies, copy_row_bytes))
+    return [(_evaluate(a, topology, workload, stats, "max", 10.0), _evaluate(b, topology, workload, stats, "max", 10.0))
+            for a, b in exprs]
 
 
 # substitution -------------------------------------------------------------------------------------

@@ -69,9 +69,9 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
     ``topk_idx`` ([T, K] expert ids of this rank's tokens) gives the routing statistics the
     HierMoE models need; without it, uniform random routing is assumed."""
     allowed = tuple(implemented)
-    compute_s = _compute_s(topology, workload)
-    predicted: dict[str, float] = {"local": compute_s if topology is None or topology.world_size == 1
-                                   else compute_s * topology.world_size}
+    compute = compute_s(topology, workload)
+    predicted: dict[str, float] = {"local": compute if topology is None or topology.world_size == 1
+                                   else compute * topology.world_size}
     params: dict[str, dict[str, Any]] = {"local": {}}
     notes: list[str] = []
     if topology is not None and topology.world_size > 1:
@@ -79,7 +79,7 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
             notes.append(f"{workload.num_experts} experts do not split evenly over {topology.world_size} ranks: "
                          "expert-parallel candidates not evaluated")
         else:
-            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute_s)
+            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute)
             predicted.update(dist_predicted)
             params.update(dist_params)
     choices = [s for s in predicted if s in allowed]
@@ -91,7 +91,8 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
                 notes=tuple(notes))
 
 
-def _compute_s(topology: Topology | None, workload: Workload) -> float:
+def compute_s(topology: Topology | None, workload: Workload) -> float:
+    """Seconds of the layer's expert FFNs on one device (T K tokens' flops at its rate)."""
     flops = workload.num_tokens * workload.top_k * workload.expert_flops_per_token()
     rate = topology.device_flops(0) if topology is not None else 1e12
     return flops / rate

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.fx.node import has_side_effect
 
 from moe_compile.ep import groups, runtime, worker
 from moe_compile.lowering import hier_a2a
@@ -192,22 +193,58 @@ def _stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job],
                             schema=f"({args}) -> Tensor").register_fake(start_fake)
     torch.library.custom_op(f"hiermoe::{name}_wait", wait, mutates_args=(),
                             schema=f"(Tensor ticket, {args}) -> {returns}").register_fake(wait_fake)
+    for suffix in ("", "_start", "_wait"):
+        collective_op(getattr(torch.ops.hiermoe, name + suffix).default)
     return op
+
+
+def collective_op(op: Any) -> None:
+    """Mark ``op`` as communicating: never dead-code-eliminated (FX, AOTAutograd, Inductor) nor
+    recomputed, even when its outputs go unused (an empty chunk's combine, whose rows a
+    concatenation drops): every rank must issue the same collectives, whatever its shapes."""
+    has_side_effect(op)
 
 
 # -- dispatch --------------------------------------------------------------------------------------
 
-_DISPATCH = "Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, int slots"
+@torch.library.custom_op("hiermoe::ep_begin", mutates_args=(), schema="(Tensor x, Tensor topk_idx, int layer) -> Tensor")
+def ep_begin(x: Tensor, topk_idx: Tensor, layer: int) -> Tensor:
+    """The step of a chunked layer (``passes.pipeline``): chooses d from all of the step's tokens
+    (``begin_forward``) once, before its chunks' dispatches, which read it from the returned
+    int64 CPU tensor [d, placement version, runtime layer id]. An unchunked dispatch does this
+    itself."""
+    lay = runtime.resolve(layer)
+    d = begin_forward(lay, x, topk_idx)
+    return torch.tensor([d, lay.version, lay.layer_id], dtype=torch.long)
+
+
+@ep_begin.register_fake
+def _ep_begin_fake(x: Tensor, topk_idx: Tensor, layer: int) -> Tensor:
+    return torch.empty((_HEADER,), dtype=torch.long, device="cpu")
+
+
+collective_op(torch.ops.hiermoe.ep_begin.default)  # the step's statistics exchange
+
+
+# ``chunk``: the chunk's index, only so that two empty chunks' dispatches (the same arguments
+# otherwise) stay two calls: AOTAutograd's common-subexpression elimination would merge them
+_DISPATCH = "Tensor x, Tensor topk_idx, Tensor topk_weights, int layer, int slots, Tensor? step=None, int chunk=0"
 _DISPATCH_OUT = "(Tensor, Tensor, Tensor, Tensor)"
 
 
-def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int) -> Job:
+def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int,
+                  step: Tensor | None = None, chunk: int = 0) -> Job:
     """(rows [R, H], their expert ids [R, S] (-1: no slot), weights [R, S] float32, packed route)
     at this rank after HD-d's dispatch, d chosen for this step. ``slots`` is S (K with dedup, 1
-    without), for the fake. Choosing d runs here, on the caller's thread; the all-to-alls are the
-    job."""
+    without), for the fake. Choosing d runs here, on the caller's thread, or, for one chunk of a
+    chunked layer, ``step`` (``ep_begin``'s) holds it; the all-to-alls are the job."""
     lay = runtime.resolve(layer)
-    d = begin_forward(lay, x, topk_idx)
+    if step is None:
+        d = begin_forward(lay, x, topk_idx)
+    else:
+        d, version, actual = (int(v) for v in step.tolist())
+        assert actual == lay.layer_id, (actual, lay.layer_id)
+        check_version(lay, version)
 
     def job() -> tuple[Tensor, Tensor, Tensor, Tensor]:
         t0 = time.perf_counter()
@@ -219,14 +256,14 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         packed = route.pack([d, lay.version, lay.layer_id])
         # contiguous, as the fake says (the compiler checks the strides of a wait's outputs)
         out = (rows_RH.contiguous(), ids_RS.contiguous(), w_RS.contiguous(), packed)
-        lay.saved_bytes = sum(t.numel() * t.element_size() for t in out)
+        lay.add_saved_bytes(sum(t.numel() * t.element_size() for t in out))
         return out
 
     return x.device, job
 
 
-def _dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int,
+                   step: Tensor | None = None, chunk: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = torch.library.get_ctx()
     num_rows, route_len = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return (x.new_empty((num_rows, x.shape[1])), topk_idx.new_empty((num_rows, slots), dtype=torch.long),
@@ -267,7 +304,7 @@ _stage_ops("ep_dispatch_backward", _DISPATCH_BW, "(Tensor, Tensor)", _dispatch_b
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    x, _, topk_weights, _, _ = inputs
+    x, _, topk_weights, *_ = inputs
     rows, ids, w, route = output
     ctx.mark_non_differentiable(ids, route)
     ctx.save_for_backward(route)
@@ -285,7 +322,7 @@ def _dispatch_backward(ctx: Any, grad_rows: Tensor | None, _g_ids: Any, grad_w: 
         grad_w = grad_rows.new_zeros(ctx.w_rows_shape, dtype=torch.float32)
     d_x, d_tw = torch.ops.hiermoe.ep_dispatch_backward(grad_rows, grad_w, route, ctx.x_shape, ctx.x_dtype,
                                                        ctx.w_shape, ctx.w_dtype)
-    return d_x, None, d_tw, None, None
+    return d_x, None, d_tw, None, None, None, None
 
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

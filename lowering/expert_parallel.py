@@ -48,6 +48,7 @@ from moe_compile.lowering.ep_stages import (
     begin_forward,
     check_version,
     collective,
+    collective_op,
     local_backward,
     local_forward,
 )
@@ -151,3 +152,5 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_dim: Tensor | None) -> tuple[Ten
 
 
 ep_experts.register_autograd(_backward, setup_context=_setup_context)
+collective_op(torch.ops.hiermoe.ep_experts.default)
+collective_op(torch.ops.hiermoe.ep_experts_backward.default)

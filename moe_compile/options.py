@@ -51,6 +51,10 @@ class Options:
         the graph's independent work (a shared expert, ...) between them, forward and backward
         (default True; ``passes.overlap``, ``moe_compile.ep.worker``). False runs each stage
         start to end where it stands.
+    pipeline: with a mesh, run each expert-parallel layer's tokens in n chunks whose dispatch,
+        expert compute and combine overlap (MoNTA; ``cost.pipeline``): "auto" (default) = n per
+        layer from the cost model on the topology (1 where chunking does not pay, or with no
+        topology and a fixed dimension), an int n = that many chunks, False = 1. Needs overlap.
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
@@ -68,6 +72,7 @@ class Options:
     dedup: bool | None = None
     ep_backward: str = "stages"
     overlap: bool = True
+    pipeline: str | int = "auto"
     expert_swap: SwapOptions | None = None
 
 
@@ -116,11 +121,19 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'ep_backward' must be one of {list(EP_BACKWARDS)}, got {kw['ep_backward']!r}")
     if "overlap" in kw and not isinstance(kw["overlap"], bool):
         raise ValueError(f"option 'overlap' must be True or False, got {kw['overlap']!r}")
+    if "pipeline" in kw:
+        pipe = kw["pipeline"]
+        if pipe is False:
+            kw["pipeline"] = 1
+        elif pipe != "auto" and (isinstance(pipe, bool) or not isinstance(pipe, int) or pipe < 1):
+            raise ValueError(f"option 'pipeline' must be 'auto', a chunk count n >= 1 or False, got {pipe!r}")
+        if kw["pipeline"] not in ("auto", 1) and kw.get("overlap") is False:
+            raise ValueError("option 'pipeline' overlaps the chunks' stages, which needs overlap=True; "
+                             "leave 'overlap' out or set 'pipeline': False")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
-                                   or "overlap" in kw):
-        raise ValueError("options 'dimension', 'dedup', 'ep_backward' and 'overlap' set how expert-parallel layers "
-                         "communicate; "
-                         "they need options['mesh'] (a DeviceMesh)")
+                                   or "overlap" in kw or "pipeline" in kw):
+        raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap' and 'pipeline' set how "
+                         "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
         if kw["expert_swap"] is not None and kw.get("mesh") is None:

@@ -119,9 +119,9 @@ def _agreement(ctx: PassContext) -> Agree:
         if d.chosen is None or d.vacuous:
             return None
         lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
-                        dimension=opts.dimension, dedup=opts.dedup)
+                        dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts))
         ctx.own_plans[d.region.name] = lp
-        return lp.plan.strategy
+        return lp.choice
 
     def agree(decisions: list[Decision], routers_left: list[Skip]) -> list[Decision]:
         proposals = []
@@ -159,11 +159,18 @@ def _plan(ctx: PassContext) -> dict[str, int]:
         return {}
     opts = ctx.options
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
-                          dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans)
+                          dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans,
+                          chunks=_chunks(opts))
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1
     return counts
+
+
+def _chunks(opts: Options) -> str | int:
+    """options['pipeline'] where the layer can run chunks: the staged ops with their stages split
+    into start and wait (else chunks would only add latency)."""
+    return opts.pipeline if opts.overlap and opts.ep_backward == "stages" else 1
 
 
 def _mesh_levels(opts: Options) -> int | None:

@@ -39,6 +39,7 @@ class RegionReport:
     expert_params: tuple[tuple[str, ...], ...] = ()  # module paths of each expert tensor family
     parallel: dict[str, Any] | None = None  # filled by explain after running: see ParallelReport keys
     executable: list[str] = field(default_factory=list)  # the candidates the planner could choose
+    pipeline: str = ""  # the chunked pipeline's prediction for the chosen candidate (cost.pipeline)
 
 
 def parallel_summary(layer_id: int) -> dict[str, Any]:
@@ -159,10 +160,12 @@ class Report:
             table.add_column("layer")
             table.add_column("chosen")
             table.add_column("predicted (ms)", overflow="fold")
+            table.add_column("pipeline (chunks)", overflow="fold")
             for r in planned:
                 ranked = sorted(r.predicted_s.items(), key=lambda kv: kv[1])
                 table.add_row(escape(r.name), escape(r.plan), escape(", ".join(
-                    f"{k}{'*' if k in r.executable else ''} {v * 1e3:.3g}" for k, v in ranked)))
+                    f"{k}{'*' if k in r.executable else ''} {v * 1e3:.3g}" for k, v in ranked)),
+                    escape(r.pipeline or "-"))
             console.print(table)
         parallel = [r for r in self.regions if r.parallel is not None]
         if parallel:

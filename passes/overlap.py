@@ -11,11 +11,13 @@ Contract:
     does      replaces each such call ``out = stage(*args)`` by ``t = stage_start(*args)`` and
               ``out = stage_wait(t, *args)`` at the same place (the wait takes the arguments again
               so that the compiler keeps every buffer the stage reads alive until it is done),
-              moves each start up to where its arguments are ready, then moves before each wait every later node that neither depends on it nor comes after a
-              node with side effects (a mutation, a seeded random op, anything not a plain
+              moves each start up to where its arguments are ready, then moves before each wait
+              every later node that neither depends on it (or on a later stage) nor comes after
+              a node with side effects (a mutation, a seeded random op, anything not a plain
               operator): on the caller's thread it runs while the worker thread
               (``moe_compile.ep.worker``) moves the tokens. The stages keep their order among
-              themselves, so every rank issues its collectives in the same order.
+              themselves (the chunked pipeline's order, ``cost.pipeline``), so every rank issues
+              its collectives in the same order.
     guarantees the graph computes what it computed (only the order of independent pure nodes
               changes); ``split_stages`` returns, per graph, the stages split and the nodes moved.
 
@@ -28,7 +30,7 @@ Pseudo-code::
     for w in waits, in graph order:                                  # Step 3: overlap
         dependent = {w}
         for m after w until a node with side effects or the output:
-            if m reads a dependent node: dependent.add(m)
+            if m is another stage or reads a dependent node: dependent.add(m)
             else: move m before w
 """
 
@@ -71,6 +73,13 @@ def _pure(n: fx.Node) -> bool:
     if not isinstance(t, torch._ops.OpOverload):
         return False  # higher-order ops (effects, rng state), Python callables: leave where they are
     return not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags
+
+
+def _communicates(n: fx.Node) -> bool:
+    """A stage op or a step's begin (``ep_stages.collective_op``): collectives, kept in graph order."""
+    t = n.target
+    return (n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "hiermoe"
+            and torch._library.utils.is_impure(t))
 
 
 def _fake_ticket(n: fx.Node) -> Any:
@@ -127,6 +136,10 @@ def split_stages(graph: fx.Graph) -> Split:
         later: list[fx.Node] = []
         m = wait.next
         while m.op != "output" and m.op != "root":
+            if _communicates(m):  # another stage (or a step's begin): stays, in order; what needs it stays too
+                dependent.add(m)
+                m = m.next
+                continue
             if not _pure(m):
                 break
             if any(a in dependent for a in m.all_input_nodes):

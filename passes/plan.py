@@ -28,7 +28,10 @@ from typing import Any
 
 import torch
 
-from moe_compile.cost.planner import Plan, dispatch_strategy, plan
+from moe_compile.cost.hiermoe import phase_times_s
+from moe_compile.cost.pipeline import LayerTimes, Phase, PipelineChoice, choose_chunks
+from moe_compile.cost.planner import Plan, compute_s, dispatch_strategy, plan, uniform_routing
+from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import SLOT_BYTES, Workload
 from moe_compile.lowering.strategies import REGISTRY, Settings, Strategy, executable
@@ -43,22 +46,43 @@ class LayerPlan:
     plan: Plan
     strategy: Strategy | None = None  # None: one process ("local")
     settings: Settings | None = None
+    pipeline: PipelineChoice | None = None  # the chunk counts searched (None: not predicted)
+
+    @property
+    def choice(self) -> str:
+        """What the ranks must agree on: the candidate, and "@n" when it runs in n > 1 chunks."""
+        n = self.settings.chunks if self.settings is not None else 1
+        return self.plan.strategy if n == 1 else f"{self.plan.strategy}@{n}"
 
     def describe(self) -> str:
-        """The chosen candidate and how it runs: "hd2 (hd, d* per step)", "flat_a2a (nodedup, d=1)"."""
+        """The chosen candidate and how it runs: "hd2 (hd, d* per step)", "flat_a2a (nodedup, d=1)",
+        "hd2 (hd, d* per step, 4 chunks)"."""
         if self.strategy is None or self.settings is None:
             return self.plan.strategy
         how = "d* per step" if self.settings.dimension is None else f"d={self.settings.dimension}"
+        if self.settings.chunks > 1:
+            how += f", {self.settings.chunks} chunks"
         return f"{self.plan.strategy} ({self.strategy.name}, {how})"
+
+    def describe_pipeline(self) -> str:
+        """The pipeline's prediction: n, serial and pipelined forward+backward time ("" if none)."""
+        p = self.pipeline
+        if p is None:
+            return ""
+        return (f"n={p.chunks}: predicted fw+bw {p.serial_s * 1e3:.3g} ms serial, "
+                f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{max(p.times_s)})")
 
 
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
-               agreed: str | None = None) -> LayerPlan:
+               agreed: str | None = None, chunks: str | int = 1) -> LayerPlan:
     """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None (uniform
     random routing: what every rank plans expert parallelism on, so that ranks with the same
-    shapes choose alike). ``agreed``: the candidate the ranks agreed on (``ep.agreement``), which
-    overrides this rank's choice; the predictions stay this rank's."""
+    shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
+    ``LayerPlan.choice``), which overrides this rank's; the predictions stay this rank's.
+    ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n) or n."""
+    agreed, _, agreed_chunks = (agreed or "").partition("@")
+    agreed = agreed or None
     work = Workload(num_tokens=region.num_tokens, hidden_size=region.hidden_size, ffn_size=layout.ffn_size,
                     num_experts=region.num_experts, top_k=region.top_k,
                     dtype_bytes=getattr(torch, region.dtype).itemsize, gated=layout.gated,
@@ -80,12 +104,30 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                           notes=(*decided.notes, f"{agreed}: agreed with the other ranks (this rank's own "
                                                  "token count predicts another candidate)"))
     strategy, settings = runnable[decided.strategy]
-    return LayerPlan(decided, strategy, settings)
+    pipe = None if topology is None else _pipeline(topology, work, decided, settings)
+    n = chunks if isinstance(chunks, int) else pipe.chunks if pipe is not None else 1
+    if agreed is not None:
+        n = int(agreed_chunks or 1)
+    return LayerPlan(decided, strategy, replace(settings, chunks=n), pipe)
+
+
+def _pipeline(topology: Topology, work: Workload, decided: Plan, settings: Settings) -> PipelineChoice:
+    """The chunk counts for the chosen candidate (``cost.pipeline``): its d (the candidate's, for
+    d* per step), each phase's latency and transfer from the HierMoE model on uniform routing,
+    dispatch with the routing slots' bytes and combine without."""
+    d = settings.dimension or int(decided.strategy.removeprefix("hd"))  # d* per step: the hd<d> candidate's
+    stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
+
+    def phases(w: Workload) -> tuple[Phase, ...]:
+        return tuple(Phase(a, b) for a, b in phase_times_s(d, topology, w, stats, dedup=settings.dedup))
+
+    times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), compute_s(topology, work))
+    return choose_chunks(times, work.num_tokens)
 
 
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,
               dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
-              known: Mapping[str, LayerPlan] | None = None) -> dict[str, LayerPlan]:
+              known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1) -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
@@ -94,12 +136,13 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
     out: dict[str, LayerPlan] = {}
     for r in rewritten:
         mine = (known or {}).get(r.region.name)
-        if mine is not None and mesh_levels is not None and (agreed or {}).get(r.region.name) == mine.plan.strategy:
+        if mine is not None and mesh_levels is not None and (agreed or {}).get(r.region.name) == mine.choice:
             out[r.region.name] = mine
             continue
         routing = r.routing.cpu().numpy() if r.routing is not None and mesh_levels is None else None
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
-                                        dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name))
+                                        dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name),
+                                        chunks=chunks)
     return out
 
 

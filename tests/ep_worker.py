@@ -190,7 +190,7 @@ def average_grads(model: torch.nn.Module, shard_report: Any) -> None:
 
 def compile_options(mesh: Any) -> dict[str, Any]:
     opts: dict[str, Any] = {"mesh": mesh, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
-    for key in ("dimension", "dedup", "topology", "ep_backward", "kernels"):
+    for key in ("dimension", "dedup", "topology", "ep_backward", "kernels", "pipeline"):
         if key in PARAMS:
             opts[key] = PARAMS[key]
     return opts
@@ -312,6 +312,52 @@ def case_overlap() -> dict[str, Any]:
             res["inductor_fw_between"] = _between(code, "ep_dispatch_start", "ep_dispatch_wait", "mm(")
             res["inductor_bw_between"] = _between(code, "ep_combine_backward_start", "ep_combine_backward_wait", "mm(")
         out[str(overlap)] = res
+    return out
+
+
+def case_pipeline() -> dict[str, Any]:
+    """The tiny LM (grouped GEMM layers) with each layer's tokens in n chunks (options pipeline =
+    n), on 16 tokens per rank and on 3 (so with n = 5 two chunks are empty on every rank), and
+    with pipeline "auto" on a topology where the experts' compute and the transfers are alike.
+    Per case: loss and summed gradients against eager, the dispatch stages in the graph, the
+    plan explain shows, what is left in flight."""
+    from moe_compile.ep import worker
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    links = {n: {"alpha_s": 1e-6, "bandwidth_gbps": 0.01} for n in mesh.mesh_dim_names}
+    balanced = Topology.from_mesh(mesh, links, flops_per_s=2e8)
+    out: dict[str, Any] = {}
+    for label, chunks, shape, topology in (("n2", 2, (2, 8), None), ("n3", 3, (2, 8), None),
+                                           ("n5 empty chunks", 5, (1, 3), None), ("auto", "auto", (2, 8), balanced)):
+        torch._dynamo.reset()
+        model = tiny("grouped_gemm", 8)
+        ref = copy.deepcopy(model)
+        options = {**compile_options(mesh), "pipeline": chunks}
+        if topology is not None:
+            options["topology"] = topology
+        compiled = torch.compile(model, backend="hiermoe", options=options)
+        gen = torch.Generator().manual_seed(10 + rank)
+        ids = torch.randint(0, 32, shape, generator=gen)
+        with collect_reports() as graphs:
+            loss = compiled(ids, ids)
+            loss.backward()
+        loss_ref = ref(ids, ids)
+        loss_ref.backward()
+        errs = []
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            a = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            b = q.grad.clone()
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+            errs.append(rel_err(a, b))
+        code = "\n".join(gr.after for gr in graphs)
+        out[label] = {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": max(errs),
+                      "dispatches": code.count("hiermoe.ep_dispatch.default"), "begins": code.count("hiermoe.ep_begin"),
+                      "plans": [r.plan for g in graphs for r in g.regions],
+                      "pipelines": [r.pipeline for g in graphs for r in g.regions],
+                      "scheduled": [[n, m] for g in graphs for n, m, _ in g.scheduled],
+                      "in_flight": worker.in_flight()}
     return out
 
 

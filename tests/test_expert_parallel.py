@@ -268,3 +268,27 @@ def test_stages_split_into_start_and_wait_with_independent_work_between() -> Non
         # the shared expert: up, gate, down in forward; their input and weight gradients in backward
         assert on["fw_between"] == on["inductor_fw_between"] == 3, (rank, on)
         assert on["bw_between"] == on["inductor_bw_between"] == 6, (rank, on)
+
+
+def test_chunked_pipeline_equals_eager() -> None:
+    """options pipeline = n: each layer's tokens in n chunks (one ep_begin choosing d for the
+    step, n dispatch stages, all split into start and wait), loss and summed gradients equal
+    eager's, also where chunks are empty (3 tokens in 5 chunks); with "auto" on a topology where
+    compute and transfer are alike the cost model runs more than one chunk, and explain says how
+    many, with the serial and pipelined predictions."""
+    results = run_ranks(4, "pipeline", shape=[2, 2], dimension=None, timeout_s=600)
+    for rank, res in enumerate(results):
+        for label, r in res.items():
+            where = (rank, label, r)
+            assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), where
+            assert r["grad_err"] < 1e-5, where
+            assert r["in_flight"] == 0, where
+        for label, n in (("n2", 2), ("n3", 3), ("n5 empty chunks", 5)):
+            r = res[label]
+            assert r["dispatches"] == 2 * n and r["begins"] == 2, (rank, label, r)  # 2 layers
+            assert all(f"{n} chunks" in p for p in r["plans"]), (rank, label, r["plans"])
+            assert [k for k, _ in r["scheduled"]] == [4 * n, 4 * n], (rank, label, r)  # forward, backward: all split
+        auto = res["auto"]
+        n = auto["dispatches"] // 2
+        assert n > 1, auto
+        assert all(p.startswith(f"n={n}: ") and "serial" in p for p in auto["pipelines"]), auto["pipelines"]

@@ -28,4 +28,4 @@ def candidates(num_levels: int, dimension: int | None) -> dict[str, Settings]:
 
 def emit(graph: fx.Graph, args: list[Any], layer_id: int, by_expert: bool, name: str, settings: Settings,
          top_k: int) -> fx.Node:
-    return emit_stages(graph, args, layer_id, by_expert, name, slots=top_k)
+    return emit_stages(graph, args, layer_id, by_expert, name, slots=top_k, chunks=settings.chunks)

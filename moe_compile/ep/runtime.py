@@ -276,9 +276,15 @@ class EPLayer:
     def begin_step(self, d: int) -> None:
         with _lock:
             self.last_dimension = d
+            self.saved_bytes = 0
             self.step_bytes = {}
             self.step_comm_s = {}
             self.num_steps += 1
+
+    def add_saved_bytes(self, num_bytes: int) -> None:
+        """Dispatched rows kept for backward (every chunk's, for a chunked layer)."""
+        with _lock:
+            self.saved_bytes += num_bytes
 
     def add_comm_time(self, direction: str, seconds: float) -> None:
         with _lock:

@@ -1,0 +1,238 @@
+"""One MoE layer's forward + backward in n chunks (the expert-parallel pipeline) against serial, on
+the emulated 2-node cluster (issue 21; cost/pipeline.py, MoNTA Alg. 1-2).
+
+    python bench/bench_pipeline.py                 # as root: the command behind bench/results/pipeline.*
+    python bench/bench_pipeline.py --quick         # K=2 at 400mbit, n in 1,2,4, 3 reps: prints only
+
+Per link rate (a fresh emulated cluster each, bench/clusters/two_node.toml with its node rate
+overridden) and top-k: the layer (moe_compile.samples grouped GEMM, fp32, E experts, H, F,
+T tokens per rank, each rank its own) compiled with hiermoe (mesh node=2,gpu=2, the links fitted
+at start as bench_e2e does, the compute rate measured; inner compiler aot_eager) once per chunk
+count n = 1..max and once with pipeline "auto" (the cost model's n); untimed warmup steps, then
+repetitions that each time one forward + backward of every variant in an order rotated per
+repetition, after a barrier; a step's time is its slowest rank's. Every variant's first output
+and input gradient are checked against n = 1's (rel. err < 1e-5).
+
+Reported: median per n, the speedup of the measured-fastest n and of "auto" over n = 1, the
+model's predicted time per n (cost.pipeline.layer_s) and the bound a perfect overlap gives
+(max of the busiest resource's total and one chunk through all stages, plus the fill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
+
+
+def worker(args: argparse.Namespace) -> None:
+    from bench_hier_a2a import calibrate_local
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile.backend import collect_reports
+    from moe_compile.cost.topology import Topology
+    from moe_compile.samples import SAMPLES
+    from moe_compile.tools.calibrate import measure_compute
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64
+    if int(os.environ["RANK"]) != 0:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("node", "gpu"))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    fitted, _ = calibrate_local(mesh, ("node", "gpu"), (2, world // 2), quick=args.quick)
+    if fitted is None:
+        raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run again")
+    flops, mem_bw = measure_compute(torch.device("cpu"))
+    rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
+    topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
+                        name="the emulated cluster's links, fitted at start; compute measured")
+    say(f"rate {args.rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
+                                          for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
+    results = []
+    for top_k in args.top_k:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = SAMPLES["grouped_gemm"].make(hidden_size=args.hidden, ffn_size=args.ffn, num_experts=args.experts,
+                                             top_k=top_k)
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(args.batch, args.tokens // args.batch, args.hidden, generator=gen)
+        g = torch.randn(x.shape, generator=gen)
+        variants: dict[str, Any] = {}
+        plans: dict[str, str] = {}
+        predicted: dict[str, str] = {}
+        for n in [*args.chunks, "auto"]:
+            options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n}
+            variants[str(n)] = torch.compile(layer, backend="hiermoe", options=options)
+
+        def step(fn: Any, x: torch.Tensor = x, g: torch.Tensor = g) -> tuple[torch.Tensor, torch.Tensor]:
+            xi = x.clone().requires_grad_()
+            y = fn(xi)
+            (gx,) = torch.autograd.grad(y, xi, g)
+            return y.detach(), gx
+
+        ref_y, ref_g = None, None
+        for name, fn in variants.items():
+            with collect_reports() as graphs:
+                y, gx = step(fn)
+            (region,) = [r for gr in graphs for r in gr.regions]
+            plans[name], predicted[name] = region.plan, region.pipeline
+            if ref_y is None:
+                ref_y, ref_g = y, gx
+            err = max(float((y - ref_y).norm() / ref_y.norm()), float((gx - ref_g).norm() / ref_g.norm()))
+            if err > 1e-5:
+                raise RuntimeError(f"K={top_k} pipeline {name}: output differs from n=1's (rel err {err:.1e})")
+            for _ in range(args.warmup):
+                step(fn)
+        names = list(variants)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(args.reps):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(variants[name])
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times[name].append(float(dt))
+        med = {n: statistics.median(v) for n, v in times.items()}
+        chosen = int(plans["auto"].split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plans["auto"] else 1
+        # the model's prediction per n, from the layer's stage times in the "auto" plan's search
+        say(f"  K={top_k}: " + "  ".join(f"n={n} {med[n] * 1e3:.0f} ms" for n in names)
+            + f"  (auto ran n={chosen}; {predicted['auto']})", flush=True)
+        results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen,
+                        "plans": plans, "predicted": predicted})
+        del variants
+    if rank == 0:
+        Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
+                                                            "configs": results}))
+    dist.destroy_process_group()
+
+
+def drive(args: argparse.Namespace, argv: list[str]) -> int:
+    from moe_compile.tools import cluster
+
+    spec = cluster.load_spec(args.cluster)
+    runs = []
+    start = time.perf_counter()
+    for rate in args.rates:
+        out = Path(tempfile.mkdtemp(prefix="pipeline_")) / "rank0.json"
+        code = cluster.run(spec.with_overrides(rate=rate), [sys.executable, str(Path(__file__).resolve()), *argv,
+                                                            "--rate", rate],
+                           timeout_s=args.timeout, env={"PIPE_OUT": str(out)})
+        if code:
+            print(f"bench_pipeline: the ranks exited with {code} at {rate}", file=sys.stderr)
+            return code
+        runs.append(json.loads(out.read_text()))
+    payload = {"command": " ".join(["python bench/bench_pipeline.py", *argv]), "args": vars(args) | {
+        "cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
+        "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0]}
+    text = report(payload)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(payload, indent=1, default=str))
+        Path(f"{args.out}.md").write_text(text)
+    return 0
+
+
+def report(payload: dict[str, Any]) -> str:
+    from machine import cpu_name
+
+    args = payload["args"]
+    lines = ["# MoE layer forward + backward: chunked pipeline against serial, on the emulated cluster", "",
+             f"Command: `{payload['command']}` (as root, from the repository root; cluster `{args['cluster']}` "
+             "with its node rate set per run)", "",
+             f"Machine: {cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}; 4 gloo ranks, 1 torch thread each; {payload['date']}; wall time "
+             f"{payload['wall_s'] / 60:.1f} min; 1-min load average at the end {payload['load_avg_end']:.1f}.", "",
+             f"Layer: moe_compile.samples grouped_gemm, fp32, E={args['experts']}, H={args['hidden']}, "
+             f"F={args['ffn']}, {args['tokens']} tokens per rank; hiermoe over mesh node=2,gpu=2, inner compiler "
+             f"aot_eager, options pipeline = n or \"auto\". {args['reps']} repetitions each timing one forward + "
+             "backward of every variant (rotated order, barrier first, slowest rank's time).", ""]
+    for run in payload["runs"]:
+        topo = run["topology"]
+        lines.append(f"## node link {run['rate']}")
+        lines.append("")
+        lines.append("Topology (fitted at start): " + ", ".join(
+            f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
+            for lv in topo["levels"]) + f"; compute {_first(topo, 'flops_per_s') / 1e9:.1f} GFLOP/s (measured).")
+        lines.append("")
+        lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
+                     " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest | predicted by the model |")
+        lines.append("|" + "---|" * (len(args["chunks"]) + 7))
+        for c in run["configs"]:
+            med = c["median_s"]
+            chunks = [str(n) for n in args["chunks"]]
+            fastest = min(chunks, key=lambda n: med[n])
+            serial = med["1"]
+            within = med["auto"] <= 1.05 * med[fastest]
+            lines.append(f"| {c['top_k']} | " + " | ".join(f"{med[n] * 1e3:.0f}" for n in chunks)
+                         + f" | {med['auto'] * 1e3:.0f} ({c['auto_chunks']}) | {fastest} | {serial / med[fastest]:.2f}x"
+                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {c['predicted']['auto']} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _first(topo: dict[str, Any], key: str) -> float:
+    v = topo["compute"][key] if "compute" in topo else topo[key]
+    return float(v[0] if isinstance(v, list) else v)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="K=2 at 400mbit, n in 1,2,4, 3 reps, prints only")
+    p.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER)
+    p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 400mbit,1gbit)")
+    p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
+    p.add_argument("--top-k", default=None, help="comma-separated (default 2,4,8)")
+    p.add_argument("--chunks", default=None, help="comma-separated chunk counts (default 1..8)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank (default 512)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7; 3 quick)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--out", default=None, help="results path without suffix (default bench/results/pipeline; "
+                                               "--quick: none)")
+    args = p.parse_args(argv)
+    args.rates = (args.rates or ("400mbit" if args.quick else "400mbit,1gbit")).split(",")
+    args.top_k = [int(k) for k in (args.top_k or ("2" if args.quick else "2,4,8")).split(",")]
+    args.chunks = [int(n) for n in (args.chunks or ("1,2,4" if args.quick else "1,2,3,4,5,6,7,8")).split(",")]
+    if args.chunks[0] != 1:
+        raise SystemExit("--chunks must start with 1 (the serial layer every speedup is against)")
+    args.reps = args.reps or (3 if args.quick else 7)
+    if args.out is None and not args.quick:
+        args.out = "bench/results/pipeline"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    return drive(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The chunked expert-parallel pipeline: how long a layer takes when its tokens run in n chunks, and
+the n to run (MoNTA, papers/monta.txt, Alg. 1-2 "Find Optimal Chunk Size", adapted to the staged
+HD-d layer; DESIGN.md "Pipelined chunked streams").
+
+MoNTA splits one AllToAll's data into N chunks along the sequence (its Eq. 4: I_j = I[:, (j-1)s/N :
+js/N, :]) so that the stages of different chunks, which use different resources, run at the same
+time; Alg. 1-2 search N up to the bound where a chunk falls below I_minimal (below it the fixed
+overhead of a collective dominates: more chunks cost more than they hide) and keep the N with the
+least predicted time. Here the stages are the layer's: chunk i's dispatch (HD-d's phases), its
+local expert compute, its combine; the resources are the communication worker
+(``moe_compile.ep.worker``: one FIFO thread per process, so a rank's collectives keep the graph's
+order) and the caller's thread that computes. Rather than MoNTA's closed forms for a two-stage
+pipeline of equal stages (Alg. 1 lines 13-16), the schedule the expert-parallel pass emits is
+simulated exactly, op by op, because it has three stages of unequal length on two resources:
+
+    caller:  start D0, start D1, wait D0, L0, start C0, start D2, wait D1, L1, start C1, start D3, ...,
+             wait D(n-1), L(n-1), start C(n-1), wait C0 .. C(n-1)
+    worker:  D0, D1, C0, D2, C1, D3, C2, ...  (FIFO, in the order the caller started them)
+
+so while the experts compute chunk i, chunk i+1's tokens arrive and chunk i-1's results go back.
+Backward runs the adjoint stages (combine's backward is dispatch-shaped, dispatch's backward
+combine-shaped) with the local backward's compute; it is modelled by the same schedule with the
+directions swapped.
+
+Assumptions (each a term of the model):
+  - a chunk's communication is, per phase, its fixed latency plus 1/n of the phase's transfer time
+    (uniform routing: each chunk sends 1/n of the rows; ``chunk_comm_s``);
+  - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (the stage ops'
+    dispatch on the caller, ``op_overhead_s``, default ``OP_OVERHEAD_S``);
+  - the worker and the caller do not slow each other down (true when the transfer is on a link,
+    not on the cores; on CPU ranks that share cores, measured overlap is less);
+  - backward compute is ``BACKWARD_COMPUTE`` times forward's (the local backward recomputes the
+    activations, then two matmuls per weight).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# the stage ops' fixed cost on the caller per chunk (three custom ops, their Python and the
+# allocator): measured about 0.1 ms on CPU per chunk (bench/bench_pipeline.py prints its fit)
+OP_OVERHEAD_S = 1e-4
+BACKWARD_COMPUTE = 2.0
+MAX_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One all-to-all phase of a stage: its fixed latency and the time its bytes take (whole layer)."""
+
+    alpha_s: float
+    transfer_s: float
+
+    def chunk_s(self, n: int) -> float:
+        return self.alpha_s + self.transfer_s / n
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """An unchunked layer's stage times: dispatch's and combine's phases, the experts' compute."""
+
+    dispatch: tuple[Phase, ...]
+    combine: tuple[Phase, ...]
+    compute_s: float
+
+    def comm_bytes_bound(self) -> float:
+        """The sum of the phases' transfer times (what chunking can hide)."""
+        return sum(p.transfer_s for p in (*self.dispatch, *self.combine))
+
+
+def chunk_comm_s(phases: Sequence[Phase], n: int) -> float:
+    """One chunk's stage: every phase's latency and 1/n of its transfer."""
+    return sum(p.chunk_s(n) for p in phases)
+
+
+def schedule_s(first: float, compute: float, last: float, n: int, overhead_s: float) -> float:
+    """Simulated time of the emitted n-chunk schedule (module docstring) for per-chunk stage times
+    ``first`` (the stage before the experts), ``compute`` and ``last`` (the one after), on one
+    FIFO communication worker and the caller's thread. n = 1 is the serial layer."""
+    worker = caller = 0.0
+    done: dict[tuple[str, int], float] = {}
+
+    def start(kind: str, i: int) -> None:
+        nonlocal worker
+        if 0 <= i < n:
+            worker = max(worker, caller) + (first if kind == "D" else last)
+            done[(kind, i)] = worker
+
+    start("D", 0)
+    start("D", 1)
+    for i in range(n):
+        caller = max(caller, done[("D", i)]) + compute + (overhead_s if n > 1 else 0.0)
+        start("C", i)
+        start("D", i + 2)
+    return max(caller, max(done[("C", i)] for i in range(n)))
+
+
+def layer_s(times: LayerTimes, n: int, overhead_s: float = OP_OVERHEAD_S) -> tuple[float, float]:
+    """(forward, backward) seconds of the layer in n chunks."""
+    d, c = chunk_comm_s(times.dispatch, n), chunk_comm_s(times.combine, n)
+    fw = schedule_s(d, times.compute_s / n, c, n, overhead_s)
+    bw = schedule_s(c, BACKWARD_COMPUTE * times.compute_s / n, d, n, overhead_s)  # the adjoints
+    return fw, bw
+
+
+def chunk_bound(times: LayerTimes, num_tokens: int, max_chunks: int = MAX_CHUNKS) -> int:
+    """MoNTA Alg. 1-2 lines 5-8: the largest n whose chunks keep every phase's transfer at least
+    its fixed latency (a chunk below I_minimal mostly pays latency), at most ``max_chunks`` and
+    the token count (a chunk holds at least one token)."""
+    bound = max_chunks
+    for p in (*times.dispatch, *times.combine):
+        if p.alpha_s > 0:
+            bound = min(bound, max(1, math.floor(p.transfer_s / p.alpha_s)))
+    return max(1, min(bound, num_tokens))
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The chunk count to run and the predicted forward+backward time of every n searched."""
+
+    chunks: int
+    times_s: dict[int, float]
+
+    @property
+    def serial_s(self) -> float:
+        return self.times_s[1]
+
+    @property
+    def pipelined_s(self) -> float:
+        return self.times_s[self.chunks]
+
+
+def choose_chunks(times: LayerTimes, num_tokens: int, *, max_chunks: int = MAX_CHUNKS,
+                  overhead_s: float = OP_OVERHEAD_S) -> PipelineChoice:
+    """MoNTA Alg. 1-2 on the simulated schedule: every n in 1..``chunk_bound``, the least
+    forward+backward time wins, ties to the smaller n (the paper's strict <); n = 1 where chunking
+    does not pay."""
+    bound = chunk_bound(times, num_tokens, max_chunks)
+    predicted = {n: sum(layer_s(times, n, overhead_s)) for n in range(1, bound + 1)}
+    best = min(predicted, key=lambda n: (predicted[n], n))
+    return PipelineChoice(best, predicted)
+
+
+__all__ = ["BACKWARD_COMPUTE", "MAX_CHUNKS", "OP_OVERHEAD_S", "LayerTimes", "Phase", "PipelineChoice",
+           "chunk_bound", "chunk_comm_s", "choose_chunks", "layer_s", "schedule_s"]

@@ -1,0 +1,65 @@
+"""cost/pipeline.py: the chunked pipeline's schedule model and MoNTA Alg. 1-2's chunk choice."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_compile.cost.hiermoe import phase_times_s, t_d_s, t_hier_nodedup_s
+from moe_compile.cost.pipeline import LayerTimes, Phase, choose_chunks, chunk_bound, layer_s, schedule_s
+from moe_compile.cost.planner import uniform_routing
+from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.topology import Level, Topology
+from moe_compile.cost.workload import Workload
+
+times = st.floats(min_value=0.0, max_value=1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=times, compute=times, last=times, n=st.integers(1, 8))
+def test_schedule_between_its_bounds(first: float, compute: float, last: float, n: int) -> None:
+    """Any schedule is no faster than its busiest resource (the worker moves n dispatch and n
+    combine chunks, the caller computes n chunks) nor than one chunk passing all three stages, and
+    no slower than running everything one after the other."""
+    t = schedule_s(first, compute, last, n, 0.0)
+    lower = max(n * (first + last), n * compute, first + compute + last)
+    assert t >= lower * (1 - 1e-12) - 1e-15
+    assert t <= n * (first + compute + last) * (1 + 1e-12) + 1e-15
+
+
+def test_schedule_closed_forms() -> None:
+    """Serial at n = 1; compute-bound: the first chunk's dispatch, all compute, the last combine;
+    communication-bound: the worker never idles."""
+    assert schedule_s(1.0, 2.0, 3.0, 1, 0.5) == 6.0  # no overhead without chunks
+    assert schedule_s(0.1, 1.0, 0.1, 4, 0.0) == pytest.approx(0.1 + 4 * 1.0 + 0.1)
+    assert schedule_s(1.0, 0.01, 1.0, 4, 0.0) == pytest.approx(4 * 2.0)  # compute hides behind the next chunk
+
+
+def test_chunk_count_follows_latency_and_balance() -> None:
+    """Chunks pay where compute and transfer are alike and latency small; not where latency
+    dominates a chunk (MoNTA's I_minimal) or there is nothing to overlap."""
+    balanced = LayerTimes((Phase(1e-5, 0.01),), (Phase(1e-5, 0.01),), 0.02)
+    choice = choose_chunks(balanced, num_tokens=4096)
+    assert choice.chunks > 1 and choice.serial_s / choice.pipelined_s > 1.3, choice
+    assert choice.times_s[1] == pytest.approx(sum(layer_s(balanced, 1)))
+    latency = LayerTimes((Phase(0.01, 0.005),), (Phase(0.01, 0.005),), 0.02)
+    assert chunk_bound(latency, 4096) == 1 and choose_chunks(latency, 4096).chunks == 1
+    no_compute = LayerTimes((Phase(1e-3, 0.01),), (Phase(1e-3, 0.01),), 0.0)
+    assert choose_chunks(no_compute, 4096).chunks == 1  # one worker: chunks only add latency
+    assert choose_chunks(balanced, num_tokens=3).chunks <= 3  # a chunk holds a token
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_phase_times_sum_to_the_hiermoe_model(dedup: bool) -> None:
+    """The phases the pipeline divides add up to HierMoE Eq. 3's t_d (and to the no-dedup H-d)."""
+    topo = Topology(levels=(Level("node", 2, 3e-5, 1 / 12.5e9), Level("gpu", 4, 5e-6, 1 / 150e9)))
+    work = Workload(num_tokens=512, hidden_size=1024, ffn_size=2048, num_experts=16, top_k=4, dtype_bytes=2,
+                    gated=True, slot_bytes=8)
+    stats = hd_statistics(uniform_routing(work), work.num_experts, topo.sizes, copies=True)
+    for d in (1, 2):
+        phases = phase_times_s(d, topo, work, stats, dedup=dedup)
+        assert len(phases) == d
+        total = t_d_s(d, topo, work, stats) if dedup else t_hier_nodedup_s(d, topo, work, stats)
+        assert sum(a + b for a, b in phases) == pytest.approx(total)
+        assert phases[0][0] == 3e-5  # the first phase crosses the node level (HD1: the flat all-to-all)
