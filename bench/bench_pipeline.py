@@ -21,6 +21,7 @@ model's predicted time per n (cost.pipeline.layer_s) and the bound a perfect ove
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -55,9 +56,10 @@ def worker(args: argparse.Namespace) -> None:
         os.dup2(fd, 1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("node", "gpu"))
+    names, sizes = (("node", "gpu"), (2, world // 2)) if world > 2 else (("node",), (2,))
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
     say = print if rank == 0 else (lambda *a, **k: None)
-    fitted, _ = calibrate_local(mesh, ("node", "gpu"), (2, world // 2), quick=args.quick)
+    fitted, _ = calibrate_local(mesh, names, sizes, quick=args.quick)
     if fitted is None:
         raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run again")
     flops, mem_bw = measure_compute(torch.device("cpu"))
@@ -81,7 +83,8 @@ def worker(args: argparse.Namespace) -> None:
         predicted: dict[str, str] = {}
         for n in [*args.chunks, "auto"]:
             options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n}
-            variants[str(n)] = torch.compile(layer, backend="hiermoe", options=options)
+            # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
+            variants[str(n)] = torch.compile(copy.deepcopy(layer), backend="hiermoe", options=options)
 
         def step(fn: Any, x: torch.Tensor = x, g: torch.Tensor = g) -> tuple[torch.Tensor, torch.Tensor]:
             xi = x.clone().requires_grad_()
@@ -135,7 +138,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
     start = time.perf_counter()
     for rate in args.rates:
         out = Path(tempfile.mkdtemp(prefix="pipeline_")) / "rank0.json"
-        code = cluster.run(spec.with_overrides(rate=rate), [sys.executable, str(Path(__file__).resolve()), *argv,
+        code = cluster.run(spec.with_overrides(rate=rate, ranks_per_node=args.ranks_per_node), [sys.executable, str(Path(__file__).resolve()), *argv,
                                                             "--rate", rate],
                            timeout_s=args.timeout, env={"PIPE_OUT": str(out)})
         if code:
@@ -160,10 +163,11 @@ def report(payload: dict[str, Any]) -> str:
     lines = ["# MoE layer forward + backward: chunked pipeline against serial, on the emulated cluster", "",
              f"Command: `{payload['command']}` (as root, from the repository root; cluster `{args['cluster']}` "
              "with its node rate set per run)", "",
-             f"Machine: {cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}; 4 gloo ranks, 1 torch thread each; {payload['date']}; wall time "
+             f"Machine: {cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}; {2 * args['ranks_per_node']} gloo ranks, 1 torch thread each; {payload['date']}; wall time "
              f"{payload['wall_s'] / 60:.1f} min; 1-min load average at the end {payload['load_avg_end']:.1f}.", "",
              f"Layer: moe_compile.samples grouped_gemm, fp32, E={args['experts']}, H={args['hidden']}, "
-             f"F={args['ffn']}, {args['tokens']} tokens per rank; hiermoe over mesh node=2,gpu=2, inner compiler "
+             f"F={args['ffn']}, {args['tokens']} tokens per rank; hiermoe over mesh node=2"
+             + (f",gpu={args['ranks_per_node']}" if args["ranks_per_node"] > 1 else "") + ", inner compiler "
              f"aot_eager, options pipeline = n or \"auto\". {args['reps']} repetitions each timing one forward + "
              "backward of every variant (rotated order, barrier first, slowest rank's time).", ""]
     for run in payload["runs"]:
@@ -201,6 +205,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER)
     p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 400mbit,1gbit)")
     p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="ranks per node (default 2: mesh node=2,gpu=2; 1: mesh node=2, a core per rank here)")
     p.add_argument("--top-k", default=None, help="comma-separated (default 2,4,8)")
     p.add_argument("--chunks", default=None, help="comma-separated chunk counts (default 1..8)")
     p.add_argument("--hidden", type=int, default=256)

@@ -25,8 +25,8 @@ directions swapped.
 Assumptions (each a term of the model):
   - a chunk's communication is, per phase, its fixed latency plus 1/n of the phase's transfer time
     (uniform routing: each chunk sends 1/n of the rows; ``chunk_comm_s``);
-  - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (the stage ops'
-    dispatch on the caller, ``op_overhead_s``, default ``OP_OVERHEAD_S``);
+  - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (``op_overhead_s``,
+    default ``OP_OVERHEAD_S``, measured on CPU ranks);
   - the worker and the caller do not slow each other down (true when the transfer is on a link,
     not on the cores; on CPU ranks that share cores, measured overlap is less);
   - backward compute is ``BACKWARD_COMPUTE`` times forward's (the local backward recomputes the
@@ -39,9 +39,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# the stage ops' fixed cost on the caller per chunk (three custom ops, their Python and the
-# allocator): measured about 0.1 ms on CPU per chunk (bench/bench_pipeline.py prints its fit)
-OP_OVERHEAD_S = 1e-4
+# a chunk's fixed cost per direction beyond its collectives' latencies: its stage ops (Python, the
+# route, the split sizes' exchange), the smaller matmuls of a smaller chunk, the comm thread's
+# copies competing with the caller for the core. bench/results/pipeline.md (CPU ranks on gloo, a
+# core each, 400 Mbit): forward + backward grew 4-13 ms per chunk beyond 3 chunks, about 2 ms per
+# chunk and direction at n = 2-3
+OP_OVERHEAD_S = 2e-3
 BACKWARD_COMPUTE = 2.0
 MAX_CHUNKS = 8
 
@@ -106,13 +109,14 @@ def layer_s(times: LayerTimes, n: int, overhead_s: float = OP_OVERHEAD_S) -> tup
 
 
 def chunk_bound(times: LayerTimes, num_tokens: int, max_chunks: int = MAX_CHUNKS) -> int:
-    """MoNTA Alg. 1-2 lines 5-8: the largest n whose chunks keep every phase's transfer at least
-    its fixed latency (a chunk below I_minimal mostly pays latency), at most ``max_chunks`` and
-    the token count (a chunk holds at least one token)."""
-    bound = max_chunks
-    for p in (*times.dispatch, *times.combine):
-        if p.alpha_s > 0:
-            bound = min(bound, max(1, math.floor(p.transfer_s / p.alpha_s)))
+    """MoNTA Alg. 1-2 lines 5-8: the largest n whose chunks still carry at least I_minimal, read as
+    the size at which a chunk's transfer equals its fixed latency, over the whole stage (the
+    phases' transfers against their latencies summed: a fast phase with a large latency, like a
+    loopback level, does not forbid chunking the slow one; its latencies are in the simulation);
+    at most ``max_chunks`` and the token count (a chunk holds at least one token)."""
+    phases = (*times.dispatch, *times.combine)
+    alpha = sum(p.alpha_s for p in phases)
+    bound = max_chunks if alpha <= 0 else min(max_chunks, max(1, math.floor(times.comm_bytes_bound() / alpha)))
     return max(1, min(bound, num_tokens))
 
 

@@ -169,8 +169,13 @@ def _plan(ctx: PassContext) -> dict[str, int]:
 
 def _chunks(opts: Options) -> str | int:
     """options['pipeline'] where the layer can run chunks: the staged ops with their stages split
-    into start and wait (else chunks would only add latency)."""
-    return opts.pipeline if opts.overlap and opts.ep_backward == "stages" else 1
+    into start and wait (else chunks would only add latency); "auto" is 1 on CUDA, where a stage
+    still runs where it is started (``ep.worker``: no side stream yet), an explicit n stays."""
+    if not opts.overlap or opts.ep_backward != "stages":
+        return 1
+    if opts.pipeline == "auto" and getattr(opts.mesh, "device_type", "cpu") == "cuda":
+        return 1
+    return opts.pipeline
 
 
 def _mesh_levels(opts: Options) -> int | None:

@@ -105,9 +105,12 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                                                  "token count predicts another candidate)"))
     strategy, settings = runnable[decided.strategy]
     pipe = None if topology is None else _pipeline(topology, work, decided, settings)
-    n = chunks if isinstance(chunks, int) else pipe.chunks if pipe is not None else 1
-    if agreed is not None:
+    if isinstance(chunks, int):  # the user's n: the same option on every rank
+        n = chunks
+    elif agreed is not None:
         n = int(agreed_chunks or 1)
+    else:
+        n = pipe.chunks if pipe is not None else 1
     return LayerPlan(decided, strategy, replace(settings, chunks=n), pipe)
 
 

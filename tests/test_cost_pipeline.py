@@ -39,12 +39,14 @@ def test_schedule_closed_forms() -> None:
 def test_chunk_count_follows_latency_and_balance() -> None:
     """Chunks pay where compute and transfer are alike and latency small; not where latency
     dominates a chunk (MoNTA's I_minimal) or there is nothing to overlap."""
-    balanced = LayerTimes((Phase(1e-5, 0.01),), (Phase(1e-5, 0.01),), 0.02)
+    balanced = LayerTimes((Phase(1e-4, 0.1),), (Phase(1e-4, 0.1),), 0.2)
     choice = choose_chunks(balanced, num_tokens=4096)
     assert choice.chunks > 1 and choice.serial_s / choice.pipelined_s > 1.3, choice
     assert choice.times_s[1] == pytest.approx(sum(layer_s(balanced, 1)))
     latency = LayerTimes((Phase(0.01, 0.005),), (Phase(0.01, 0.005),), 0.02)
     assert chunk_bound(latency, 4096) == 1 and choose_chunks(latency, 4096).chunks == 1
+    loopback = LayerTimes((Phase(0.0, 0.2), Phase(1e-3, 1e-4)), (Phase(1e-3, 1e-4), Phase(0.0, 0.2)), 0.2)
+    assert chunk_bound(loopback, 4096) > 1 and choose_chunks(loopback, 4096).chunks > 1  # a fast level's latency
     no_compute = LayerTimes((Phase(1e-3, 0.01),), (Phase(1e-3, 0.01),), 0.0)
     assert choose_chunks(no_compute, 4096).chunks == 1  # one worker: chunks only add latency
     assert choose_chunks(balanced, num_tokens=3).chunks <= 3  # a chunk holds a token
