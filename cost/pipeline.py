@@ -47,6 +47,10 @@ from dataclasses import dataclass
 OP_OVERHEAD_S = 2e-3
 BACKWARD_COMPUTE = 2.0
 MAX_CHUNKS = 8
+# chunks run only where the model predicts at least this fraction saved: its error is larger than
+# a few per cent (bench/results/pipeline.md: at 1 Gbit it predicted 1-2 % saved by 2 chunks where
+# they measured 6 % slower)
+MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -137,15 +141,17 @@ class PipelineChoice:
 
 
 def choose_chunks(times: LayerTimes, num_tokens: int, *, max_chunks: int = MAX_CHUNKS,
-                  overhead_s: float = OP_OVERHEAD_S) -> PipelineChoice:
+                  overhead_s: float = OP_OVERHEAD_S, min_gain: float = MIN_GAIN) -> PipelineChoice:
     """MoNTA Alg. 1-2 on the simulated schedule: every n in 1..``chunk_bound``, the least
     forward+backward time wins, ties to the smaller n (the paper's strict <); n = 1 where chunking
-    does not pay."""
+    does not pay, or saves less than ``min_gain`` of the serial time."""
     bound = chunk_bound(times, num_tokens, max_chunks)
     predicted = {n: sum(layer_s(times, n, overhead_s)) for n in range(1, bound + 1)}
     best = min(predicted, key=lambda n: (predicted[n], n))
+    if predicted[best] > (1.0 - min_gain) * predicted[1]:
+        best = 1
     return PipelineChoice(best, predicted)
 
 
-__all__ = ["BACKWARD_COMPUTE", "MAX_CHUNKS", "OP_OVERHEAD_S", "LayerTimes", "Phase", "PipelineChoice",
+__all__ = ["BACKWARD_COMPUTE", "MAX_CHUNKS", "MIN_GAIN", "OP_OVERHEAD_S", "LayerTimes", "Phase", "PipelineChoice",
            "chunk_bound", "chunk_comm_s", "choose_chunks", "layer_s", "schedule_s"]

@@ -50,6 +50,10 @@ def test_chunk_count_follows_latency_and_balance() -> None:
     no_compute = LayerTimes((Phase(1e-3, 0.01),), (Phase(1e-3, 0.01),), 0.0)
     assert choose_chunks(no_compute, 4096).chunks == 1  # one worker: chunks only add latency
     assert choose_chunks(balanced, num_tokens=3).chunks <= 3  # a chunk holds a token
+    marginal = LayerTimes((Phase(1e-4, 0.01),), (Phase(1e-4, 0.01),), 0.0005)
+    choice = choose_chunks(marginal, 4096)
+    best = min(choice.times_s.values())
+    assert best < choice.serial_s and best > 0.95 * choice.serial_s and choice.chunks == 1, choice  # < 5 %: serial
 
 
 @pytest.mark.parametrize("dedup", [True, False])
