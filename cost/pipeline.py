@@ -7,15 +7,16 @@ js/N, :]) so that the stages of different chunks, which use different resources,
 time; Alg. 1-2 search N up to the bound where a chunk falls below I_minimal (below it the fixed
 overhead of a collective dominates: more chunks cost more than they hide) and keep the N with the
 least predicted time. Here the stages are the layer's: chunk i's dispatch (HD-d's phases), its
-local expert compute, its combine; the resources are the communication worker
-(``moe_compile.ep.worker``: one FIFO thread per process, so a rank's collectives keep the graph's
-order) and the caller's thread that computes. Rather than MoNTA's closed forms for a two-stage
+local expert compute, its combine; the resources are the communication worker's lanes
+(``moe_compile.ep.worker``: a thread per process group, i.e. per HD-d phase, each running its
+phases in graph order, so chunk i's intra-node phase runs beside chunk i+1's inter-node phase:
+MoNTA's AllToAll and AllGather streams) and the caller's thread that computes. Rather than MoNTA's closed forms for a two-stage
 pipeline of equal stages (Alg. 1 lines 13-16), the schedule the expert-parallel pass emits is
 simulated exactly, op by op, because it has three stages of unequal length on two resources:
 
     caller:  start D0, start D1, wait D0, L0, start C0, start D2, wait D1, L1, start C1, start D3, ...,
              wait D(n-1), L(n-1), start C(n-1), wait C0 .. C(n-1)
-    worker:  D0, D1, C0, D2, C1, D3, C2, ...  (FIFO, in the order the caller started them)
+    lanes:   D0, D1, C0, D2, C1, D3, C2, ...  (each lane in the order the caller started them)
 
 so while the experts compute chunk i, chunk i+1's tokens arrive and chunk i-1's results go back.
 Backward runs the adjoint stages (combine's backward is dispatch-shaped, dispatch's backward
@@ -82,18 +83,30 @@ def chunk_comm_s(phases: Sequence[Phase], n: int) -> float:
     return sum(p.chunk_s(n) for p in phases)
 
 
-def schedule_s(first: float, compute: float, last: float, n: int, overhead_s: float) -> float:
+Stage = float | Sequence[tuple[int, float]]  # one phase on lane 0, or (lane, seconds) per phase
+
+
+def schedule_s(first: Stage, compute: float, last: Stage, n: int, overhead_s: float) -> float:
     """Simulated time of the emitted n-chunk schedule (module docstring) for per-chunk stage times
-    ``first`` (the stage before the experts), ``compute`` and ``last`` (the one after), on one
-    FIFO communication worker and the caller's thread. n = 1 is the serial layer."""
-    worker = caller = 0.0
+    ``first`` (the stage before the experts), ``compute`` and ``last`` (the one after): each a
+    time on one lane, or its phases as (lane, seconds); the lanes are the communication worker's
+    threads, one per process group (``moe_compile.ep.worker``), each running its phases in the
+    order the stages were started, a stage's phases one after the other; the caller computes.
+    n = 1 is the serial layer."""
+    def phases(stage: Stage) -> Sequence[tuple[int, float]]:
+        return [(0, stage)] if isinstance(stage, int | float) else stage
+
+    lanes: dict[int, float] = {}
+    caller = 0.0
     done: dict[tuple[str, int], float] = {}
 
     def start(kind: str, i: int) -> None:
-        nonlocal worker
         if 0 <= i < n:
-            worker = max(worker, caller) + (first if kind == "D" else last)
-            done[(kind, i)] = worker
+            t = caller
+            for lane, seconds in phases(first if kind == "D" else last):
+                t = max(t, lanes.get(lane, 0.0)) + seconds
+                lanes[lane] = t
+            done[(kind, i)] = t
 
     start("D", 0)
     start("D", 1)
@@ -104,9 +117,16 @@ def schedule_s(first: float, compute: float, last: float, n: int, overhead_s: fl
     return max(caller, max(done[("C", i)] for i in range(n)))
 
 
+def _lanes(phases: Sequence[Phase], n: int, reverse: bool) -> list[tuple[int, float]]:
+    """A stage's chunk phases on their lanes: dispatch's phase j on lane j (its own group), the
+    combine's phases the same groups in reverse."""
+    k = len(phases)
+    return [(k - 1 - j if reverse else j, p.chunk_s(n)) for j, p in enumerate(phases)]
+
+
 def layer_s(times: LayerTimes, n: int, overhead_s: float = OP_OVERHEAD_S) -> tuple[float, float]:
     """(forward, backward) seconds of the layer in n chunks."""
-    d, c = chunk_comm_s(times.dispatch, n), chunk_comm_s(times.combine, n)
+    d, c = _lanes(times.dispatch, n, False), _lanes(times.combine, n, True)
     fw = schedule_s(d, times.compute_s / n, c, n, overhead_s)
     bw = schedule_s(c, BACKWARD_COMPUTE * times.compute_s / n, d, n, overhead_s)  # the adjoints
     return fw, bw

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -159,7 +159,8 @@ def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
     lay.add_comm_time(direction, time.perf_counter() - t0)
 
 
-Job = tuple[torch.device, Callable[[], Any]]
+# (device, the stage's phases as a generator: hier_a2a.*_steps wrapped, their process groups)
+Job = tuple[torch.device, Generator[Any, None, Any], list[Any]]
 # the stages whose collectives are split into start and wait (``passes.overlap``)
 SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward")
 
@@ -173,10 +174,11 @@ def _stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job],
     returns (device, the collectives as a job); ``fake`` is ``<name>``'s fake. Returns the op."""
 
     def run(*a: Any) -> Any:
-        return worker.run(*make_job(*a))
+        device, steps, _ = make_job(*a)
+        return worker.run(device, lambda: hier_a2a.run_steps(steps))
 
     def start(*a: Any) -> Tensor:
-        return worker.start(*make_job(*a))
+        return worker.start_steps(*make_job(*a))
 
     def wait(ticket: Tensor, *a: Any) -> Any:
         return worker.wait(ticket)
@@ -246,11 +248,13 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         assert actual == lay.layer_id, (actual, lay.layer_id)
         check_version(lay, version)
 
-    def job() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    phases = lay.comm.phases(d)
+
+    def job() -> Generator[Any, None, tuple[Tensor, Tensor, Tensor, Tensor]]:
         t0 = time.perf_counter()
         with collective(lay, f"the forward dispatch all-to-alls ({phase_names(d, lay)})"):
-            rows_RH, ids_RS, w_RS, route = hier_a2a.dispatch(x, topk_idx, topk_weights, lay.expert_pos_E,
-                                                             lay.comm.phases(d), lay.dedup, "forward", lay.layer_id)
+            rows_RH, ids_RS, w_RS, route = yield from hier_a2a.dispatch_steps(
+                x, topk_idx, topk_weights, lay.expert_pos_E, phases, lay.dedup, "forward", lay.layer_id)
         _timed(lay, "forward", t0)
         assert ids_RS.shape[1] == slots, (ids_RS.shape, slots)
         packed = route.pack([d, lay.version, lay.layer_id])
@@ -259,7 +263,7 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         lay.add_saved_bytes(sum(t.numel() * t.element_size() for t in out))
         return out
 
-    return x.device, job
+    return x.device, job(), [p.group for p in phases]
 
 
 def _dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int,
@@ -284,15 +288,16 @@ def _dispatch_backward_job(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_s
     along the route (combine-shaped), the routing-weight gradients as float32 per-slot metadata."""
     lay, d, rt = _route(route, grad_rows.device)
 
-    def job() -> tuple[Tensor, Tensor]:
+    def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
         t0 = time.perf_counter()
         with collective(lay, f"the backward combine all-to-alls ({phase_names(d, lay)})"):
-            d_x, d_tw = hier_a2a.combine(grad_rows.to(x_dtype), rt, "backward", meta_RS=grad_w.float())
+            d_x, d_tw = yield from hier_a2a.combine_steps(grad_rows.to(x_dtype), rt, "backward",
+                                                          meta_RS=grad_w.float())
         _timed(lay, "backward", t0)
         assert d_tw is not None and list(d_x.shape) == list(x_shape) and list(d_tw.shape) == list(w_shape)
         return d_x.contiguous(), d_tw.to(w_dtype).contiguous()
 
-    return grad_rows.device, job
+    return grad_rows.device, job(), [hop.phase.group for hop in reversed(rt.hops)]
 
 
 def _dispatch_backward_fake(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_shape: list[int],
@@ -412,14 +417,14 @@ def _combine_job(partial: Tensor, route: Tensor, num_tokens: int) -> Job:
     sums at every relay, sent in the rows' dtype)."""
     lay, d, rt = _route(route, partial.device)
 
-    def job() -> Tensor:
+    def job() -> Generator[Any, None, Tensor]:
         t0 = time.perf_counter()
         with collective(lay, f"the forward combine all-to-alls ({phase_names(d, lay)})"):
-            y, _ = hier_a2a.combine(partial, rt, "forward")
+            y, _ = yield from hier_a2a.combine_steps(partial, rt, "forward")
         _timed(lay, "forward", t0)
         return y.contiguous()
 
-    return partial.device, job
+    return partial.device, job(), [hop.phase.group for hop in reversed(rt.hops)]
 
 
 def _combine_fake(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
@@ -435,15 +440,15 @@ def _combine_backward_job(grad_y: Tensor, route: Tensor, num_rows: int) -> Job:
     the route (dispatch-shaped; payload only, the split sizes are the route's)."""
     lay, d, rt = _route(route, grad_y.device)
 
-    def job() -> Tensor:
+    def job() -> Generator[Any, None, Tensor]:
         t0 = time.perf_counter()
         with collective(lay, f"the backward dispatch all-to-alls ({phase_names(d, lay)})"):
-            rows = hier_a2a.redispatch(grad_y.contiguous(), rt, "backward")
+            rows = yield from hier_a2a.redispatch_steps(grad_y.contiguous(), rt, "backward")
         _timed(lay, "backward", t0)
         assert rows.shape[0] == num_rows, (rows.shape, num_rows)
         return rows.contiguous()
 
-    return grad_y.device, job
+    return grad_y.device, job(), [hop.phase.group for hop in rt.hops]
 
 
 def _combine_backward_fake(grad_y: Tensor, route: Tensor, num_rows: int) -> Tensor:

@@ -27,7 +27,9 @@ Legend: T tokens, K top-k, H hidden size, R rows held at a phase, S slots per ro
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,6 +124,18 @@ def _count(layer_id: int, phase: Phase, counts: list[int], row_bytes: int, meta_
                        meta_messages=int(count_msg_bytes > 0))  # slots travel in the rows' message
 
 
+Steps = Generator[dist.ProcessGroup, None, Any]
+
+
+def run_steps(steps: Steps) -> Any:
+    """Run a stage's phases one after the other on this thread (see ``dispatch_steps``)."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as stop:
+        return stop.value
+
+
 def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E: Tensor, phases: list[Phase],
              dedup: bool, direction: str, layer_id: int = -1) -> tuple[Tensor, Tensor, Tensor, Route]:
     """Send rows of ``x_TH`` (any number of columns) to the ranks holding their experts.
@@ -129,6 +143,15 @@ def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E
     Returns (rows [R, C] received at the last phase, their expert ids [R, S] (-1 = no slot),
     their weights [R, S] float32, the route). Collectives: per phase, one all-to-all of the
     split sizes, one of the rows with their slots (ids and weights, as bytes after each row)."""
+    return run_steps(dispatch_steps(x_TH, topk_idx_TK, weights_TK, expert_pos_E, phases, dedup, direction, layer_id))
+
+
+def dispatch_steps(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E: Tensor, phases: list[Phase],
+                   dedup: bool, direction: str, layer_id: int = -1) -> Steps:
+    """``dispatch`` as a generator that yields each phase's process group before the phase's
+    collectives and returns the result: a driver can run each phase on a thread of its own group
+    (``moe_compile.ep.worker.start_steps``), so that phase 2 of one chunk and phase 1 of the next
+    are in flight together (MoNTA's AllToAll / AllGather streams, Fig. 6-7)."""
     num_tokens, top_k = topk_idx_TK.shape
     ids_RS = topk_idx_TK.long()
     w_RS = weights_TK.float()
@@ -139,6 +162,7 @@ def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E
     hops = []
     row_bytes = rows.shape[1] * rows.element_size()
     for phase in phases:
+        yield phase.group
         num_peers = len(phase.peer_pos)
         valid = ids_RS >= 0
         peer_RS = phase.dest_peer_G[expert_pos_E[ids_RS.clamp(min=0)]]
@@ -170,9 +194,15 @@ def redispatch(x_TC: Tensor, route: Route, direction: str) -> Tensor:
     slots). The backward of ``combine``: a token's output gradient reaches every row its
     experts' partial results came from. Returns [R, C] aligned with the rows ``dispatch``
     delivered."""
+    return run_steps(redispatch_steps(x_TC, route, direction))
+
+
+def redispatch_steps(x_TC: Tensor, route: Route, direction: str) -> Steps:
+    """``redispatch`` yielding each hop's process group first (``dispatch_steps``)."""
     rows = x_TC if route.dedup else x_TC.repeat_interleave(route.top_k, dim=0)
     row_bytes = rows.shape[1] * rows.element_size()
     for hop in route.hops:
+        yield hop.phase.group
         rows = _a2a(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
         _count(route.layer_id, hop.phase, hop.send_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
     return rows
@@ -185,11 +215,17 @@ def combine(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | Non
     ``rows_RC`` are results for the rows ``dispatch`` delivered; ``meta_RS`` optional float32
     per-slot values (routing-weight gradients) that travel back the same way. Sums run in float32
     and are sent in ``rows_RC.dtype``. Returns ([T, C], [T, K] or None)."""
+    return run_steps(combine_steps(rows_RC, route, direction, meta_RS))
+
+
+def combine_steps(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | None = None) -> Steps:
+    """``combine`` yielding each hop's process group first, last hop first (``dispatch_steps``)."""
     out_dtype = rows_RC.dtype
     acc = rows_RC.float()
     meta = meta_RS
     row_bytes = rows_RC.shape[1] * rows_RC.element_size()
     for hop in reversed(route.hops):
+        yield hop.phase.group
         meta_bytes = 0
         if meta is None:
             back = _a2a(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)

@@ -69,3 +69,14 @@ def test_phase_times_sum_to_the_hiermoe_model(dedup: bool) -> None:
         total = t_d_s(d, topo, work, stats) if dedup else t_hier_nodedup_s(d, topo, work, stats)
         assert sum(a + b for a, b in phases) == pytest.approx(total)
         assert phases[0][0] == 3e-5  # the first phase crosses the node level (HD1: the flat all-to-all)
+
+
+def test_lanes_overlap_the_levels() -> None:
+    """Two phases on two lanes (an inter-node and an intra-node group): chunk i+1's first phase runs
+    beside chunk i's second, so n chunks take about n times the slower phase plus the faster once
+    (MoNTA Alg. 1 lines 13-16), where one lane would take n times both."""
+    inter, intra = 1.0, 0.5
+    two = schedule_s([(0, inter), (1, intra)], 0.0, [], 4, 0.0)  # dispatches alone
+    one = schedule_s([(0, inter), (0, intra)], 0.0, [], 4, 0.0)
+    assert two == pytest.approx(4 * inter + intra)
+    assert one == pytest.approx(4 * (inter + intra))
