@@ -14,8 +14,8 @@ Contract:
               moves each start up to where its arguments are ready, then moves before each wait
               every later node that neither depends on it (or on a later stage) nor comes after
               a node with side effects (a mutation, a seeded random op, anything not a plain
-              operator): on the caller's thread it runs while the worker thread
-              (``moe_compile.ep.worker``) moves the tokens. The stages keep their order among
+              operator): on the caller's thread it runs while the worker's lanes
+              (``moe_compile.ep.worker``) move the tokens. The stages keep their order among
               themselves (the chunked pipeline's order, ``cost.pipeline``), so every rank issues
               its collectives in the same order.
     guarantees the graph computes what it computed (only the order of independent pure nodes
