@@ -280,7 +280,10 @@ def case_overlap() -> dict[str, Any]:
         torch._dynamo.reset()
         model = tiny("deepseek_v3", 8)
         ref = copy.deepcopy(model)
-        compiled = torch.compile(model, backend="hiermoe", options={**compile_options(mesh), "overlap": overlap})
+        options = {**compile_options(mesh), "overlap": overlap}
+        if not overlap:  # nothing to find in Inductor's code: the cheaper compiler checks the values
+            options["inner_compiler"] = "aot_eager"
+        compiled = torch.compile(model, backend="hiermoe", options=options)
 
         def step(compiled: Any = compiled) -> torch.Tensor:
             loss = compiled(ids, ids)
@@ -328,8 +331,7 @@ def case_pipeline() -> dict[str, Any]:
     links = {n: {"alpha_s": 1e-6, "bandwidth_gbps": 0.001} for n in mesh.mesh_dim_names}
     balanced = Topology.from_mesh(mesh, links, flops_per_s=2e7)  # tens of ms each: chunks pay in the model
     out: dict[str, Any] = {}
-    for label, chunks, shape, topology in (("n3", 3, (2, 8), None), ("n5 empty chunks", 5, (1, 3), None),
-                                           ("auto", "auto", (2, 8), balanced)):
+    for label, chunks, shape, topology in (("n5 empty chunks", 5, (1, 3), None), ("auto", "auto", (2, 8), balanced)):
         torch._dynamo.reset()
         model = tiny("grouped_gemm", 8)
         ref = copy.deepcopy(model)
