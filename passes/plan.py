@@ -69,8 +69,16 @@ class LayerPlan:
         p = self.pipeline
         if p is None:
             return ""
+        top = max(p.times_s)
+        if p.chunks == 1:
+            others = {n: t for n, t in p.times_s.items() if n > 1}
+            if not others:
+                return f"n=1: predicted fw+bw {p.serial_s * 1e3:.3g} ms; chunks below MoNTA's bound (none searched)"
+            n = min(others, key=others.__getitem__)
+            return (f"n=1: predicted fw+bw {p.serial_s * 1e3:.3g} ms serial, at best {others[n] * 1e3:.3g} ms in {n} "
+                    f"chunks (searched n=2..{top}; chunks need 5 % saved)")
         return (f"n={p.chunks}: predicted fw+bw {p.serial_s * 1e3:.3g} ms serial, "
-                f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{max(p.times_s)})")
+                f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{top})")
 
 
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
