@@ -25,7 +25,7 @@ directions swapped.
 
 Assumptions (each a term of the model):
   - a chunk's communication is, per phase, its fixed latency plus 1/n of the phase's transfer time
-    (uniform routing: each chunk sends 1/n of the rows; ``chunk_comm_s``);
+    (uniform routing: each chunk sends 1/n of the rows; ``Phase.chunk_s``);
   - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (``op_overhead_s``,
     default ``OP_OVERHEAD_S``, measured on CPU ranks);
   - the worker and the caller do not slow each other down (true when the transfer is on a link,
@@ -72,15 +72,6 @@ class LayerTimes:
     dispatch: tuple[Phase, ...]
     combine: tuple[Phase, ...]
     compute_s: float
-
-    def comm_bytes_bound(self) -> float:
-        """The sum of the phases' transfer times (what chunking can hide)."""
-        return sum(p.transfer_s for p in (*self.dispatch, *self.combine))
-
-
-def chunk_comm_s(phases: Sequence[Phase], n: int) -> float:
-    """One chunk's stage: every phase's latency and 1/n of its transfer."""
-    return sum(p.chunk_s(n) for p in phases)
 
 
 Stage = float | Sequence[tuple[int, float]]  # one phase on lane 0, or (lane, seconds) per phase
@@ -139,8 +130,8 @@ def chunk_bound(times: LayerTimes, num_tokens: int, max_chunks: int = MAX_CHUNKS
     loopback level, does not forbid chunking the slow one; its latencies are in the simulation);
     at most ``max_chunks`` and the token count (a chunk holds at least one token)."""
     phases = (*times.dispatch, *times.combine)
-    alpha = sum(p.alpha_s for p in phases)
-    bound = max_chunks if alpha <= 0 else min(max_chunks, max(1, math.floor(times.comm_bytes_bound() / alpha)))
+    alpha, transfer = sum(p.alpha_s for p in phases), sum(p.transfer_s for p in phases)
+    bound = max_chunks if alpha <= 0 else min(max_chunks, max(1, math.floor(transfer / alpha)))
     return max(1, min(bound, num_tokens))
 
 
@@ -174,4 +165,4 @@ def choose_chunks(times: LayerTimes, num_tokens: int, *, max_chunks: int = MAX_C
 
 
 __all__ = ["BACKWARD_COMPUTE", "MAX_CHUNKS", "MIN_GAIN", "OP_OVERHEAD_S", "LayerTimes", "Phase", "PipelineChoice",
-           "chunk_bound", "chunk_comm_s", "choose_chunks", "layer_s", "schedule_s"]
+           "chunk_bound", "choose_chunks", "layer_s", "schedule_s"]

@@ -171,7 +171,8 @@ def _stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job],
     returns the worker's ticket, ``moe_compile.ep.worker``) and ``<name>_wait`` (the ticket, then
     the same arguments again, so that everything the stage reads stays alive until it is done;
     returns what ``<name>`` returns). ``make_job`` does the caller-side part of the stage and
-    returns (device, the collectives as a job); ``fake`` is ``<name>``'s fake. Returns the op."""
+    returns a ``Job`` (the device, the stage's phases as a generator, their process groups);
+    ``fake`` is ``<name>``'s fake. Returns the op."""
 
     def run(*a: Any) -> Any:
         device, steps, _ = make_job(*a)
@@ -200,18 +201,23 @@ def _stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job],
     return op
 
 
+# every op that communicates (``collective_op``): passes.overlap keeps them in graph order
+COLLECTIVE_OPS: set[Any] = set()
+
+
 def collective_op(op: Any) -> None:
     """Mark ``op`` as communicating: never dead-code-eliminated (FX, AOTAutograd, Inductor) nor
     recomputed, even when its outputs go unused (an empty chunk's combine, whose rows a
     concatenation drops): every rank must issue the same collectives, whatever its shapes."""
     has_side_effect(op)
+    COLLECTIVE_OPS.add(op)
 
 
 # -- dispatch --------------------------------------------------------------------------------------
 
 @torch.library.custom_op("hiermoe::ep_begin", mutates_args=(), schema="(Tensor x, Tensor topk_idx, int layer) -> Tensor")
 def ep_begin(x: Tensor, topk_idx: Tensor, layer: int) -> Tensor:
-    """The step of a chunked layer (``passes.pipeline``): chooses d from all of the step's tokens
+    """The step of a chunked layer (``lowering.strategies.common.emit_stages``): chooses d from all of the step's tokens
     (``begin_forward``) once, before its chunks' dispatches, which read it from the returned
     int64 CPU tensor [d, placement version, runtime layer id]. An unchunked dispatch does this
     itself."""

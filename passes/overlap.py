@@ -46,7 +46,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
-from moe_compile.lowering.ep_stages import SPLIT_STAGES
+from moe_compile.lowering.ep_stages import COLLECTIVE_OPS, SPLIT_STAGES
 
 
 @dataclass
@@ -77,9 +77,7 @@ def _pure(n: fx.Node) -> bool:
 
 def _communicates(n: fx.Node) -> bool:
     """A stage op or a step's begin (``ep_stages.collective_op``): collectives, kept in graph order."""
-    t = n.target
-    return (n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "hiermoe"
-            and torch._library.utils.is_impure(t))
+    return n.op == "call_function" and n.target in COLLECTIVE_OPS
 
 
 def _fake_ticket(n: fx.Node) -> Any:

@@ -122,15 +122,26 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
     return LayerPlan(decided, strategy, replace(settings, chunks=n), pipe)
 
 
+_PIPELINES: dict[tuple[str, Workload, int, bool], PipelineChoice] = {}
+
+
 def _pipeline(topology: Topology, work: Workload, decided: Plan, settings: Settings) -> PipelineChoice:
     """The chunk counts for the chosen candidate (``cost.pipeline``): its d (the candidate's, for
     d* per step), each phase's latency and transfer from the HierMoE model on uniform routing,
-    dispatch with the routing slots' bytes and combine without."""
+    dispatch with the routing slots' bytes and combine without. Once per (topology, shapes, d,
+    dedup): a model's layers share them."""
     d = settings.dimension or int(decided.strategy.removeprefix("hd"))  # d* per step: the hd<d> candidate's
+    key = (repr(topology), work, d, settings.dedup)
+    if key not in _PIPELINES:
+        _PIPELINES[key] = _search_chunks(topology, work, d, settings.dedup)
+    return _PIPELINES[key]
+
+
+def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool) -> PipelineChoice:
     stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
 
     def phases(w: Workload) -> tuple[Phase, ...]:
-        return tuple(Phase(a, b) for a, b in phase_times_s(d, topology, w, stats, dedup=settings.dedup))
+        return tuple(Phase(a, b) for a, b in phase_times_s(d, topology, w, stats, dedup=dedup))
 
     times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), compute_s(topology, work))
     return choose_chunks(times, work.num_tokens)
