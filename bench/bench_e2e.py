@@ -107,6 +107,8 @@ class Variant:
 def variants(num_levels: int, model: str) -> list[Variant]:
     out = [Variant("hiermoe d*", "hiermoe"), Variant("hiermoe d* resend", "hiermoe", (("ep_backward", "resend"),))]
     out += [Variant(f"hiermoe HD{d}", "hiermoe", (("dimension", d),)) for d in range(num_levels, 0, -1)]
+    out += [Variant(f"hiermoe HD{d} serial", "hiermoe", (("dimension", d), ("pipeline", False)))
+            for d in range(num_levels, 0, -1)]
     out.append(Variant("flat A2A", "hiermoe", (("dimension", 1), ("dedup", False))))
     if model == "hf_mixtral":
         out += [Variant("HF EP", "hf_ep"), Variant("HF EP+DDP", "hf_ep_ddp")]
@@ -264,7 +266,8 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     base = build_model(model_kind, args, top_k)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
-    wanted = variants(len(names), model_kind)
+    wanted = [v for v in variants(len(names), model_kind) if not args.variants or v.name in args.variants
+              or v.kind == "eager"]
     # eager DDP first: its first-step loss is the reference of the check
     wanted = wanted[-1:] + wanted[:-1]
     failed: dict[str, str] = {}
@@ -500,6 +503,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the cluster's links at start")
     p.add_argument("--models", default=None, help=f"comma-separated, from {MODELS} (default all; tiny_lm quick)")
     p.add_argument("--top-k", default=None, help="comma-separated top-k values (default 2,4; 4 quick)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variant names to run (default all; eager DDP always runs: its first-step "
+                        "loss is the reference), e.g. 'hiermoe d*,hiermoe HD1,HF EP+DDP'")
     p.add_argument("--hidden", type=int, default=None, help="hidden size H (default 256; 64 quick)")
     p.add_argument("--ffn", type=int, default=None, help="expert FFN size F (default 256; 64 quick)")
     p.add_argument("--experts", type=int, default=8, help="experts E per layer (default 8)")
@@ -533,6 +539,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown := sorted(set(args.models) - set(MODELS)):
         p.error(f"--models: unknown {unknown}; choose from {MODELS}")
     args.top_k = [int(k) for k in str(args.top_k).split(",")]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else []
+    known = {v.name for levels in range(1, 5) for v in variants(levels, "hf_mixtral")}
+    if unknown_variants := sorted(set(args.variants) - known):
+        p.error(f"--variants: unknown {unknown_variants}; choose from {sorted(known)}")
     if args.out is None and not args.quick:
         args.out = str(HERE / "results" / "e2e")
     if args.warmup < 1:

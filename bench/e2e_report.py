@@ -144,6 +144,8 @@ def hf_status(payload: dict[str, Any]) -> list[str]:
             continue
         by = _by_name(c)
         for name in ("HF EP", "HF EP+DDP"):
+            if name not in by and name not in c["failed"]:
+                continue  # not asked for (--variants)
             if name in by:
                 lines.append(f"- {c['model']} K={c['top_k']}, {name}: ran (first-step loss max rel err "
                              f"{by[name]['first_loss_max_rel_err']:.1e} against eager DDP).")

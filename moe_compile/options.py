@@ -9,6 +9,7 @@ from typing import Any
 
 from moe_compile.cost.topology import Topology
 from moe_compile.ep.setup import check_mesh
+from moe_compile.ep.tuning import TUNE_ROUNDS
 from moe_compile.swap.options import SwapOptions, parse_swap_options
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -55,6 +56,10 @@ class Options:
         expert compute and combine overlap (MoNTA; ``cost.pipeline``): "auto" (default) = n per
         layer from the cost model on the topology (1 where chunking does not pay, or with no
         topology and a fixed dimension), an int n = that many chunks, False = 1. Needs overlap.
+    tune_dimension: with a mesh and d chosen per step (no fixed 'dimension'), measure the
+        dispatch + combine time of every d the model finds close to the best this many times
+        early in training and from then on decide on the model's t_d corrected by what was
+        measured (``moe_compile.ep.tuning``; default 2); 0 = the model alone (HierMoE Eq. 6).
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
@@ -73,6 +78,7 @@ class Options:
     ep_backward: str = "stages"
     overlap: bool = True
     pipeline: str | int = "auto"
+    tune_dimension: int = TUNE_ROUNDS
     expert_swap: SwapOptions | None = None
 
 
@@ -130,10 +136,15 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         if kw["pipeline"] not in ("auto", 1) and kw.get("overlap") is False:
             raise ValueError("option 'pipeline' overlaps the chunks' stages, which needs overlap=True; "
                              "leave 'overlap' out or set 'pipeline': False")
+    if "tune_dimension" in kw:
+        rounds = kw["tune_dimension"]
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"option 'tune_dimension' must be an int >= 0 (measurements of each close d; 0 = the "
+                             f"cost model alone), got {rounds!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
-                                   or "overlap" in kw or "pipeline" in kw):
-        raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap' and 'pipeline' set how "
-                         "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
+                                   or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw):
+        raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline' and 'tune_dimension' "
+                         "set how expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
         if kw["expert_swap"] is not None and kw.get("mesh") is None:

@@ -188,6 +188,7 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
         return {}
     out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, ctx.plans, mesh=opts.mesh, topology=ctx.topology,
                                example_inputs=ctx.example_inputs, expert_swap=opts.expert_swap,
+                               tune_rounds=opts.tune_dimension,
                                backward=opts.ep_backward)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))

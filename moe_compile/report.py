@@ -46,7 +46,8 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
     """What an expert-parallel layer did in its last step on this rank: the d it used, the
     predicted seconds of every d (HD-d, or H-d without dedup; empty when d is fixed) and from
     which statistics ("gathered": every rank's routing together, exact; "max-reduced": each
-    rank's own, an upper estimate, on meshes too large to gather), the payload
+    rank's own, an upper estimate, on meshes too large to gather) and, once measured, those
+    times corrected by the measured offsets (``tuned_s``, options['tune_dimension']), the payload
     bytes it sent per level, the experts this rank holds, the placement (mesh position of every
     expert), the expert swaps made so far (``moe_compile.swap.swapper.SwapRecord`` fields) and the
     swapper's decisions by outcome (a swap, or why none: ``moe_compile.swap.policy.OUTCOMES``),
@@ -54,6 +55,9 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
     lay = runtime.layer(layer_id)
     return {"dimension": lay.last_dimension, "fixed": lay.dimension is not None, "dedup": lay.dedup,
             "predicted_s": {f"d{d}": t for d, t in enumerate(lay.last_times_s, start=1)},
+            # the model's times corrected by what was measured (moe_compile.ep.tuning); only once measured
+            "tuned_s": ({f"d{d}": t for d, t in enumerate(lay.last_tuned_s, start=1)}
+                        if lay.tuner.offsets_s else {}),
             "statistics": None if lay.dimension is not None else
             "gathered" if lay.last_stats is not None else "max-reduced",
             "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
@@ -179,6 +183,8 @@ class Report:
                 used = (f"{p['dimension']}" + (" (fixed)" if p["fixed"] else f" (d*, {p['statistics']} statistics)")
                         + ("" if p["dedup"] else " no dedup"))
                 pred = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["predicted_s"].items()) or "-"
+                if p["tuned_s"]:
+                    pred += "; measured-corrected " + ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["tuned_s"].items())
                 sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
                 local = p["local_experts"]
                 contiguous = local == list(range(local[0], local[0] + len(local)))

@@ -47,6 +47,7 @@ import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
 from moe_compile.cost.topology import Topology
 from moe_compile.ep import shard
 from moe_compile.ep.setup import build_layer
+from moe_compile.ep.tuning import DimensionTuner
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.graph_index import tensor_meta
 from moe_compile.passes.plan import LayerPlan
@@ -58,13 +59,15 @@ _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 
 def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], plans: Mapping[str, LayerPlan], *,
                          mesh: Any, topology: Topology | None, example_inputs: Sequence[object] = (),
-                         expert_swap: Any = None, backward: str = "stages") -> dict[str, Any]:
+                         expert_swap: Any = None, backward: str = "stages", tune_rounds: int = 0
+                         ) -> dict[str, Any]:
     """``plans``: each layer's ``passes.plan.LayerPlan`` (its strategy and runtime settings).
     ``backward``: "stages" or "resend" (options['ep_backward']). Returns counters, under
     "layers" the runtime layer id of every layer by name, under
     "input_swaps" {input position: shard parameter} for the backend to feed, and under
     "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
-    the ``moe_compile.options.SwapOptions`` of options["expert_swap"] (None: off)."""
+    the ``moe_compile.options.SwapOptions`` of options["expert_swap"] (None: off);
+    ``tune_rounds`` options["tune_dimension"] (``moe_compile.ep.tuning``)."""
     ids: dict[str, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))
@@ -90,6 +93,8 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         inputs[lay.layer_id] = tuple(placeholders.index(n) for n in weight_inputs)
         if expert_swap is not None:
             lay.swap_options = expert_swap
+        if lay.tuner.rounds != tune_rounds:  # a recompile with the same option keeps what was measured
+            lay.tuner = DimensionTuner(tune_rounds)
         per = len(lay.local_experts)
         first = lay.comm.position * per  # the rows shard_experts kept: the contiguous placement's
         # Step 2

@@ -430,13 +430,14 @@ def case_explain() -> dict[str, Any]:
         c = runtime.counters()
         sent = {lv: sum(c[lv][ph]["forward"]["payload_bytes"] for ph in ("dispatch", "combine")) for lv in c}
         layers = []
+        rounds = [lay.tuner.rounds for lay in runtime.layers()][-len(report.regions):]
         for r in report.regions:
             p = r.parallel
             times = list(p["predicted_s"].values())
             layers.append({"d": p["dimension"], "rule": dimension_rule(times), "times": times,
                            "statistics": p["statistics"],
                            "bytes": p["bytes_per_level"], "local": p["local_experts"]})
-        out[label] = {"layers": layers, "counters": sent, "text": str(report)}
+        out[label] = {"layers": layers, "counters": sent, "text": str(report), "tune_rounds": rounds}
     return out
 
 
@@ -539,6 +540,34 @@ def case_lag() -> dict[str, Any]:
         out[str(lag)] = {"times": times, "expected": expected, "last_is_second": same,
                          "last_values": got.values(), "d": lay.last_dimension}
     return out
+
+
+def case_tune() -> dict[str, Any]:
+    """d per step with measurements (moe_compile.ep.tuning): forwards and backwards of a staged
+    layer; what each step chose, the model's and the corrected times it decided on, and the
+    offsets measured, on every rank."""
+    from moe_compile.ep.tuning import DimensionTuner
+    from moe_compile.lowering.ep_stages import staged_experts
+
+    shape = PARAMS["shape"]
+    mesh = make_mesh(shape)
+    rank = dist.get_rank()
+    E, K, H, F, T = 8, 2, 16, 8, 24  # noqa: N806
+    lay = setup.build_layer(name="tune", mesh=mesh, topology=topology_for(mesh, 1.0, 10.0), dimension=None,
+                            dedup=True, num_experts=E, top_k=K, hidden_size=H, ffn_size=F, gated=True,
+                            dtype=torch.float32, device=torch.device("cpu"))
+    lay.tuner = DimensionTuner(2)
+    torch.manual_seed(0)
+    weights = [torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), None, None, None]
+    steps = []
+    for step in range(8):
+        x = torch.randn(T, H, requires_grad=True)
+        y = staged_experts(x, routing("random", T, K, E, rank + 10 * step), torch.rand(T, K), weights, "silu",
+                           lay.layer_id, True, K)
+        y.sum().backward()
+        steps.append({"d": lay.last_dimension, "times": list(lay.last_times_s), "tuned": list(lay.last_tuned_s)})
+    return {"steps": steps, "offsets": {str(d): o for d, o in lay.tuner.offsets_s.items()},
+            "tried": {str(d): n for d, n in lay.tuner.tried.items()}}
 
 
 def case_shard() -> dict[str, Any]:

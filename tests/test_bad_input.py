@@ -66,7 +66,11 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"pipeline": "fast"}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": True}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
-        ({"pipeline": 2}, r"'pipeline' set how expert-parallel layers communicate; they need options\['mesh'\]"),
+        ({"pipeline": 2}, r"'pipeline' and 'tune_dimension' set how expert-parallel layers communicate; they need "
+                          r"options\['mesh'\]"),
+        ({"tune_dimension": -1}, r"'tune_dimension' must be an int >= 0"),
+        ({"tune_dimension": True}, r"'tune_dimension' must be an int >= 0"),
+        ({"tune_dimension": 3}, r"they need options\['mesh'\]"),
     ],
 )
 def test_bad_option_values(options: dict, match: str) -> None:

@@ -14,6 +14,9 @@ import re
 import pytest
 from dist_utils import run_ranks
 
+from moe_compile.cost.hiermoe import dimension_rule
+from moe_compile.ep.tuning import TUNE_ROUNDS
+
 TOL = 1e-5
 ROUTINGS = ["random", "one_expert", "t1", "k_eq_e", "empty_rank", "local_only"]
 
@@ -177,6 +180,29 @@ def test_dimension_decided_off_the_critical_path() -> None:
         assert res["True"]["d"] == results[0]["True"]["d"], rank  # every rank decides alike
 
 
+def test_tuned_dimension_agrees() -> None:
+    """options['tune_dimension'] (moe_compile.ep.tuning): every rank explores the same d in the
+    same steps, receives the same measurements (the least of the ranks', in the statistics
+    exchange) and decides alike; once each close d is measured twice, a step's d is Eq. 6's
+    rule on the corrected times it shows."""
+    results = run_ranks(4, "tune", shape=[2, 2])
+    first = results[0]
+    for rank, res in enumerate(results):
+        assert res == first, rank  # the same choices, times and offsets everywhere
+    steps = first["steps"]
+    assert steps[0]["tuned"] == steps[0]["times"]  # nothing measured yet
+    close = [{d for d, t in enumerate(s["times"], 1) if t <= 2.0 * min(s["times"])} for s in steps[1:5]]
+    assert all(s["d"] in c for s, c in zip(steps[1:5], close, strict=True)), steps  # only close d are explored
+    assert {1, 2} <= set.union(*close), steps  # the topology makes both close here
+    assert sorted(s["d"] for s in steps[1:5]) == [1, 1, 2, 2], steps  # each twice, then the corrected rule
+    # measurements arrive a step late (lagged statistics): both d have offsets by the end
+    later = [s["d"] for s in steps[5:]]
+    assert sorted(first["offsets"]) == ["1", "2"]
+    assert first["tried"] == {"1": 2 + later.count(1), "2": 2 + later.count(2)}
+    for s in steps[5:]:
+        assert s["d"] == dimension_rule(s["tuned"]), s
+
+
 def test_setup_errors() -> None:
     results = run_ranks(4, "errors", shape=[2, 2])
     for res in results:
@@ -211,6 +237,7 @@ def test_explain_reports_dimension_predictions_and_bytes() -> None:
             for level, total in r["counters"].items():
                 assert sum(lay["bytes"][level] for lay in r["layers"]) == total, (rank, label)
             assert "expert parallel" in r["text"] and "d*" in r["text"]
+            assert r["tune_rounds"] == [TUNE_ROUNDS] * 2  # options['tune_dimension']'s default reached the layers
 
 
 def test_training_matches_eager_ddp_on_8_ranks() -> None:

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_compile.cost.hiermoe import dimension_rule
 from moe_compile.cost.routing import expert_table, gathered_statistics, hd_statistics, source_table
 from moe_compile.ep import shard
 from moe_compile.ep.comm import MeshComm
+from moe_compile.ep.tuning import DimensionTuner
 
 _lock = threading.Lock()
 
@@ -38,6 +38,7 @@ _DIRECTIONS = ("forward", "backward")
 # the most numbers (ranks^2 * (levels + 1)) choose_dimension gathers for exact statistics: 181
 # ranks on 3 levels; 1 MiB of int64 per layer and step on every rank
 GATHER_MAX = 2**17
+_MEASURE_WIDTH = 2  # what each rank adds to its tables: _last_step_measured
 _FIELDS = ("payload_bytes", "payload_messages", "meta_bytes", "meta_messages")
 
 _counts: dict[tuple[int, str, str], list[int]] = {}
@@ -95,7 +96,11 @@ class EPLayer:
     cost: Any = None  # cost.hiermoe.HDCostModel
     # what the last forward step chose and sent
     last_dimension: int | None = None
-    last_times_s: list[float] = field(default_factory=list)
+    last_times_s: list[float] = field(default_factory=list)  # the model's t_1..t_D (Eq. 1-5)
+    # t_1..t_D corrected by the measured offsets (moe_compile.ep.tuning) the last step decided on
+    last_tuned_s: list[float] = field(default_factory=list)
+    # rounds 0 (the model alone) unless options['tune_dimension'] says (passes.expert_parallel)
+    tuner: DimensionTuner = field(default_factory=lambda: DimensionTuner(0))
     step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
     # wall seconds this rank spent in dispatch + combine since the last forward, per direction
     step_comm_s: dict[str, float] = field(default_factory=dict)
@@ -222,7 +227,21 @@ class EPLayer:
         tables = rows[:, :size].reshape(world, world, -1)
         self._stats = gathered_statistics(tables, self.comm.sizes, copies=not self.dedup)
         self._stats_placement, self._tables = placement, tables
-        self._experts = rows[:, size:].reshape(world, num_levels + 1, -1) if rows.shape[1] > size else None
+        steps, micros = rows[:, size], rows[:, size + 1]
+        if steps[0] >= 0 and (steps == steps[0]).all() and (micros >= 0).all():
+            self.tuner.observe(int(steps[0]), float(micros.min()) * 1e-6)
+        extra = size + _MEASURE_WIDTH
+        self._experts = rows[:, extra:].reshape(world, num_levels + 1, -1) if rows.shape[1] > extra else None
+
+    def _last_step_measured(self) -> list[int]:
+        """[step index, microseconds per transfer] of this rank's last step of this layer ([-1,
+        -1] before the first): its dispatch + combine wall time over the transfers it made (2
+        per direction run), what ``tuning.DimensionTuner.observe`` takes."""
+        with _lock:
+            comm_s = dict(self.step_comm_s)
+        if not self.num_steps or not comm_s:
+            return [-1, -1]
+        return [self.num_steps - 1, int(sum(comm_s.values()) / (2 * len(comm_s)) * 1e6)]
 
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
@@ -245,11 +264,12 @@ class EPLayer:
         topk = topk_idx_TK.detach().cpu()
         placement = self.expert_pos_E.cpu().numpy()
         world, sizes = self.comm.world, self.comm.sizes
-        width = world * (len(sizes) + 1) + (len(sizes) + 1) * self.num_experts * self.gather_experts
+        width = world * (len(sizes) + 1) + _MEASURE_WIDTH + (len(sizes) + 1) * self.num_experts * self.gather_experts
         if world * width <= GATHER_MAX:
             self.collect_statistics()  # the previous forward's, every rank's
             decide_now = self._stats is None or not self.lag_statistics
-            parts = [source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1)]
+            parts = [source_table(topk, self.num_experts, sizes, placement=placement).reshape(-1),
+                     np.array(self._last_step_measured(), dtype=np.int64)]
             if self.gather_experts:
                 parts.append(expert_table(topk, self.num_experts, sizes, placement=placement).reshape(-1))
             own = torch.from_numpy(np.concatenate(parts))
@@ -259,6 +279,7 @@ class EPLayer:
                 self.collect_statistics()
             stats = self._stats
             agreed = stats.values() if self.dedup else stats.copy_values()
+            tuner = self.tuner
         else:
             mine = hd_statistics(topk, self.num_experts, sizes, placement=placement, copies=not self.dedup)
             vals = torch.tensor(mine.values() if self.dedup else mine.copy_values(), dtype=torch.float64,
@@ -269,9 +290,12 @@ class EPLayer:
                 dist.all_reduce(vals, op=dist.ReduceOp.MAX)
                 agreed = vals.cpu().tolist()
             self._pending, self._stats, self._stats_placement, self._tables, self._experts = None, None, None, None, None
+            tuner = DimensionTuner(0)  # no measurements travel here: the model alone
         times = self.cost.times_from_values(agreed, dedup=self.dedup)
         self.last_times_s = [float(t) for t in times]
-        return dimension_rule(times)
+        d = tuner.choose(self.last_times_s, self.num_steps, measure=self.num_steps > 0)
+        self.last_tuned_s = tuner.corrected_s(self.last_times_s)
+        return d
 
     def begin_step(self, d: int) -> None:
         with _lock:
@@ -392,7 +416,7 @@ def layer_for(template: EPLayer, tensors: tuple[Any, ...]) -> EPLayer:
         expert_pos_E=torch.arange(template.num_experts, device=template.expert_pos_E.device) // per,
         local_experts=tuple(range(position * per, (position + 1) * per)), dedup=template.dedup,
         dimension=template.dimension, cost=template.cost, tensors=tensors, swap_blocker=template.swap_blocker,
-        slot_params=slot_params, swap_options=template.swap_options)
+        slot_params=slot_params, swap_options=template.swap_options, tuner=DimensionTuner(template.tuner.rounds))
 
 
 def layers() -> list[EPLayer]:

@@ -1,0 +1,74 @@
+"""The measured correction of HierMoE's d* (moe_compile.ep.tuning): what it explores, how it
+decides once measured, and that it follows the model's routing-driven times afterwards. The
+multi-rank behaviour (every rank deciding alike from the exchanged measurements) is
+tests/test_expert_parallel.py::test_tuned_dimension_agrees."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_compile.cost.hiermoe import dimension_rule
+from moe_compile.ep.tuning import WINDOW, DimensionTuner
+
+
+def run(tuner: DimensionTuner, times: list[float], measured: dict[int, float], steps: range) -> list[int]:
+    """Decide ``steps`` with the model's ``times``; each step measured at once as ``measured[d]``."""
+    chosen = []
+    for step in steps:
+        d = tuner.choose(times, step, measure=step > 0)
+        chosen.append(d)
+        if step > 0:
+            tuner.observe(step, measured[d])
+    return chosen
+
+
+def test_no_rounds_is_the_models_rule() -> None:
+    tuner = DimensionTuner(0)
+    for times in ([1.0, 2.0], [2.0, 1.0], [3.0, 1.0, 2.0]):
+        assert tuner.choose(times, 5) == dimension_rule(times)
+    assert not tuner.pending and not tuner.offsets_s
+
+
+def test_explores_then_corrects_a_wrong_model() -> None:
+    # the model says d=2 (0.9 < 1.0 s) but d=2 measures 1.5 s and d=1 1.0 s
+    tuner = DimensionTuner(2)
+    chosen = run(tuner, [1.0, 0.9], {1: 1.0, 2: 1.5}, range(8))
+    assert chosen[0] == 2  # the first step is not measured: the model's choice
+    assert sorted(chosen[1:5]) == [1, 1, 2, 2]  # each close candidate twice
+    assert chosen[5:] == [1, 1, 1]
+    assert tuner.corrected_s([1.0, 0.9]) == pytest.approx([1.0, 1.5])
+
+
+def test_keeps_a_right_model_and_follows_the_routing() -> None:
+    tuner = DimensionTuner(1)
+    chosen = run(tuner, [1.0, 0.5], {1: 1.1, 2: 0.6}, range(5))  # the model is right, offsets 0.1 each
+    assert chosen[3:] == [2, 2]
+    # new routing: the model now finds d=1 much faster; the equal offsets keep its choice
+    assert tuner.choose([0.2, 0.5], 5) == 1
+
+
+def test_far_candidates_are_never_explored() -> None:
+    tuner = DimensionTuner(3)
+    chosen = run(tuner, [5.0, 1.0, 1.5], {1: 5.0, 2: 1.0, 3: 1.5}, range(12))
+    assert 1 not in chosen  # predicted 5x the best
+    assert chosen.count(3) == 3 and chosen[-1] == 2
+
+
+def test_observations_align_by_step() -> None:
+    tuner = DimensionTuner(1)
+    assert tuner.choose([1.0, 1.0], 0, measure=False) == 2 and not tuner.pending  # Eq. 6: a tie goes to d > 1
+    d1 = tuner.choose([1.0, 1.0], 1)
+    d2 = tuner.choose([1.0, 1.0], 2)
+    assert {d1, d2} == {1, 2}
+    tuner.observe(0, 9.0)  # a step never queued: ignored
+    assert not tuner.offsets_s
+    tuner.observe(2, 3.0)  # step 1's measurement never came: dropped, step 2's kept
+    assert tuner.offsets_s == {d2: [2.0]} and not tuner.pending
+
+
+def test_window_keeps_the_last_offsets() -> None:
+    tuner = DimensionTuner(1)
+    for step in range(1, 3 * WINDOW):
+        d = tuner.choose([1.0], step)
+        tuner.observe(step, 1.0 + step)
+    assert len(tuner.offsets_s[d]) == WINDOW and tuner.offsets_s[d][-1] == pytest.approx(3 * WINDOW - 1.0)
