@@ -344,6 +344,8 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     times = torch.zeros(args.reps, len(runners), dtype=torch.float64)
     dstar_d: list[list[int]] = []
     dstar_pred: list[list[list[float]]] = []
+    dstar_tuned: list[list[list[float]]] = []  # the model's times corrected by measurement (ep.tuning)
+    dstar_offsets: list[dict[str, list[float]]] = []  # per layer, d: its measured offsets at the end
     order = list(range(len(runners)))
     for rep in range(args.reps):
         ids = batches[3 if rep % 2 else 2]
@@ -357,6 +359,8 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
                 lays = [runtime.layer(j) for j in r.ep_layers]
                 dstar_d.append([cast(int, lay.last_dimension) for lay in lays])
                 dstar_pred.append([list(lay.last_times_s) for lay in lays])
+                dstar_tuned.append([list(lay.last_tuned_s) for lay in lays])
+                dstar_offsets = [{str(d): o for d, o in lay.tuner.offsets_s.items()} for lay in lays]
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     if rank != 0:
         return {}
@@ -378,7 +382,8 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     results.sort(key=lambda res: canonical.index(res["variant"]))
     return {"model": model_kind, "top_k": top_k, "results": results, "failed": failed,
             "loadavg_1m_at_end": os.getloadavg()[0],  # the machine's, our ranks included
-            "dstar_d_per_step": dstar_d, "dstar_predicted_s_per_step": dstar_pred}
+            "dstar_d_per_step": dstar_d, "dstar_predicted_s_per_step": dstar_pred,
+            "dstar_tuned_s_per_step": dstar_tuned, "dstar_offsets_s": dstar_offsets}
 
 
 # ---- one rank -----------------------------------------------------------------------------------

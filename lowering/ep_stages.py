@@ -41,7 +41,12 @@ from torch.fx.node import has_side_effect
 
 from moe_compile.ep import groups, runtime, worker
 from moe_compile.lowering import hier_a2a
-from moe_compile.lowering.experts_ref import check_activation
+from moe_compile.lowering.experts_ref import (
+    Kept,
+    check_activation,
+    experts_reference_backward,
+    experts_reference_keep,
+)
 
 # route header: d, placement version, runtime layer id
 _HEADER = 3
@@ -108,28 +113,33 @@ def _weight_rows(ids_RS: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tenso
 
 def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool,
                   weights: list[Tensor | None], activation: str, w_dtype: torch.dtype, triton: bool = False
-                  ) -> Tensor:
-    """[R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots. ``triton``: one
-    ``hiermoe::experts_triton`` call over the dispatched rows and their [R, S] slots (the ESMM
-    kernels gather each slot's row themselves); else each slot one ``hiermoe::experts`` token
-    with K = 1."""
+                  ) -> tuple[Tensor, Kept]:
+    """([R, H] float32: sum_s w[r, s] * FFN_{ids[r, s]}(rows[r]) over valid slots, what backward
+    may take instead of recomputing: the valid slots' pre-activations, zero-size with ``triton``).
+    ``triton``: one ``hiermoe::experts_triton`` call over the dispatched rows and their [R, S]
+    slots (the ESMM kernels gather each slot's row themselves); else each valid slot one token
+    of ``experts_reference`` with K = 1."""
+    num_f = weights[2].shape[-1] if weights[2] is not None else 0
+    none = Kept(rows_RH.new_empty((0, num_f)), rows_RH.new_empty((0, num_f)))
     if triton:
         return torch.ops.hiermoe.experts_triton(rows_RH, _weight_rows(ids_RS, lay, by_expert), w_RS.to(w_dtype),
-                                                *weights, activation).float()
+                                                *weights, activation).float(), none
     r_P, _, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
     out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
-    if r_P.numel():
-        y_PH = torch.ops.hiermoe.experts(rows_RH[r_P], slot_P1, w_P1, *weights, activation)
-        out_RH.index_add_(0, r_P, y_PH.float())
-    return out_RH
+    if not r_P.numel():
+        return out_RH, none
+    y_PH, kept = experts_reference_keep(rows_RH[r_P], slot_P1, w_P1, *weights, activation)
+    out_RH.index_add_(0, r_P, y_PH.float())
+    return out_RH, kept
 
 
 def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer,
                    by_expert: bool, weights: list[Tensor | None], activation: str, w_dtype: torch.dtype,
-                   triton: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
+                   triton: bool = False, kept: Kept | None = None) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Grads of ``local_forward``: rows [R, H] float32, slot weights [R, S] float32 (0 where no
     slot), and the six weight tensors (zero-size for absent ones), through
-    ``hiermoe::experts_backward`` (or ``experts_triton_backward``)."""
+    ``experts_reference_backward`` (or ``hiermoe::experts_triton_backward``), from the
+    pre-activations ``local_forward`` kept where given (not zero-size), else recomputed."""
     if triton:
         d_rows_RH, d_w_RS, *d_weights = torch.ops.hiermoe.experts_triton_backward(
             grad_RH.to(rows_RH.dtype), rows_RH, _weight_rows(ids_RS, lay, by_expert), w_RS.to(w_dtype), *weights,
@@ -140,8 +150,10 @@ def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tenso
     d_w_RS = torch.zeros_like(w_RS, dtype=torch.float32)
     if not r_P.numel():
         return d_rows_RH, d_w_RS, [rows_RH.new_empty(0) if w is None else torch.zeros_like(w) for w in weights]
-    d_x_PH, d_w_P1, *d_weights = torch.ops.hiermoe.experts_backward(
-        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, *weights, activation)
+    if kept is not None and not kept.up_NF.shape[0]:
+        kept = None  # zero-size: nothing was kept, recompute
+    d_x_PH, d_w_P1, *d_weights = experts_reference_backward(
+        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, *weights, activation, kept=kept)
     d_rows_RH.index_add_(0, r_P, d_x_PH.float())
     d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
     return d_rows_RH, d_w_RS, d_weights
@@ -343,44 +355,53 @@ ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 @torch.library.custom_op("hiermoe::ep_local_experts", mutates_args=(),
                          schema=f"(Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, bool by_expert, "
-                                "Tensor route, bool triton=False) -> Tensor")
+                                "Tensor route, bool triton=False) -> (Tensor, Tensor, Tensor)")
 def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
                      b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
-                     by_expert: bool, route: Tensor, triton: bool = False) -> Tensor:
-    """[R, H] in the rows' dtype: each dispatched row's weighted sum over its slots of its local
-    experts' FFN outputs. ``by_expert``: the weights are indexed by expert id (they hold every
-    expert) rather than by local slot (this rank's shard or stack). ``triton``: by the ESMM/ESFK
-    kernels (``passes.lower_kernels`` sets it, options['kernels'])."""
+                     by_expert: bool, route: Tensor, triton: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """([R, H] in the rows' dtype: each dispatched row's weighted sum over its slots of its local
+    experts' FFN outputs; then the valid slots' up and gate pre-activations, [P, F] each, that
+    autograd keeps so that backward does not recompute 2 of the 3 forward matmuls: zero-size
+    with ``triton``, whose backward recomputes, and the gate's when non-gated). ``by_expert``:
+    the weights are indexed by expert id (they hold every expert) rather than by local slot
+    (this rank's shard or stack). ``triton``: by the ESMM/ESFK kernels (``passes.lower_kernels``
+    sets it, options['kernels'])."""
     lay = runtime.layer(int(route[2]))
-    out = local_forward(rows, ids, w, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down], activation,
-                        w_up.dtype, triton)
-    return out.to(rows.dtype)
+    out, kept = local_forward(rows, ids, w, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
+                              activation, w_up.dtype, triton)
+    lay.add_saved_bytes(sum(t.numel() * t.element_size() for t in kept))
+    return out.to(rows.dtype), kept.up_NF, kept.gate_NF
 
 
 @ep_local_experts.register_fake
 def _ep_local_experts_fake(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None,
                            w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
-                           activation: str, by_expert: bool, route: Tensor, triton: bool = False) -> Tensor:
+                           activation: str, by_expert: bool, route: Tensor, triton: bool = False
+                           ) -> tuple[Tensor, Tensor, Tensor]:
     check_activation(activation)
-    return rows.new_empty(rows.shape)
+    num_f = w_down.shape[-1]
+    num_kept = 0 if triton else torch.library.get_ctx().new_dynamic_size()
+    return (rows.new_empty(rows.shape), rows.new_empty((num_kept, num_f)),
+            rows.new_empty((0 if w_gate is None else num_kept, num_f)))
 
 
 @torch.library.custom_op("hiermoe::ep_local_experts_backward", mutates_args=(),
                          schema=f"(Tensor grad_out, Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, "
-                                "bool by_expert, Tensor route, bool triton=False) "
+                                "bool by_expert, Tensor route, Tensor kept_up, Tensor kept_gate, bool triton=False) "
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor,
                               w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
                               b_down: Tensor | None, activation: str, by_expert: bool, route: Tensor,
-                              triton: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                             Tensor]:
+                              kept_up: Tensor, kept_gate: Tensor, triton: bool = False
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_rows, d_w float32, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
-    absent weights) from the dispatched rows autograd saved (activations recomputed)."""
+    absent weights) from the dispatched rows and the pre-activations autograd saved (recomputed
+    where those are zero-size)."""
     lay = runtime.layer(int(route[2]))
     check_version(lay, int(route[1]))
     d_rows, d_w, d_weights = local_backward(grad_out, rows, ids, w, lay, by_expert,
                                             [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w_up.dtype,
-                                            triton)
+                                            triton, Kept(kept_up, kept_gate))
     return (d_rows.to(rows.dtype), d_w, *d_weights)  # type: ignore[return-value]
 
 
@@ -388,7 +409,7 @@ def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Te
 def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor,
                                     w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None,
                                     b_gate: Tensor | None, b_down: Tensor | None, activation: str, by_expert: bool,
-                                    route: Tensor, triton: bool = False
+                                    route: Tensor, kept_up: Tensor, kept_gate: Tensor, triton: bool = False
                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     def like(t: Tensor | None) -> Tensor:
         return rows.new_empty(0) if t is None else t.new_empty(t.shape)
@@ -397,17 +418,19 @@ def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor,
             like(b_gate), like(b_down))
 
 
-def _local_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+def _local_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     *tensors, activation, by_expert, route, triton = inputs
-    ctx.save_for_backward(*tensors, route)
+    _, kept_up, kept_gate = output
+    ctx.mark_non_differentiable(kept_up, kept_gate)
+    ctx.save_for_backward(*tensors, route, kept_up, kept_gate)
     ctx.activation, ctx.by_expert, ctx.triton = activation, by_expert, triton
 
 
-def _local_experts_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-    rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, route = ctx.saved_tensors
+def _local_experts_backward(ctx: Any, grad_out: Tensor, _g_up: Any, _g_gate: Any) -> tuple[Tensor | None, ...]:
+    rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, route, kept_up, kept_gate = ctx.saved_tensors
     d_rows, d_w, *d_weights = torch.ops.hiermoe.ep_local_experts_backward(
         grad_out, rows, ids, w, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation, ctx.by_expert, route,
-        ctx.triton)
+        kept_up, kept_gate, ctx.triton)
     inputs = (w_up, w_gate, w_down, b_up, b_gate, b_down)
     return (d_rows, None, d_w, *(None if t is None else g for g, t in zip(d_weights, inputs, strict=True)),
             None, None, None, None)
@@ -485,5 +508,5 @@ def staged_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weights: l
     benchmarks that drive one layer without compiling a model). ``weights``: w_up, w_gate,
     w_down, b_up, b_gate, b_down."""
     rows, ids, w, route = torch.ops.hiermoe.ep_dispatch(x, topk_idx, topk_weights, layer, slots)
-    partial = torch.ops.hiermoe.ep_local_experts(rows, ids, w, *weights, activation, by_expert, route)
+    partial, _, _ = torch.ops.hiermoe.ep_local_experts(rows, ids, w, *weights, activation, by_expert, route)
     return torch.ops.hiermoe.ep_combine(partial, route, x.shape[0])

@@ -80,8 +80,8 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
         rows_RH, ids_RS, w_RS, route = worker.run(x.device, lambda: hier_a2a.dispatch(
             x, topk_idx, topk_weights, lay.expert_pos_E, phases, lay.dedup, "forward", layer))
     t1 = time.perf_counter()
-    out_RH = local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
-                            activation, topk_weights.dtype)
+    out_RH, _ = local_forward(rows_RH, ids_RS, w_RS, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
+                              activation, topk_weights.dtype)  # what it could keep is not: resend recomputes
     t2 = time.perf_counter()
     with collective(lay, f"the forward combine all-to-alls ({_phases(d, lay)})"):
         y_TH, _ = worker.run(x.device, lambda: hier_a2a.combine(out_RH.to(x.dtype), route, "forward"))

@@ -156,31 +156,50 @@ def _acc_dtype(x_TH: Tensor, topk_weights_TK: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x_TH.dtype, topk_weights_TK.dtype), torch.float32)
 
 
+class Kept(NamedTuple):
+    """What a forward may keep for its backward instead of the backward recomputing it: the
+    slots' pre-activations in expert-sorted order (the order ``_route`` gives again)."""
+
+    up_NF: Tensor  # x W_up^T + b_up
+    gate_NF: Tensor  # x W_gate^T + b_gate; zero-size when non-gated
+
+
 class _Ffn(NamedTuple):
     x_NH: Tensor
     up_NF: Tensor  # x W_up^T + b_up (pre-activation when non-gated)
     gate_NF: Tensor | None  # x W_gate^T + b_gate (pre-activation when gated)
     h_NF: Tensor
-    y_NH: Tensor
+    y_NH: Tensor | None  # None when not asked for (backward needs h, not y)
 
 
 def _ffn(
     x_TH: Tensor, r: _Routing, w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None, activation: str,
+    output: bool = True, kept: Kept | None = None,
 ) -> _Ffn:
+    """The slots' FFN in expert-sorted order; ``kept``: the pre-activations a forward kept
+    (``experts_reference_keep``), used instead of recomputing them; ``output``: also y."""
     x_NH = x_TH.index_select(0, r.tok_N).contiguous()
-    up_NF = _seg_mm(x_NH, w_up_EFH.mT, r)
-    if b_up_EF is not None:
-        up_NF = up_NF + b_up_EF.index_select(0, r.expert_N)
+    if kept is not None:
+        up_NF = kept.up_NF
+    else:
+        up_NF = _seg_mm(x_NH, w_up_EFH.mT, r)
+        if b_up_EF is not None:
+            up_NF = up_NF + b_up_EF.index_select(0, r.expert_N)
     act = _ACT_FWD[activation]
     gate_NF = None
     if w_gate_EFH is not None:
-        gate_NF = _seg_mm(x_NH, w_gate_EFH.mT, r)
-        if b_gate_EF is not None:
-            gate_NF = gate_NF + b_gate_EF.index_select(0, r.expert_N)
+        if kept is not None:
+            gate_NF = kept.gate_NF
+        else:
+            gate_NF = _seg_mm(x_NH, w_gate_EFH.mT, r)
+            if b_gate_EF is not None:
+                gate_NF = gate_NF + b_gate_EF.index_select(0, r.expert_N)
         h_NF = act(gate_NF) * up_NF
     else:
         h_NF = act(up_NF)
+    if not output:
+        return _Ffn(x_NH, up_NF, gate_NF, h_NF, None)
     y_NH = _seg_mm(h_NF, w_down_EHF.mT, r)
     if b_down_EH is not None:
         y_NH = y_NH + b_down_EH.index_select(0, r.expert_N)
@@ -194,6 +213,19 @@ def experts_reference(
     activation: str,
 ) -> Tensor:
     """Forward of ``hiermoe::experts`` in plain torch: returns y_TH in x's dtype."""
+    return experts_reference_keep(x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF,
+                                  b_gate_EF, b_down_EH, activation)[0]
+
+
+def experts_reference_keep(
+    x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
+    w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
+    activation: str,
+) -> tuple[Tensor, Kept]:
+    """``experts_reference``'s y_TH and the pre-activations its backward can take instead of
+    recomputing them (``experts_reference_backward(..., kept=)``): [T*K, F] each, 2 of 3 forward
+    matmuls the backward saves."""
     check_activation(activation)
     num_experts = w_up_EFH.shape[0]
     grouped = _use_grouped_mm(x_TH, w_up_EFH, w_gate_EFH, w_down_EHF)
@@ -201,19 +233,22 @@ def experts_reference(
     ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation)
     acc = _acc_dtype(x_TH, topk_weights_TK)
     weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
+    assert ffn.y_NH is not None
     contrib_NH = ffn.y_NH.to(acc) * weight_N[:, None]
     y_TH = x_TH.new_zeros(x_TH.shape, dtype=acc).index_add_(0, r.tok_N, contrib_NH)
-    return y_TH.to(x_TH.dtype)
+    gate_NF = ffn.gate_NF if ffn.gate_NF is not None else ffn.up_NF.new_empty((0, ffn.up_NF.shape[1]))
+    return y_TH.to(x_TH.dtype), Kept(ffn.up_NF, gate_NF)
 
 
 def experts_reference_backward(
     grad_TH: Tensor, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
     w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
-    activation: str,
+    activation: str, kept: Kept | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``experts_reference`` w.r.t. (x, topk_weights, w_up, w_gate, w_down, b_up,
-    b_gate, b_down), recomputing the slot activations from the inputs (nothing large is saved).
+    b_gate, b_down), recomputing the slot activations (up, gate, h; not the down projection) from
+    the inputs (nothing large is saved), or from the pre-activations the forward ``kept``.
 
     An absent optional input gets a zero-size tensor (the op schema has no optional outputs).
     Every result is a fresh contiguous tensor in its input's dtype.
@@ -222,26 +257,30 @@ def experts_reference_backward(
     num_experts = w_up_EFH.shape[0]
     grouped = _use_grouped_mm(x_TH, w_up_EFH, w_gate_EFH, w_down_EHF)
     r = _route(topk_idx_TK, num_experts, grouped)
-    ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation)
+    ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation, output=False,
+               kept=kept)
     acc = _acc_dtype(x_TH, topk_weights_TK)
     cd = x_TH.dtype
 
     def none() -> Tensor:  # outputs may not alias each other, so one fresh tensor per absent input
         return x_TH.new_empty(0)
 
-    # Step 1: combine. y[t] += w * y_e  =>  dw = <g[t], y_e>, dy_e = w * g[t].
+    # Step 1: combine and down projection. y[t] += w * y_e with y_e = h W_down^T + b_down, so
+    # dy_e = w * g[t], and dw = <g[t], y_e> = <g[t] W_down, h> + <g[t], b_down>: the forward's
+    # y_e is not recomputed (one matmul fewer), g W_down is the input gradient's matmul anyway.
     g_NH = grad_TH.index_select(0, r.tok_N).to(acc)
     weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
-    d_weight_N = (g_NH * ffn.y_NH.to(acc)).sum(-1)
+    gw_NF = _seg_mm(g_NH.to(cd), w_down_EHF, r).to(acc)  # g W_down, per slot's expert
+    d_weight_N = (gw_NF * ffn.h_NF.to(acc)).sum(-1)
+    if b_down_EH is not None:
+        d_weight_N = d_weight_N + (g_NH * b_down_EH.index_select(0, r.expert_N).to(acc)).sum(-1)
     d_weights = torch.empty_like(d_weight_N).index_copy_(0, r.order_N, d_weight_N)
     d_weights_TK = d_weights.view(topk_weights_TK.shape).to(topk_weights_TK.dtype).contiguous()
     dy_acc_NH = g_NH * weight_N[:, None]
     dy_NH = dy_acc_NH.to(cd)
-
-    # Step 2: down projection.
     d_b_down = _seg_sum(dy_acc_NH, r, num_experts, acc).to(b_down_EH.dtype) if b_down_EH is not None else none()
     d_w_down_EHF = _seg_wgrad(dy_NH, ffn.h_NF, r, num_experts)
-    dh_NF = _seg_mm(dy_NH, w_down_EHF, r)
+    dh_NF = (gw_NF * weight_N[:, None]).to(cd)
 
     # Step 3: activation (and gate).
     act_bwd = _ACT_BWD[activation]

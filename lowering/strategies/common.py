@@ -49,8 +49,9 @@ def emit_stages(graph: fx.Graph, args: list[Any], layer_id: int, by_expert: bool
 
     def local_and_combine(xs: Any, dispatched: list[fx.Node], sfx: str) -> fx.Node:
         rows, ids, w, route = dispatched
-        partial = node(torch.ops.hiermoe.ep_local_experts.default,
-                       (rows, ids, w, *weights, activation, by_expert, route), f"local_experts{sfx}")
+        local = node(torch.ops.hiermoe.ep_local_experts.default,
+                     (rows, ids, w, *weights, activation, by_expert, route), f"local_experts{sfx}")
+        partial = node(operator.getitem, (local, 0), f"partial{sfx}")  # [1], [2]: kept for backward
         num_tokens = node(torch.ops.aten.sym_size.int, (xs, 0), f"num_tokens{sfx}")
         return node(torch.ops.hiermoe.ep_combine.default, (partial, route, num_tokens), f"combine{sfx}")
 
