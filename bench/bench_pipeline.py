@@ -14,8 +14,10 @@ repetition, after a barrier; a step's time is its slowest rank's. Every variant'
 and input gradient are checked against n = 1's (rel. err < 1e-5).
 
 Reported: median per n, the speedup of the measured-fastest n and of "auto" over n = 1, the
-model's predicted time per n (cost.pipeline.layer_s) and the bound a perfect overlap gives
-(max of the busiest resource's total and one chunk through all stages, plus the fill).
+model's predicted time per n (cost.pipeline.layer_s), and the bound a perfect overlap gives,
+measured: the serial step split on each rank into its dispatch + combine wall time (comm) and
+the rest (compute), the bound max(comm, compute) + min(comm, compute) / n (one chunk's fill) at
+the fastest n, medians over the ranks and repetitions.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from moe_compile.backend import collect_reports
     from moe_compile.cost.topology import Topology
+    from moe_compile.ep import runtime
     from moe_compile.samples import SAMPLES
     from moe_compile.tools.calibrate import measure_compute
 
@@ -93,9 +96,11 @@ def worker(args: argparse.Namespace) -> None:
             return y.detach(), gx
 
         ref_y, ref_g = None, None
+        layer_of: dict[str, Any] = {}
         for name, fn in variants.items():
             with collect_reports() as graphs:
                 y, gx = step(fn)
+            layer_of[name] = runtime.layers()[-1]  # what its first step compiled
             (region,) = [r for gr in graphs for r in gr.regions]
             plans[name], predicted[name] = region.plan, region.pipeline
             if ref_y is None:
@@ -107,6 +112,10 @@ def worker(args: argparse.Namespace) -> None:
                 step(fn)
         names = list(variants)
         times: dict[str, list[float]] = {n: [] for n in names}
+        # the serial (n=1) step split on each rank into its dispatch + combine wall time and the rest
+        # (expert and router compute, the graph's own work): a perfect overlap of n chunks takes
+        # max(comm, compute) + min(comm, compute) / n (one chunk's fill), the slowest rank's
+        serial_split: list[tuple[float, float]] = []
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for name in order:
@@ -114,15 +123,24 @@ def worker(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 step(variants[name])
                 dt = torch.tensor([time.perf_counter() - t0])
+                if name == "1":
+                    comm = sum(layer_of[name].step_comm_s.values())
+                    both = torch.tensor([comm, float(dt) - comm], dtype=torch.float64)
+                    every = [torch.zeros_like(both) for _ in range(world)]
+                    dist.all_gather(every, both)
+                    serial_split.extend([(float(t[0]), float(t[1])) for t in every])
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 times[name].append(float(dt))
         med = {n: statistics.median(v) for n, v in times.items()}
+        comm_s = statistics.median(c for c, _ in serial_split)
+        compute_s = statistics.median(r for _, r in serial_split)
         chosen = int(plans["auto"].split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plans["auto"] else 1
         # the model's prediction per n, from the layer's stage times in the "auto" plan's search
         say(f"  K={top_k}: " + "  ".join(f"n={n} {med[n] * 1e3:.0f} ms" for n in names)
             + f"  (auto ran n={chosen}; {predicted['auto']})", flush=True)
         results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen,
-                        "plans": plans, "predicted": predicted})
+                        "plans": plans, "predicted": predicted, "serial_comm_s": comm_s,
+                        "serial_compute_s": compute_s})
         del variants
     if rank == 0:
         Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
@@ -179,17 +197,26 @@ def report(payload: dict[str, Any]) -> str:
             for lv in topo["levels"]) + f"; compute {_first(topo, 'flops_per_s') / 1e9:.1f} GFLOP/s (measured).")
         lines.append("")
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
-                     " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest | predicted by the model |")
-        lines.append("|" + "---|" * (len(args["chunks"]) + 7))
+                     " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
+                     " n=1 comm / compute ms | perfect-overlap bound at the fastest n ms | fastest / bound |"
+                     " predicted by the model |")
+        lines.append("|" + "---|" * (len(args["chunks"]) + 10))
         for c in run["configs"]:
             med = c["median_s"]
             chunks = [str(n) for n in args["chunks"]]
             fastest = min(chunks, key=lambda n: med[n])
             serial = med["1"]
             within = med["auto"] <= 1.05 * med[fastest]
+            split = ("-", "-", "-")
+            if "serial_comm_s" in c:  # runs before the bound was measured have no split
+                comm, compute = c["serial_comm_s"], c["serial_compute_s"]
+                bound = max(comm, compute) + min(comm, compute) / int(fastest)
+                split = (f"{comm * 1e3:.0f} / {compute * 1e3:.0f}", f"{bound * 1e3:.0f}",
+                         f"{med[fastest] / bound:.2f}")
             lines.append(f"| {c['top_k']} | " + " | ".join(f"{med[n] * 1e3:.0f}" for n in chunks)
                          + f" | {med['auto'] * 1e3:.0f} ({c['auto_chunks']}) | {fastest} | {serial / med[fastest]:.2f}x"
-                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {c['predicted']['auto']} |")
+                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {' | '.join(split)} |"
+                         f" {c['predicted']['auto']} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -11,9 +11,12 @@ So the runtime measures. ``DimensionTuner`` keeps, per d, the last ``WINDOW`` of
 
     o_d = measured_d - t_d,
 
-measured_d being a step's dispatch + combine seconds of the layer per transfer (a transfer: one
-dispatch or combine of the layer's tokens; a forward makes 2, its backward 2 more), the
-least of the ranks' (the rank that waited least for others is closest to the transfer itself),
+measured_d being a step's wall time of the layer per transfer (per direction, from its first
+stage's start to its last stage's end, so stages that overlap (chunks on their lanes) count
+once and the local experts in between, the same for every d, fall into the offset; a
+transfer: one dispatch or combine of the layer's tokens, a forward makes 2, its backward 2
+more), the least of the ranks' (the rank that waited least for others is closest to the layer's
+own time),
 and t_d the model's prediction the step was decided on. It decides
 
     d = argmin_d  t_d + median(o_d)
