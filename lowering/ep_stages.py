@@ -168,7 +168,7 @@ def _route(packed: Tensor, device: torch.device) -> tuple[runtime.EPLayer, int, 
 
 
 def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
-    lay.add_comm_time(direction, time.perf_counter() - t0, start=t0)
+    lay.add_comm_time(direction, time.perf_counter() - t0)
 
 
 # (device, the stage's phases as a generator: hier_a2a.*_steps wrapped, their process groups)

@@ -19,6 +19,7 @@ rows) apart from metadata (split sizes, expert ids, weights).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,9 +105,8 @@ class EPLayer:
     step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
     # wall seconds this rank spent in dispatch + combine since the last forward, per direction
     step_comm_s: dict[str, float] = field(default_factory=dict)
-    # per direction, (first start, last end) of those stages (perf_counter seconds): the layer's wall
-    # time with its stages overlapping each other (chunks, lanes), what the d tuner measures
-    step_span_s: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # time.perf_counter() at this layer's last forward: the step period the d tuner measures
+    _forward_at: float | None = None
     num_steps: int = 0
     # bytes the staged ops keep from this rank's last forward to its backward: the dispatched rows
     # with their expert ids and weights, and the route (0 for the fused "resend" op, which keeps
@@ -237,18 +237,15 @@ class EPLayer:
         self._experts = rows[:, extra:].reshape(world, num_levels + 1, -1) if rows.shape[1] > extra else None
 
     def _last_step_measured(self) -> list[int]:
-        """[step index, microseconds per transfer] of this rank's last step of this layer ([-1,
-        -1] before the first), what ``tuning.DimensionTuner.observe`` takes: per direction run,
-        the wall time from its first stage's start to its last stage's end (the local experts
-        between them, the same for every d, go into the offset; stages of chunks that overlap
-        count once), over the transfers (2 per direction). Without spans (the fused re-send
-        op) the stages' summed seconds."""
-        with _lock:
-            spans = {k: end - start for k, (start, end) in self.step_span_s.items()}
-            comm_s = spans or dict(self.step_comm_s)
-        if not self.num_steps or not comm_s:
+        """[step index, microseconds] of this rank's last step of this layer ([-1, -1] before the
+        first), what ``tuning.DimensionTuner.observe`` takes: the time from the last forward to
+        this one, the whole training step (see moe_compile.ep.tuning for why not the stages'
+        own times), over the 4 transfers of a forward and backward."""
+        now = time.perf_counter()
+        last, self._forward_at = self._forward_at, now
+        if not self.num_steps or last is None:
             return [-1, -1]
-        return [self.num_steps - 1, int(sum(comm_s.values()) / (2 * len(comm_s)) * 1e6)]
+        return [self.num_steps - 1, int((now - last) / 4 * 1e6)]
 
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
@@ -310,7 +307,6 @@ class EPLayer:
             self.saved_bytes = 0
             self.step_bytes = {}
             self.step_comm_s = {}
-            self.step_span_s = {}
             self.num_steps += 1
 
     def add_saved_bytes(self, num_bytes: int) -> None:
@@ -318,14 +314,9 @@ class EPLayer:
         with _lock:
             self.saved_bytes += num_bytes
 
-    def add_comm_time(self, direction: str, seconds: float, start: float | None = None) -> None:
-        """``seconds`` of dispatch or combine in ``direction``; ``start``: when they began
-        (time.perf_counter), for the step's span."""
+    def add_comm_time(self, direction: str, seconds: float) -> None:
         with _lock:
             self.step_comm_s[direction] = self.step_comm_s.get(direction, 0.0) + seconds
-            if start is not None:
-                first, last = self.step_span_s.get(direction, (start, start + seconds))
-                self.step_span_s[direction] = (min(first, start), max(last, start + seconds))
 
     def last_step_bytes(self) -> dict[str, int]:
         """Payload bytes this rank sent per level in the last step (its forward and, once run, its

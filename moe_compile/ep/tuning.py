@@ -11,12 +11,15 @@ So the runtime measures. ``DimensionTuner`` keeps, per d, the last ``WINDOW`` of
 
     o_d = measured_d - t_d,
 
-measured_d being a step's wall time of the layer per transfer (per direction, from its first
-stage's start to its last stage's end, so stages that overlap (chunks on their lanes) count
-once and the local experts in between, the same for every d, fall into the offset; a
-transfer: one dispatch or combine of the layer's tokens, a forward makes 2, its backward 2
-more), the least of the ranks' (the rank that waited least for others is closest to the layer's
-own time),
+measured_d being the training step's wall time as the layer sees it (from one forward of the
+layer to the next, over the 4 transfers of a forward and backward: a transfer is one dispatch or
+combine of the layer's tokens), the least of the ranks'. Not the stages' own seconds: with the
+stages split into start and wait, run on lanes and in chunks, a stage's wall time holds waits for
+other lanes and for the caller, and on the emulated cluster it ranked d=1 ahead of d=2 at K=8
+where d=2's steps are 15 % faster (bench/results/e2e.md). The step holds everything a d costs;
+what it holds besides (the other layers, the optimizer) is the same for every d and goes into
+the offset. Every layer explores the same d in the same steps (the same schedule), so what an
+exploring step measures is the model run at that d throughout;
 and t_d the model's prediction the step was decided on. It decides
 
     d = argmin_d  t_d + median(o_d)
