@@ -56,10 +56,11 @@ class Options:
         expert compute and combine overlap (MoNTA; ``cost.pipeline``): "auto" (default) = n per
         layer from the cost model on the topology (1 where chunking does not pay, or with no
         topology and a fixed dimension), an int n = that many chunks, False = 1. Needs overlap.
-    tune_dimension: with a mesh and d chosen per step (no fixed 'dimension'), measure the
-        dispatch + combine time of every d the model finds close to the best this many times
-        early in training and from then on decide on the model's t_d corrected by what was
-        measured (``moe_compile.ep.tuning``; default 2); 0 = the model alone (HierMoE Eq. 6).
+    tune_dimension: with a mesh and d chosen per step (no fixed 'dimension'), run every d the
+        model finds close to the best this many steps early in training, measuring the step's
+        wall time, and from then on decide on the model's t_d corrected by what was measured
+        (``moe_compile.ep.tuning``; for steps run back to back); default 0 = the model alone
+        (HierMoE Eq. 6).
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
