@@ -128,7 +128,10 @@ def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EP
     out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
     if not r_P.numel():
         return out_RH, none
-    y_PH, kept = experts_reference_keep(rows_RH[r_P], slot_P1, w_P1, *weights, activation)
+    w_up, w_gate, w_down, b_up, b_gate, b_down = weights
+    assert w_up is not None and w_down is not None
+    y_PH, kept = experts_reference_keep(rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate, b_down,
+                                        activation)
     out_RH.index_add_(0, r_P, y_PH.float())
     return out_RH, kept
 
@@ -152,8 +155,11 @@ def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tenso
         return d_rows_RH, d_w_RS, [rows_RH.new_empty(0) if w is None else torch.zeros_like(w) for w in weights]
     if kept is not None and not kept.up_NF.shape[0]:
         kept = None  # zero-size: nothing was kept, recompute
+    w_up, w_gate, w_down, b_up, b_gate, b_down = weights
+    assert w_up is not None and w_down is not None
     d_x_PH, d_w_P1, *d_weights = experts_reference_backward(
-        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, *weights, activation, kept=kept)
+        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate, b_down,
+        activation, kept=kept)
     d_rows_RH.index_add_(0, r_P, d_x_PH.float())
     d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
     return d_rows_RH, d_w_RS, d_weights
