@@ -119,17 +119,19 @@ def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EP
     ``triton``: one ``hiermoe::experts_triton`` call over the dispatched rows and their [R, S]
     slots (the ESMM kernels gather each slot's row themselves); else each valid slot one token
     of ``experts_reference`` with K = 1."""
-    num_f = weights[2].shape[-1] if weights[2] is not None else 0
-    none = Kept(rows_RH.new_empty((0, num_f)), rows_RH.new_empty((0, num_f)))
+    w_up, w_gate, w_down, b_up, b_gate, b_down = weights
+    assert w_up is not None and w_down is not None
+
+    def nothing() -> Kept:  # two tensors: a custom op's outputs may not alias each other
+        return Kept(rows_RH.new_empty((0, w_down.shape[-1])), rows_RH.new_empty((0, w_down.shape[-1])))
+
     if triton:
         return torch.ops.hiermoe.experts_triton(rows_RH, _weight_rows(ids_RS, lay, by_expert), w_RS.to(w_dtype),
-                                                *weights, activation).float(), none
+                                                *weights, activation).float(), nothing()
     r_P, _, slot_P1, w_P1 = _local_pairs(ids_RS, w_RS, lay, by_expert, w_dtype)
     out_RH = rows_RH.new_zeros(rows_RH.shape, dtype=torch.float32)
     if not r_P.numel():
-        return out_RH, none
-    w_up, w_gate, w_down, b_up, b_gate, b_down = weights
-    assert w_up is not None and w_down is not None
+        return out_RH, nothing()
     y_PH, kept = experts_reference_keep(rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate, b_down,
                                         activation)
     out_RH.index_add_(0, r_P, y_PH.float())
@@ -142,7 +144,7 @@ def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tenso
     """Grads of ``local_forward``: rows [R, H] float32, slot weights [R, S] float32 (0 where no
     slot), and the six weight tensors (zero-size for absent ones), through
     ``experts_reference_backward`` (or ``hiermoe::experts_triton_backward``), from the
-    pre-activations ``local_forward`` kept where given (not zero-size), else recomputed."""
+    pre-activations ``local_forward`` kept where given, else (None) recomputed."""
     if triton:
         d_rows_RH, d_w_RS, *d_weights = torch.ops.hiermoe.experts_triton_backward(
             grad_RH.to(rows_RH.dtype), rows_RH, _weight_rows(ids_RS, lay, by_expert), w_RS.to(w_dtype), *weights,
@@ -153,8 +155,6 @@ def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tenso
     d_w_RS = torch.zeros_like(w_RS, dtype=torch.float32)
     if not r_P.numel():
         return d_rows_RH, d_w_RS, [rows_RH.new_empty(0) if w is None else torch.zeros_like(w) for w in weights]
-    if kept is not None and not kept.up_NF.shape[0]:
-        kept = None  # zero-size: nothing was kept, recompute
     w_up, w_gate, w_down, b_up, b_gate, b_down = weights
     assert w_up is not None and w_down is not None
     d_x_PH, d_w_P1, *d_weights = experts_reference_backward(
@@ -401,8 +401,8 @@ def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Te
                               kept_up: Tensor, kept_gate: Tensor, triton: bool = False
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_rows, d_w float32, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
-    absent weights) from the dispatched rows and the pre-activations autograd saved (recomputed
-    where those are zero-size)."""
+    absent weights) from the dispatched rows and the pre-activations autograd saved (zero-size
+    on the Triton path, whose backward recomputes them)."""
     lay = runtime.layer(int(route[2]))
     check_version(lay, int(route[1]))
     d_rows, d_w, d_weights = local_backward(grad_out, rows, ids, w, lay, by_expert,

@@ -172,6 +172,12 @@ class _Ffn(NamedTuple):
     y_NH: Tensor | None  # None when not asked for (backward needs h, not y)
 
 
+def _linear(a_NI: Tensor, w_EOI: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
+    """Each sorted slot's row through its expert's nn.Linear-layout weight (and bias)."""
+    out_NO = _seg_mm(a_NI, w_EOI.mT, r)
+    return out_NO if b_EO is None else out_NO + b_EO.index_select(0, r.expert_N)
+
+
 def _ffn(
     x_TH: Tensor, r: _Routing, w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None, activation: str,
@@ -180,29 +186,17 @@ def _ffn(
     """The slots' FFN in expert-sorted order; ``kept``: the pre-activations a forward kept
     (``experts_reference_keep``), used instead of recomputing them; ``output``: also y."""
     x_NH = x_TH.index_select(0, r.tok_N).contiguous()
-    if kept is not None:
-        up_NF = kept.up_NF
-    else:
-        up_NF = _seg_mm(x_NH, w_up_EFH.mT, r)
-        if b_up_EF is not None:
-            up_NF = up_NF + b_up_EF.index_select(0, r.expert_N)
+    up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r)
     act = _ACT_FWD[activation]
     gate_NF = None
     if w_gate_EFH is not None:
-        if kept is not None:
-            gate_NF = kept.gate_NF
-        else:
-            gate_NF = _seg_mm(x_NH, w_gate_EFH.mT, r)
-            if b_gate_EF is not None:
-                gate_NF = gate_NF + b_gate_EF.index_select(0, r.expert_N)
+        gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r)
         h_NF = act(gate_NF) * up_NF
     else:
         h_NF = act(up_NF)
     if not output:
         return _Ffn(x_NH, up_NF, gate_NF, h_NF, None)
-    y_NH = _seg_mm(h_NF, w_down_EHF.mT, r)
-    if b_down_EH is not None:
-        y_NH = y_NH + b_down_EH.index_select(0, r.expert_N)
+    y_NH = _linear(h_NF, w_down_EHF, b_down_EH, r)
     return _Ffn(x_NH, up_NF, gate_NF, h_NF, y_NH)
 
 
@@ -282,7 +276,7 @@ def experts_reference_backward(
     d_w_down_EHF = _seg_wgrad(dy_NH, ffn.h_NF, r, num_experts)
     dh_NF = (gw_NF * weight_N[:, None]).to(cd)
 
-    # Step 3: activation (and gate).
+    # Step 2: activation (and gate).
     act_bwd = _ACT_BWD[activation]
     if ffn.gate_NF is not None:
         d_up_NF = dh_NF * _ACT_FWD[activation](ffn.gate_NF)
@@ -291,7 +285,7 @@ def experts_reference_backward(
         d_up_NF = act_bwd(dh_NF, ffn.up_NF)
         d_gate_NF = None
 
-    # Step 4: up (and gate) projection, then scatter slot grads back to token rows.
+    # Step 3: up (and gate) projection, then scatter slot grads back to token rows.
     d_b_up = _seg_sum(d_up_NF, r, num_experts, acc).to(b_up_EF.dtype) if b_up_EF is not None else none()
     d_w_up_EFH = _seg_wgrad(d_up_NF, ffn.x_NH, r, num_experts)
     dx_NH = _seg_mm(d_up_NF, w_up_EFH, r).to(acc)
