@@ -273,6 +273,7 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         check_version(lay, version)
 
     phases = lay.comm.phases(d)
+    runtime.STEP_CLOCK.dispatched()
 
     def job() -> Generator[Any, None, tuple[Tensor, Tensor, Tensor, Tensor]]:
         t0 = time.perf_counter()
@@ -318,6 +319,7 @@ def _dispatch_backward_job(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_s
             d_x, d_tw = yield from hier_a2a.combine_steps(grad_rows.to(x_dtype), rt, "backward",
                                                           meta_RS=grad_w.float())
         _timed(lay, "backward", t0)
+        runtime.STEP_CLOCK.backward_done()
         assert d_tw is not None and list(d_x.shape) == list(x_shape) and list(d_tw.shape) == list(w_shape)
         return d_x.contiguous(), d_tw.to(w_dtype).contiguous()
 

@@ -75,6 +75,7 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     d = begin_forward(lay, x, topk_idx)
     lay.saved_bytes = 0  # autograd keeps only the op's inputs
     phases = lay.comm.phases(d)
+    runtime.STEP_CLOCK.dispatched()
     t0 = time.perf_counter()
     with collective(lay, f"the forward dispatch all-to-alls ({_phases(d, lay)})"):
         rows_RH, ids_RS, w_RS, route = worker.run(x.device, lambda: hier_a2a.dispatch(
@@ -121,6 +122,7 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
         d_x_TH, d_tw_TK = worker.run(x.device, lambda: hier_a2a.combine(d_rows_RH.to(x.dtype), route, "backward",
                                                                        meta_RS=d_w_RS.float()))
     lay.add_comm_time("backward", (t1 - t0) + (time.perf_counter() - t2))
+    runtime.STEP_CLOCK.backward_done()
     assert d_tw_TK is not None
     return (d_x_TH, d_tw_TK.to(topk_weights.dtype), *d_weights)  # type: ignore[return-value]
 

@@ -58,9 +58,9 @@ class Options:
         topology and a fixed dimension), an int n = that many chunks, False = 1. Needs overlap.
     tune_dimension: with a mesh and d chosen per step (no fixed 'dimension'), run every d the
         model finds close to the best this many steps early in training, measuring the step's
-        wall time, and from then on decide on the model's t_d corrected by what was measured
-        (``moe_compile.ep.tuning``; for steps run back to back); default 0 = the model alone
-        (HierMoE Eq. 6).
+        span over the MoE layers (first forward to last backward), and from then on decide on
+        the model's t_d corrected by what was measured (``moe_compile.ep.tuning``); default 3;
+        0 = the model alone (HierMoE Eq. 6).
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,

@@ -561,14 +561,20 @@ def case_tune() -> dict[str, Any]:
     torch.manual_seed(0)
     weights = [torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), None, None, None]
     steps = []
+    eval_d = None
     for step in range(8):
         x = torch.randn(T, H, requires_grad=True)
         y = staged_experts(x, routing("random", T, K, E, rank + 10 * step), torch.rand(T, K), weights, "silu",
                            lay.layer_id, True, K)
         y.sum().backward()
         steps.append({"d": lay.last_dimension, "times": list(lay.last_times_s), "tuned": list(lay.last_tuned_s)})
+        if step == 5:  # an evaluation between two training steps: a forward with no backward
+            with torch.no_grad():
+                staged_experts(x, routing("random", T, K, E, rank + 99), torch.rand(T, K), weights, "silu",
+                               lay.layer_id, True, K)
+            eval_d = lay.last_dimension
     return {"steps": steps, "offsets": {str(d): o for d, o in lay.tuner.offsets_s.items()},
-            "tried": {str(d): n for d, n in lay.tuner.tried.items()}}
+            "tried": {str(d): n for d, n in lay.tuner.tried.items()}, "eval_d": eval_d}
 
 
 def case_shard() -> dict[str, Any]:

@@ -183,7 +183,7 @@ def test_tuned_dimension_agrees() -> None:
     """options['tune_dimension'] (moe_compile.ep.tuning): every rank explores the same d in the
     same steps, receives the same measurements (the least of the ranks', in the statistics
     exchange) and decides alike; once each close d is measured twice, a step's d is Eq. 6's
-    rule on the corrected times it shows."""
+    rule on the corrected times it shows; a forward without backward is not measured."""
     results = run_ranks(4, "tune", shape=[2, 2])
     first = results[0]
     for rank, res in enumerate(results):
@@ -195,9 +195,14 @@ def test_tuned_dimension_agrees() -> None:
     assert {1, 2} <= set.union(*close), steps  # the topology makes both close here
     assert sorted(s["d"] for s in steps[1:5]) == [1, 1, 2, 2], steps  # each twice, then the corrected rule
     # measurements arrive a step late (lagged statistics): both d have offsets by the end
-    later = [s["d"] for s in steps[5:]]
+    later = [s["d"] for s in steps[5:]] + [first["eval_d"]]
     assert sorted(first["offsets"]) == ["1", "2"]
     assert first["tried"] == {"1": 2 + later.count(1), "2": 2 + later.count(2)}
+    # what is measured is each training step's span: a forward's measurement arrives two forwards
+    # later, so of the 9 forwards steps 1-5 arrived (step 0 is not measured, the last step's would
+    # arrive after the end); the evaluation forward between steps 5 and 6 has no span (the step
+    # period, forward to forward, would have made it a sixth)
+    assert sum(len(o) for o in first["offsets"].values()) == 5, first["offsets"]
     for s in steps[5:]:
         assert s["d"] == dimension_rule(s["tuned"]), s
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from moe_compile.cost.hiermoe import dimension_rule
-from moe_compile.ep.tuning import WINDOW, DimensionTuner
+from moe_compile.ep import tuning
+from moe_compile.ep.tuning import WINDOW, DimensionTuner, StepClock
 
 
 def run(tuner: DimensionTuner, times: list[float], measured: dict[int, float], steps: range) -> list[int]:
@@ -72,3 +73,51 @@ def test_window_keeps_the_last_offsets() -> None:
         d = tuner.choose([1.0], step)
         tuner.observe(step, 1.0 + step)
     assert len(tuner.offsets_s[d]) == WINDOW and tuner.offsets_s[d][-1] == pytest.approx(3 * WINDOW - 1.0)
+
+
+class _Clock:
+    """A settable perf_counter for StepClock (no sleeping: the spans are exact numbers)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_step_clock_spans_the_layers_of_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's span runs from its first layer's forward to its last backward dispatch's end, per
+    layer and transfer, the same for every layer of it; chunks count as dispatches; what runs
+    between steps, an evaluation forward, or another model's step is not in any span."""
+    now = _Clock()
+    monkeypatch.setattr(tuning.time, "perf_counter", now)
+    clock = StepClock()
+
+    def train_step(layers: list[int], chunks: int, start: float, end: float) -> list[int]:
+        now.now = start
+        steps = []
+        for lay in layers:  # forward: each layer's chunks dispatch
+            steps.append(clock.forward(lay))
+            for _ in range(chunks):
+                clock.dispatched()
+        now.now = end
+        for _ in range(len(layers) * chunks):  # backward: the last one ends at ``end``
+            clock.backward_done()
+        return steps
+
+    a = train_step([0, 1], 3, 10.0, 18.0)
+    assert a == [0, 0] and clock.span_s(0) == pytest.approx(8.0 / (4 * 2))
+    b = train_step([0, 1], 3, 30.0, 34.0)  # 12 s between the steps (optimizer, data): not in the span
+    assert b == [1, 1] and clock.span_s(1) == pytest.approx(4.0 / 8)
+    now.now = 40.0  # an evaluation: forwards, no backward
+    e = []
+    for lay in (0, 1):
+        e.append(clock.forward(lay))
+        clock.dispatched()
+    assert e == [2, 2] and clock.span_s(2) is None
+    c = train_step([0, 1], 1, 50.0, 51.0)  # layer 0 again opens a new step; the evaluation never closes
+    assert c == [3, 3] and clock.span_s(2) is None and clock.span_s(3) == pytest.approx(1.0 / 8)
+    other = train_step([7], 2, 60.0, 62.0)  # another model's step, between two of this one's
+    assert other == [4] and clock.span_s(4) == pytest.approx(2.0 / 4)
+    d = train_step([0, 1], 1, 70.0, 72.0)
+    assert d == [5, 5] and clock.span_s(5) == pytest.approx(2.0 / 8)

@@ -19,7 +19,6 @@ rows) apart from metadata (split sizes, expert ids, weights).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +29,12 @@ import torch.distributed as dist
 from moe_compile.cost.routing import expert_table, gathered_statistics, hd_statistics, source_table
 from moe_compile.ep import shard
 from moe_compile.ep.comm import MeshComm
-from moe_compile.ep.tuning import DimensionTuner
+from moe_compile.ep.tuning import DimensionTuner, StepClock
 
 _lock = threading.Lock()
+# the training step as this process's expert-parallel layers see it: what the d tuner measures;
+# the stage ops mark each forward dispatch and the end of its backward
+STEP_CLOCK = StepClock()
 
 _PHASES = ("dispatch", "combine")
 _DIRECTIONS = ("forward", "backward")
@@ -105,8 +107,8 @@ class EPLayer:
     step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)  # payload, since the last forward
     # wall seconds this rank spent in dispatch + combine since the last forward, per direction
     step_comm_s: dict[str, float] = field(default_factory=dict)
-    # time.perf_counter() at this layer's last forward: the step period the d tuner measures
-    _forward_at: float | None = None
+    # the StepClock step of this layer's last forward (-1: none yet): what the d tuner measures
+    _clock_step: int = -1
     num_steps: int = 0
     # bytes the staged ops keep from this rank's last forward to its backward: the dispatched rows
     # with their expert ids and weights, and the route (0 for the fused "resend" op, which keeps
@@ -237,15 +239,14 @@ class EPLayer:
         self._experts = rows[:, extra:].reshape(world, num_levels + 1, -1) if rows.shape[1] > extra else None
 
     def _last_step_measured(self) -> list[int]:
-        """[step index, microseconds] of this rank's last step of this layer ([-1, -1] before the
-        first), what ``tuning.DimensionTuner.observe`` takes: the time from the last forward to
-        this one, the whole training step (see moe_compile.ep.tuning for why not the stages'
-        own times), over the 4 transfers of a forward and backward."""
-        now = time.perf_counter()
-        last, self._forward_at = self._forward_at, now
-        if not self.num_steps or last is None:
+        """[step index, microseconds] of this layer's last step, what
+        ``tuning.DimensionTuner.observe`` takes: the span of the training step its last forward
+        belonged to, per layer and transfer (``STEP_CLOCK``; moe_compile.ep.tuning for why).
+        [-1, -1] before the first step and after a forward with no backward (evaluation)."""
+        span = STEP_CLOCK.span_s(self._clock_step)
+        if not self.num_steps or span is None:
             return [-1, -1]
-        return [self.num_steps - 1, int((now - last) / 4 * 1e6)]
+        return [self.num_steps - 1, int(span * 1e6)]
 
     def choose_dimension(self, topk_idx_TK: Any) -> int:
         """d for this step: the fixed option, or HierMoE Eq. 6 / Alg. 1 from statistics every rank
@@ -302,6 +303,8 @@ class EPLayer:
         return d
 
     def begin_step(self, d: int) -> None:
+        """This layer's forward runs with d (after ``choose_dimension``, which read the last step)."""
+        self._clock_step = STEP_CLOCK.forward(self.layer_id)
         with _lock:
             self.last_dimension = d
             self.saved_bytes = 0
