@@ -109,6 +109,8 @@ def variants(num_levels: int, model: str) -> list[Variant]:
     out += [Variant(f"hiermoe HD{d}", "hiermoe", (("dimension", d),)) for d in range(num_levels, 0, -1)]
     out += [Variant(f"hiermoe HD{d} serial", "hiermoe", (("dimension", d), ("pipeline", False)))
             for d in range(num_levels, 0, -1)]
+    out += [Variant(f"hiermoe HD{d} inline", "hiermoe", (("dimension", d), ("pipeline", False), ("overlap", False)))
+            for d in range(num_levels, 0, -1)]
     out.append(Variant("flat A2A", "hiermoe", (("dimension", 1), ("dedup", False))))
     if model == "hf_mixtral":
         out += [Variant("HF EP", "hf_ep"), Variant("HF EP+DDP", "hf_ep_ddp")]
@@ -267,7 +269,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
     wanted = [v for v in variants(len(names), model_kind)
-              if v.name in args.variants or v.kind == "eager" or not (args.variants or v.name.endswith(" serial"))]
+              if v.name in args.variants or v.kind == "eager" or not (args.variants or v.name.endswith((" serial", " inline")))]
     # eager DDP first: its first-step loss is the reference of the check
     wanted = wanted[-1:] + wanted[:-1]
     failed: dict[str, str] = {}

@@ -18,8 +18,11 @@ Contract:
               (``moe_compile.ep.worker``) move the tokens. The stages keep their order among
               themselves (the chunked pipeline's order, ``cost.pipeline``), so every rank issues
               its collectives in the same order.
+              A stage left with nothing but views and indexing between its start and wait is
+              joined again (it runs where it stands: a split would only cost two thread switches).
     guarantees the graph computes what it computed (only the order of independent pure nodes
-              changes); ``split_stages`` returns, per graph, the stages split and the nodes moved.
+              changes); ``split_stages`` returns, per graph, the stages left split and the nodes
+              moved.
 
 Pseudo-code::
 
@@ -32,6 +35,8 @@ Pseudo-code::
         for m after w until a node with side effects or the output:
             if m is another stage or reads a dependent node: dependent.add(m)
             else: move m before w
+    for t, w in pairs: if only views/getitems lie between t and w:    # Step 4: join the idle
+        replace t, w by the stage itself at w
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from moe_compile.lowering.ep_stages import COLLECTIVE_OPS, SPLIT_STAGES
 class Split:
     """What ``split_stages`` did to one graph."""
 
-    stages: int  # start/wait pairs made
+    stages: int  # start/wait pairs made and kept (a stage with no work between them is joined again)
     moved: int  # nodes moved between a start and its wait
 
 
@@ -148,7 +153,44 @@ def split_stages(graph: fx.Graph) -> Split:
         for m in later:
             wait.prepend(m)
         moved += len(later)
-    return Split(len(waits), moved)
+    # Step 4: a stage with nothing between its start and wait runs where it stands: the split
+    # would only hand it to a lane and back (a thread switch each way on cores the ranks share).
+    originals = {wait_op: stage for stage, (_, wait_op) in targets.items()}
+    kept = 0
+    for wait in waits:
+        start = wait.args[0]
+        assert isinstance(start, fx.Node)
+        if any(not _cheap(m) for m in _nodes_between(start, wait)):
+            kept += 1
+            continue
+        with graph.inserting_before(wait):
+            stage = graph.call_function(originals[wait.target], start.args, dict(start.kwargs))
+        stage.name = wait.name.removesuffix("_wait")
+        stage.meta.update(wait.meta)
+        stage.meta.update({k: v for k, v in start.meta.items() if k == "eager_input_vals"})
+        wait.replace_all_uses_with(stage)
+        graph.erase_node(wait)
+        graph.erase_node(start)
+    return Split(kept, moved)
+
+
+def _nodes_between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
+    out = []
+    m = a.next
+    while m is not b:
+        out.append(m)
+        m = m.next
+    return out
+
+
+def _cheap(n: fx.Node) -> bool:
+    """A node that is no work to overlap with: an index into a tuple, a symbolic size, a view."""
+    if n.op != "call_function":
+        return n.op in ("placeholder", "get_attr")
+    t = n.target
+    if t is operator.getitem or getattr(t, "__module__", None) in ("_operator", "math", "torch.fx.experimental.sym_node"):
+        return True
+    return isinstance(t, torch._ops.OpOverload) and t.is_view
 
 
 class OverlapPass(CustomGraphPass):

@@ -568,7 +568,7 @@ def case_tune() -> dict[str, Any]:
                            lay.layer_id, True, K)
         y.sum().backward()
         steps.append({"d": lay.last_dimension, "times": list(lay.last_times_s), "tuned": list(lay.last_tuned_s)})
-        if step == 5:  # an evaluation between two training steps: a forward with no backward
+        if step == 1:  # an evaluation between two exploring steps: a forward with no backward
             with torch.no_grad():
                 staged_experts(x, routing("random", T, K, E, rank + 99), torch.rand(T, K), weights, "silu",
                                lay.layer_id, True, K)

@@ -9,7 +9,7 @@ import pytest
 
 from moe_compile.cost.hiermoe import dimension_rule
 from moe_compile.ep import tuning
-from moe_compile.ep.tuning import WINDOW, DimensionTuner, StepClock
+from moe_compile.ep.tuning import DimensionTuner, StepClock
 
 
 def run(tuner: DimensionTuner, times: list[float], measured: dict[int, float], steps: range) -> list[int]:
@@ -67,12 +67,14 @@ def test_observations_align_by_step() -> None:
     assert tuner.offsets_s == {d2: [2.0]} and not tuner.pending
 
 
-def test_window_keeps_the_last_offsets() -> None:
-    tuner = DimensionTuner(1)
-    for step in range(1, 3 * WINDOW):
-        d = tuner.choose([1.0], step)
-        tuner.observe(step, 1.0 + step)
-    assert len(tuner.offsets_s[d]) == WINDOW and tuner.offsets_s[d][-1] == pytest.approx(3 * WINDOW - 1.0)
+def test_only_exploring_steps_are_measured() -> None:
+    """Once every close d has its rounds, a step is decided by the corrected rule and queues no
+    measurement: the offsets stay those of the exploring steps (where every layer ran one d)."""
+    tuner = DimensionTuner(2)
+    chosen = run(tuner, [1.0, 0.9], {1: 1.0, 2: 1.5}, range(1, 12))
+    assert sorted(chosen[:4]) == [1, 1, 2, 2] and chosen[4:] == [1] * 7
+    assert tuner.tried == {1: 2, 2: 2} and not tuner.pending
+    assert {d: len(o) for d, o in tuner.offsets_s.items()} == {1: 2, 2: 2}
 
 
 class _Clock:

@@ -7,7 +7,7 @@ packing and index work on cores the model's compute shares, a link the ranks of 
 (the model's beta is per rank, so uneven routing inside a node looks slower than it runs). Where two d are close,
 that difference decides, and the model alone can pick the slower one (bench/results/e2e.md).
 
-So the runtime measures. ``DimensionTuner`` keeps, per d, the last ``WINDOW`` offsets
+So the runtime measures. ``DimensionTuner`` keeps, per d, the offsets of the steps that explored it
 
     o_d = measured_d - t_d,
 
@@ -35,6 +35,10 @@ per-phase cost. Before every candidate has ``rounds`` measurements the step expl
 the candidate measured least so far (a candidate: a d the model predicts within
 ``EXPLORE_WITHIN`` of the best; the others are never worth a step). A d never measured is
 corrected by the largest offset measured (pessimistic, so it is not chosen for lack of data).
+Only exploring steps are measured: there every layer runs the same d, so a step's span is that
+d's; once layers decide apart (their t_d differ), a span holds several layers' d at once and says
+nothing of one layer's (measured so, two layers of one model settled on different d and drifted
+between them step by step).
 
 Every rank decides alike: the inputs are the agreed statistics' predictions, the measurements
 every rank received in the same exchange, and the tuner's own history, the same everywhere.
@@ -59,7 +63,6 @@ import numpy as np
 from moe_compile.cost.hiermoe import dimension_rule
 
 TUNE_ROUNDS = 3  # options['tune_dimension']'s default (the module docstring's last paragraph)
-WINDOW = 8  # offsets kept per d: the median of the last 8 steps follows a slow drift
 EXPLORE_WITHIN = 2.0  # a d predicted slower than twice the best is not explored
 
 
@@ -70,26 +73,24 @@ class DimensionTuner:
 
     rounds: int
     offsets_s: dict[int, list[float]] = field(default_factory=dict)
-    tried: dict[int, int] = field(default_factory=dict)  # steps run with each d (measured or in flight)
+    tried: dict[int, int] = field(default_factory=dict)  # exploring steps run with each d
     # steps decided and not yet measured, oldest first: (step index, d, the model's t_d for it)
     pending: deque[tuple[int, int, float]] = field(default_factory=deque)
 
     def choose(self, times_s: Sequence[float], step: int, *, measure: bool = True) -> int:
         """d (1-based) for step number ``step`` from the model's t_1..t_D. ``measure``: this step
-        will be measured (False for a layer's first step)."""
+        may be measured (False for a layer's first step). Only exploring steps are measured."""
         times = [float(t) for t in times_s]
         if self.rounds <= 0:
             return dimension_rule(times)
         best = min(times)
         candidates = [d for d, t in enumerate(times, 1) if t <= EXPLORE_WITHIN * best]
         short = [d for d in candidates if self.tried.get(d, 0) < self.rounds]
-        if short and measure:
-            d = min(short, key=lambda c: (self.tried.get(c, 0), times[c - 1]))
-        else:
-            d = dimension_rule(self.corrected_s(times))
-        if measure:
-            self.tried[d] = self.tried.get(d, 0) + 1
-            self.pending.append((step, d, times[d - 1]))
+        if not (short and measure):
+            return dimension_rule(self.corrected_s(times))
+        d = min(short, key=lambda c: (self.tried.get(c, 0), times[c - 1]))
+        self.tried[d] = self.tried.get(d, 0) + 1
+        self.pending.append((step, d, times[d - 1]))
         return d
 
     def corrected_s(self, times_s: Sequence[float]) -> list[float]:
@@ -106,9 +107,7 @@ class DimensionTuner:
         if not self.pending or self.pending[0][0] != step:
             return
         _, d, predicted_s = self.pending.popleft()
-        window = self.offsets_s.setdefault(d, [])
-        window.append(measured_s - predicted_s)
-        del window[:-WINDOW]
+        self.offsets_s.setdefault(d, []).append(measured_s - predicted_s)
 
 
 @dataclass
