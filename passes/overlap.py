@@ -158,8 +158,9 @@ def split_stages(graph: fx.Graph) -> Split:
     originals = {wait_op: stage for stage, (_, wait_op) in targets.items()}
     kept = 0
     for wait in waits:
-        start = wait.args[0]
-        assert isinstance(start, fx.Node)
+        ticket = wait.args[0]
+        assert isinstance(ticket, fx.Node)
+        start = ticket
         if any(not _cheap(m) for m in _nodes_between(start, wait)):
             kept += 1
             continue
