@@ -116,13 +116,20 @@ def worker(args: argparse.Namespace) -> None:
         # (expert and router compute, the graph's own work): a perfect overlap of n chunks takes
         # max(comm, compute) + min(comm, compute) / n (one chunk's fill), the slowest rank's
         serial_split: list[tuple[float, float]] = []
+        # CPU seconds of the step summed over the ranks (every thread of each: the caller, the
+        # worker's lanes, gloo's): over the cores the ranks share, the least wall time the step
+        # can take however well it overlaps
+        cpu_s: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[:rep % len(names)]
             for name in order:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(variants[name])
                 dt = torch.tensor([time.perf_counter() - t0])
+                cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+                dist.all_reduce(cpu)
+                cpu_s[name].append(float(cpu))
                 if name == "1":
                     comm = sum(layer_of[name].step_comm_s.values())
                     both = torch.tensor([comm, float(dt) - comm], dtype=torch.float64)
@@ -140,7 +147,8 @@ def worker(args: argparse.Namespace) -> None:
             + f"  (auto ran n={chosen}; {predicted['auto']})", flush=True)
         results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen,
                         "plans": plans, "predicted": predicted, "serial_comm_s": comm_s,
-                        "serial_compute_s": compute_s})
+                        "serial_compute_s": compute_s,
+                        "cpu_floor_s": {n: statistics.median(v) / min(world, _cores()) for n, v in cpu_s.items()}})
         del variants
     if rank == 0:
         Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
@@ -199,8 +207,8 @@ def report(payload: dict[str, Any]) -> str:
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
                      " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
                      " n=1 comm / compute ms | perfect-overlap bound at the fastest n ms | fastest / bound |"
-                     " predicted by the model |")
-        lines.append("|" + "---|" * (len(args["chunks"]) + 10))
+                     " CPU floor n=1 / fastest n ms | predicted by the model |")
+        lines.append("|" + "---|" * (len(args["chunks"]) + 11))
         for c in run["configs"]:
             med = c["median_s"]
             chunks = [str(n) for n in args["chunks"]]
@@ -213,12 +221,19 @@ def report(payload: dict[str, Any]) -> str:
                 bound = max(comm, compute) + min(comm, compute) / int(fastest)
                 split = (f"{comm * 1e3:.0f} / {compute * 1e3:.0f}", f"{bound * 1e3:.0f}",
                          f"{med[fastest] / bound:.2f}")
+            floor = c.get("cpu_floor_s")  # runs before it was measured have none
+            floor_txt = f"{floor['1'] * 1e3:.0f} / {floor[fastest] * 1e3:.0f}" if floor else "-"
             lines.append(f"| {c['top_k']} | " + " | ".join(f"{med[n] * 1e3:.0f}" for n in chunks)
                          + f" | {med['auto'] * 1e3:.0f} ({c['auto_chunks']}) | {fastest} | {serial / med[fastest]:.2f}x"
                          f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {' | '.join(split)} |"
-                         f" {c['predicted']['auto']} |")
+                         f" {floor_txt} | {c['predicted']['auto']} |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _cores() -> int:
+    """The cores this rank may run on (the ranks of one machine share them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _first(topo: dict[str, Any], key: str) -> float:
