@@ -15,6 +15,7 @@ from moe_compile.lowering.experts import (
     experts_flops,
     experts_reference,
 )
+from moe_compile.lowering.experts_composite import grouped_mm_ok
 
 try:
     import triton  # noqa: F401
@@ -34,4 +35,4 @@ def triton_kernels_error(device: torch.device) -> str | None:
 
 
 __all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
-           "experts_flops", "experts_reference", "triton_kernels_error"]
+           "experts_flops", "experts_reference", "grouped_mm_ok", "triton_kernels_error"]

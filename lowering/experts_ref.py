@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_compile.lowering.grouped_mm import grouped_mm
+
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 
 _ACT_FWD: dict[str, Callable[[Tensor], Tensor]] = {
@@ -127,7 +129,7 @@ def _route(topk_idx_TK: Tensor, num_experts: int, grouped: bool) -> _Routing:
 def _seg_mm(a_NI: Tensor, b_EIO: Tensor, r: _Routing) -> Tensor:
     """Rows of expert e's block times b[e]: [N, I] x [E, I, O] -> [N, O]."""
     if r.bounds is None:
-        return F.grouped_mm(a_NI, b_EIO, offs=r.offs_E)
+        return grouped_mm(a_NI, b_EIO, r.offs_E)
     out_NO = a_NI.new_zeros(a_NI.shape[0], b_EIO.shape[-1])
     for e in range(b_EIO.shape[0]):
         start, end = r.bounds[e], r.bounds[e + 1]

@@ -82,6 +82,26 @@ def tensor_meta(node: fx.Node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def fake_tensor(node: fx.Node) -> torch.Tensor | None:
+    """``tensor_meta``, or for a node a pass added without one (a ``stack`` or ``narrow`` of
+    weights), its value computed from its inputs' fake values in their fake mode; None where
+    an input has none."""
+    t = tensor_meta(node)
+    if t is not None or node.op not in ("call_function", "call_method"):
+        return t
+    inputs = {n: fake_tensor(n) for n in node.all_input_nodes}
+    if any(v is None for v in inputs.values()):
+        return None
+    mode = next((v.fake_mode for v in inputs.values() if hasattr(v, "fake_mode")), None)
+    if mode is None:
+        return None
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: inputs[n])
+    with mode:
+        out = getattr(args[0], str(node.target))(*args[1:], **kwargs) if node.op == "call_method" \
+            else node.target(*args, **kwargs)  # type: ignore[operator]
+    return out if isinstance(out, torch.Tensor) else None
+
+
 def static_shape(node: fx.Node) -> tuple[int, ...] | None:
     """Shape with symbolic sizes replaced by their hints; None for non-tensors."""
     t = tensor_meta(node)

@@ -1,4 +1,5 @@
-"""Choose how each expert op runs: the torch lowering or the HEXA-MoE Triton kernels (re-index
+"""Choose how each expert op runs: the torch lowering (as aten ops the inner compiler sees
+through, or opaque) or the HEXA-MoE Triton kernels (re-index
 vector, ESMM forward, ESMM/ESTMM/ESS/ESFK backward; papers/hexa-moe.txt Sec. 4.2, App. A Alg. 1-4).
 
 ``hiermoe::experts`` and ``hiermoe::experts_triton`` take the same arguments and compute the same
@@ -13,7 +14,7 @@ import torch
 import torch.fx as fx
 
 import moe_compile.lowering as lowering
-from moe_compile.passes.graph_index import tensor_meta
+from moe_compile.passes.graph_index import fake_tensor, tensor_meta
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
 
@@ -47,8 +48,10 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                   (what the expert-parallel pass emits), with fake values recorded on the op's
                   input x (the tokens) or on its producers (Dynamo's ``example_value`` or ``val``).
       guarantees  the graph computes the same function (same arguments, same semantics); each op is
-                  counted once, under "triton" (retargeted) or "torch" (left as is); with
-                  kernels="auto" on CPU inputs nothing changes, so default CPU behaviour is unchanged.
+                  counted once, under "triton" (retargeted), "composite" (the torch lowering as
+                  ``hiermoe::experts_composite``, aten ops the inner compiler traces, fuses and
+                  differentiates, where every matmul can be one grouped_mm) or "torch" (left as
+                  the opaque ``hiermoe::experts``).
                   "auto" is Triton when x is on CUDA and the triton package is installed, else torch.
       refuses     (ValueError, before anything changes) an unknown ``kernels`` value, and
                   kernels="triton" when the kernels cannot run: triton missing, or x on CPU without
@@ -60,7 +63,8 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
         for n in ops: choice[n] = resolve(kernels, device(n.x))              # Step 2 (may refuse)
         for n in ops with choice triton: experts -> experts_triton,          # Step 3
                                          ep_local_experts(..., triton=True)
-        return {"triton": #retargeted, "torch": #left}
+        for n in ops with choice torch: experts -> experts_composite where grouped_mm takes them
+        return {"triton": #retargeted, "composite": #traceable, "torch": #left}
     """
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
@@ -84,13 +88,29 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                 raise ValueError(f"options kernels='triton' cannot lower {n.name}: {why}")
             choices[n] = "triton"
     # Step 3: retarget.
-    counts = {"triton": 0, "torch": 0}
+    counts = {"triton": 0, "torch": 0, "composite": 0}
     for n, choice in choices.items():
         if choice == "triton" and n.target is local:
             n.update_kwarg("triton", True)
         elif choice == "triton":
             n.target = torch.ops.hiermoe.experts_triton.default
+        elif n.target is not local and _composite_ok(n):
+            n.target = torch.ops.hiermoe.experts_composite.default
+            choice = "composite"
         counts[choice] += 1
-    if counts["triton"]:
+    if counts["triton"] or counts["composite"]:
         gm.recompile()
     return counts
+
+
+def _composite_ok(n: fx.Node) -> bool:
+    """Whether the expert op ``n`` can run as ``hiermoe::experts_composite`` (every matmul one
+    grouped_mm, ``lowering.experts_composite.grouped_mm_ok``), judged on the fake values of its
+    tokens and weights (``graph_index.fake_tensor``); False where one of them has none."""
+    names = ("x", "topk_idx", "topk_weights", "w_up", "w_gate", "w_down")
+    args = [n.args[i] if i < len(n.args) else n.kwargs.get(name) for i, name in enumerate(names)]
+    x, w_up, w_gate, w_down = (fake_tensor(a) if isinstance(a, fx.Node) else None for a in
+                               (args[0], args[3], args[4], args[5]))
+    if x is None or w_up is None or w_down is None or (args[4] is not None and w_gate is None):
+        return False
+    return lowering.grouped_mm_ok(x, w_up, w_gate, w_down)

@@ -141,11 +141,13 @@ ROUTINGS = {
 
 
 def check_against_loop(
-    leaves: dict[str, Tensor], build: Build, activation: str, dtype: torch.dtype = torch.float32
+    leaves: dict[str, Tensor], build: Build, activation: str, dtype: torch.dtype = torch.float32,
+    op: str = "experts",
 ) -> None:
+    """``op``: the opaque ``experts`` (its own backward) or ``experts_composite`` (autograd's)."""
     lv_op = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
     lv_ref = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
-    y_op = torch.ops.hiermoe.experts(*build(lv_op), activation)
+    y_op = getattr(torch.ops.hiermoe, op)(*build(lv_op), activation)
     y_ref = loop_reference(build(lv_ref), activation)
     assert y_op.dtype == dtype and y_op.shape == y_ref.shape
     tol = TOL[dtype]
@@ -210,6 +212,56 @@ def test_grouped_mm_path_is_taken() -> None:
 def test_low_precision(dtype: torch.dtype, matmul_path: str) -> None:
     leaves, _, build = make_case("fused", True, True, ROUTINGS["repeated_expert"], dtype=dtype)
     check_against_loop(leaves, build, "silu", dtype=dtype)
+
+
+# -- hiermoe::experts_composite: the same function as aten ops a compiler traces (lower_kernels) --
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_composite_activations(activation: str, gated: bool) -> None:
+    leaves, _, build = make_case("contiguous", gated, True, ROUTINGS["random"])
+    check_against_loop(leaves, build, activation, op="experts_composite")
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("layout", ["transposed", "fused", "interleaved"])
+def test_composite_routings_and_layouts(routing: str, layout: str) -> None:
+    leaves, _, build = make_case(layout, True, layout != "transposed", ROUTINGS[routing])
+    check_against_loop(leaves, build, "gelu", op="experts_composite")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_composite_low_precision(dtype: torch.dtype) -> None:
+    leaves, _, build = make_case("fused", True, True, ROUTINGS["repeated_expert"], dtype=dtype)
+    check_against_loop(leaves, build, "silu", dtype=dtype, op="experts_composite")
+
+
+def test_composite_runs_where_grouped_mm_does() -> None:
+    """``grouped_mm_ok`` (strides, offsets and dtype only, so it can judge fake values) says yes
+    exactly where the opaque op's own check (which reads the data pointer) takes grouped_mm."""
+    from moe_compile.lowering import grouped_mm_ok
+
+    for layout in ("contiguous", "transposed", "fused", "interleaved"):
+        for dims in ((H, FF), (6, 10)):
+            leaves, _, build = make_case(layout, True, True, ROUTINGS["random"], num_h=dims[0], num_f=dims[1])
+            x, _, _, w_up, w_gate, w_down, *_ = build(leaves)
+            assert grouped_mm_ok(x, w_up, w_gate, w_down) == experts_ref._use_grouped_mm(x, w_up, w_gate, w_down)
+    x64 = torch.zeros(3, H, dtype=torch.float64)
+    w = torch.zeros(E, FF, H, dtype=torch.float64)
+    assert not grouped_mm_ok(x64, w, w, torch.zeros(E, H, FF, dtype=torch.float64))  # no grouped_mm kernel
+
+
+def test_opcheck_grouped_mm() -> None:
+    """The grouped matmul the composite traces: its fake (torch's own meta refuses fp32) and its
+    autograd, on blocks with an empty expert."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(7, H, generator=g, requires_grad=True)
+    b = torch.randn(E, H, FF, generator=g, requires_grad=True)
+    offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.hiermoe.grouped_mm.default, (a, b, offs), test_utils=OPCHECK_TESTS)
+    ga = torch.randn(7, FF, generator=g)
+    torch.library.opcheck(torch.ops.hiermoe.grouped_mm_wgrad.default, (a.detach(), ga, offs),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_reference_matches_op_and_rejects_unknown_activation() -> None:
