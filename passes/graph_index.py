@@ -89,10 +89,13 @@ def fake_tensor(node: fx.Node) -> torch.Tensor | None:
     t = tensor_meta(node)
     if t is not None or node.op not in ("call_function", "call_method"):
         return t
-    inputs = {n: fake_tensor(n) for n in node.all_input_nodes}
-    if any(v is None for v in inputs.values()):
-        return None
-    mode = next((v.fake_mode for v in inputs.values() if hasattr(v, "fake_mode")), None)
+    inputs: dict[fx.Node, torch.Tensor] = {}
+    for n in node.all_input_nodes:
+        v = fake_tensor(n)
+        if v is None:
+            return None
+        inputs[n] = v
+    mode = next((getattr(v, "fake_mode") for v in inputs.values() if hasattr(v, "fake_mode")), None)
     if mode is None:
         return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: inputs[n])
