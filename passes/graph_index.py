@@ -95,7 +95,7 @@ def fake_tensor(node: fx.Node) -> torch.Tensor | None:
         if v is None:
             return None
         inputs[n] = v
-    mode = next((getattr(v, "fake_mode") for v in inputs.values() if hasattr(v, "fake_mode")), None)
+    mode = next((v.fake_mode for v in inputs.values() if hasattr(v, "fake_mode")), None)
     if mode is None:
         return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: inputs[n])
