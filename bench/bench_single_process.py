@@ -250,11 +250,17 @@ def _mib(b: int | None) -> str:
 def rows(results: list[Result]) -> list[list[str]]:
     out = []
     eager = {r.case: r for r in results if r.variant == "eager"}
+    inductor = {r.case: r for r in results if r.variant == "inductor" and not r.error}
     for r in results:
         e = eager.get(r.case)
         if r.error:
-            out.append([r.case, r.variant, "failed", "", "", "", "", "", "", "", r.error])
+            out.append([r.case, r.variant, "failed", "", "", "", "", "", "", "", "", "", r.error])
             continue
+        # hiermoe with Inductor inside against Inductor alone: what a user adding the backend sees
+        i = inductor.get(r.case) if r.variant == "hiermoe+inductor" else None
+        vs_inductor = ["-", "-"] if i is None else [
+            f"{r.median_s / i.median_s:.2f}",
+            f"{r.peak_bytes / i.peak_bytes:.2f}" if i.peak_bytes and r.peak_bytes is not None else "-"]
         ratio = f"{r.median_s / e.median_s:.2f}" if e and e.times_s else "-"
         ratio_min = f"{min(r.times_s) / min(e.times_s):.2f}" if e and e.times_s else "-"
         mem_ratio = (f"{r.peak_bytes / e.peak_bytes:.2f}" if e and e.peak_bytes and r.peak_bytes is not None
@@ -263,12 +269,13 @@ def rows(results: list[Result]) -> list[list[str]]:
         if r.left_alone:
             note += f"; left alone: {'; '.join(r.left_alone)}"
         out.append([r.case, r.variant, _ms(r.median_s), f"{_ms(min(r.times_s))} / {_ms(max(r.times_s))}",
-                    ratio, ratio_min, _mib(r.peak_bytes), mem_ratio, f"{r.compile_s:.1f}", str(len(r.times_s)), note])
+                    ratio, ratio_min, _mib(r.peak_bytes), mem_ratio, *vs_inductor, f"{r.compile_s:.1f}",
+                    str(len(r.times_s)), note])
     return out
 
 
 HEADERS = ["case", "variant", "median ms", "min / max ms", "time vs eager", "(mins)", "peak MiB", "mem vs eager",
-           "warm-up s", "reps", "MoE layers"]
+           "time vs inductor", "mem vs inductor", "warm-up s", "reps", "MoE layers"]
 
 
 def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], shape: Shape,
@@ -295,7 +302,8 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         "Time: one training step (forward, loss, backward); median and min/max over the repetitions, "
         "variants interleaved. Peak: tensor bytes live at once during one step above those before it "
         "(see bench/README.md for how). Ratios are variant / eager (below 1 is better): "
-        "\"time vs eager\" of the medians, \"(mins)\" of the fastest repetitions. "
+        "\"time vs eager\" of the medians, \"(mins)\" of the fastest repetitions; \"vs inductor\": "
+        "hiermoe+inductor against backend=\"inductor\" (median time, peak). "
         "Warm-up includes compilation.",
         "",
         "| " + " | ".join(HEADERS) + " |",
