@@ -7,6 +7,8 @@ Cases (all fp32, one training step = forward + loss + backward, no optimizer):
   expert_loop   the registry's per-expert loop layer (Mixtral v4 style, "(c)"), input [B, S, H]
   dense_masked  the registry's dense masked layer (every expert on every token, "(d)")
   hf_mixtral    transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
+  hf_qwen3_moe  transformers Qwen3MoeForCausalLM, the same way
+  hf_olmoe      transformers OlmoeForCausalLM, the same way
 
 Variants: eager; hiermoe with inner compiler inductor; hiermoe with inner compiler aot_eager; and
 plain torch.compile (inductor, no MoE rewrite) as a reference for what the rewrite itself adds.
@@ -49,7 +51,7 @@ from moe_compile.backend import collect_reports
 from moe_compile.samples import SAMPLES
 
 VARIANTS = ("eager", "hiermoe+inductor", "hiermoe+aot_eager", "inductor")
-CASES = ("expert_loop", "dense_masked", "hf_mixtral")
+CASES = ("expert_loop", "dense_masked", "hf_mixtral", "hf_qwen3_moe", "hf_olmoe")
 # Wide enough for the results table when stdout is a file or pipe (rich assumes 80 columns there).
 console = Console(width=None if Console().is_terminal else 170)
 
@@ -87,6 +89,12 @@ class Result:
 # ---- models and one training step per case ---------------------------------------------------
 
 
+# (config, model) class names in transformers
+_HF_CASES = {"hf_mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+             "hf_qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+             "hf_olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+
+
 def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate."""
     torch.manual_seed(0)
@@ -102,15 +110,17 @@ def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module
             return (m(x) * grad_out).sum()
 
         return model, layer_step
-    if case == "hf_mixtral":
-        from transformers import MixtralConfig, MixtralForCausalLM
+    if case in _HF_CASES:
+        import transformers
 
-        config = MixtralConfig(
-            vocab_size=1024, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, num_local_experts=shape.experts,
-            num_experts_per_tok=shape.top_k, max_position_embeddings=max(shape.seq, 128),
+        config_cls, model_cls = (getattr(transformers, n) for n in _HF_CASES[case])
+        # every family's MoE fields: the experts' ffn is moe_intermediate_size where the config has one
+        config = config_cls(
+            vocab_size=1024, hidden_size=shape.hidden, intermediate_size=shape.ffn, moe_intermediate_size=shape.ffn,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_local_experts=shape.experts,
+            num_experts=shape.experts, num_experts_per_tok=shape.top_k, max_position_embeddings=max(shape.seq, 128),
         )
-        hf = MixtralForCausalLM(config)
+        hf = model_cls(config)
         hf.set_experts_implementation("grouped_mm")
         cast(nn.Module, hf).to(device)  # transformers' typed wrapper of .to confuses mypy
         ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
@@ -296,8 +306,9 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         + f"; torch {info['torch']}; transformers {info.get('transformers', '-')}; Python {info['python']}",
         "",
         f"Shape: {shape.tokens} tokens (batch {shape.batch} x seq {shape.seq}), hidden {shape.hidden}, "
-        f"ffn {shape.ffn}, {shape.experts} experts, top-{shape.top_k}, fp32. hf_mixtral is a 2-layer "
-        "MixtralForCausalLM (vocab 1024, 4 heads) with experts implementation grouped_mm.",
+        f"ffn {shape.ffn}, {shape.experts} experts, top-{shape.top_k}, fp32. hf_mixtral, hf_qwen3_moe and hf_olmoe "
+        "are 2-layer MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM (vocab 1024, 4 heads) with "
+        "experts implementation grouped_mm.",
         "",
         "Time: one training step (forward, loss, backward); median and min/max over the repetitions, "
         "variants interleaved. Peak: tensor bytes live at once during one step above those before it "
