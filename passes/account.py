@@ -14,11 +14,12 @@ Contract
     Guarantees: ``unexplained_op`` returns None only when each replaced node is one of: data
     movement (views, indexing, copies, casts, allocation, writes); a matmul of expert values
     with expert weights or with a routing tensor (einsum dispatch/combine masks); the layout's
-    activation; a bias add; the gating product (gated layouts); a multiply by a routing tensor;
+    activation (a named one, or every op of an ``expr:`` activation read off the graph by
+    ``activation_expr``: GPT-OSS's clamps, scale and offset); a bias add; the gating product (gated layouts); a multiply by a routing tensor;
     a combine (sum, accumulating add, index_add / scatter_add); routing bookkeeping on expert
     ids (sorting, counting, one-hot, masks); arithmetic or comparisons with 0 on routing weights.
-    Refuses: anything else on the expert values (clamp, a constant scale or offset, another
-    nonlinearity, a comparison of expert values) or on the routing weights (clamp, thresholds
+    Refuses: anything else on the expert values (a clamp, a constant scale or offset, another
+    nonlinearity outside the layout's activation, a comparison of expert values) or on the routing weights (clamp, thresholds
     other than 0), and anything but data movement on expert weights before their matmul; the
     reason names the op and the source line that wrote it.
 
@@ -171,6 +172,8 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
             return None
         return f"{what} reads the routing weights in a way the expert op does not (it only multiplies by them)"
     # X: the expert values
+    if n in layout.activation_nodes:
+        return None  # an op of the layout's expr: activation, which the expert op computes as written
     classes = [of(a) for a in _operands(n) if isinstance(a, fx.Node)]
     consts = [a for a in _operands(n) if isinstance(a, int | float) and not isinstance(a, bool)]
     if "Q" in classes:

@@ -230,7 +230,8 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
 
     # Step 2: expert roles and layouts
     name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]], router.logits)
-    layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts)
+    layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts,
+                                     index.value_root(tokens))
     if not layouts:
         return Skip(name, why, router_weight=router.weight)
 

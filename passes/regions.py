@@ -49,6 +49,9 @@ class ExpertLayout:
     b_down: WeightRole | None = None
     activation: str = "silu"
     ffn_size: int = 0
+    # the graph nodes an ``expr:`` activation was read from (passes/activation_expr.py): account
+    # counts them as the activation; not part of what the layout is (equality, signature)
+    activation_nodes: frozenset[fx.Node] = field(default=frozenset(), compare=False, repr=False)
 
     @property
     def gated(self) -> bool:

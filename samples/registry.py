@@ -24,6 +24,7 @@ from .deepseek_v3 import DeepseekV3MoE
 from .dense_masked import DenseMaskedMoE
 from .expert_loop import MixtralSparseMoeBlock
 from .gathered_bmm import GatheredBmmMoE
+from .gpt_oss import GptOssMoE
 from .grouped_gemm import GroupedGemmMoE
 from .qwen3 import Qwen3MoeSparseMoeBlock
 from .switch_einsum import SwitchEinsumMoE
@@ -65,6 +66,8 @@ class SampleSpec:
     def expected(self, **overrides: Any) -> dict[str, Any]:
         args = self._merged(overrides)
         meta = {k: args[k] for k in _META_KEYS if k in args}
+        if "activation" in meta:
+            meta["activation"] = EXPRESSIONS.get(meta["activation"], meta["activation"])
         meta.update(self.fixed)
         meta.update(
             router=self.router(args) if callable(self.router) else self.router,
@@ -103,6 +106,11 @@ def _grouped_router(args: Mapping[str, Any]) -> str:
 
 
 _H, _F, _E = 32, 48, 8
+
+# what the finder reads off the samples whose activation is an expression (lowering/activation.py)
+GPT_OSS_ACTIVATION = ("expr:mul(add(clamp(u,-7.0,7.0),1.0),mul(clamp(g,None,7.0),"
+                      "sigmoid(mul(clamp(g,None,7.0),1.702))))")
+EXPRESSIONS = {"relu2": "expr:square(relu(u))"}
 
 
 def _spec(
@@ -235,6 +243,14 @@ SAMPLES: dict[str, SampleSpec] = {
             n_shared_experts=1,
             activation="silu",
             fixed={"gated": True, "bias": False},
+        ),
+        _spec(
+            "gpt_oss",
+            GptOssMoE,
+            "topk+softmax",
+            "expert_loop",
+            "gate_up_proj [E,H,2F] ([in, out], gate/up interleaved) + bias, down_proj [E,F,H] + bias; range(E) loop",
+            fixed={"gated": True, "bias": True, "activation": GPT_OSS_ACTIVATION},
         ),
         _spec(
             "qwen3",

@@ -51,15 +51,17 @@ def test_eager_experts_implementation_reports_the_graph_break() -> None:
     assert report.graph_breaks
 
 
-def test_gpt_oss_custom_gate_is_left_alone_with_reason() -> None:
-    """GPT-OSS clamps and scales its SwiGLU; the op does not implement that, so no interpretation
-    accounts for the clamp and the original layer is kept (outputs still equal eager)."""
+def test_gpt_oss_clamped_swiglu_is_rewritten_as_an_expression() -> None:
+    """GPT-OSS clamps gate and up, scales the gate inside the sigmoid and adds 1 to up, over
+    interleaved gate/up columns with biases: the op computes that as an ``expr:`` activation."""
     model = build("gpt_oss")
     cmp = compare_compiled(model, [input_ids()], input_grads=False)
     cmp.assert_close()
-    assert cmp.report.regions == []
-    reasons = [s.reason for s in cmp.report.skipped if "layers" in s.name]
-    assert len(reasons) == 2 and all("`clamp` at modeling_gpt_oss.py:" in r for r in reasons), reasons
+    assert len(cmp.report.regions) == 2 and op_count(cmp.report) == 2, cmp.report
+    r = cmp.report.regions[0]
+    assert r.activation == ("expr:mul(add(clamp(u,-7.0,7.0),1.0),mul(clamp(g,None,7.0),"
+                            "sigmoid(mul(clamp(g,None,7.0),1.702))))")
+    assert "interleaved" in r.layout and r.bias
 
 
 def test_hiermoe_experts_implementation() -> None:
