@@ -161,7 +161,8 @@ def _routing(gm: fx.GraphModule, example_inputs: Sequence[object], index: GraphI
         values = capture_boundary_values(gm, example_inputs, index, {r.topk for r in regions})
     except ValueError:  # fake example inputs: no statistics, the planner assumes uniform routing
         return {}
-    return {n: v[1] for n, v in values.items() if isinstance(v, tuple)}
+    # a topk's (values, indices), or another anchor's ids (routing_anchor.py)
+    return {n: v[1] if isinstance(v, tuple) else v for n, v in values.items() if isinstance(v, tuple | torch.Tensor)}
 
 
 def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, object], verify: bool,  # type: ignore[no-untyped-def]

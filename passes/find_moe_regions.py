@@ -13,7 +13,8 @@ Contract
 
 Detection is anchored on top-k and does not match one exact DAG (DESIGN.md, "Data flow"):
 
-    for each top-k T whose input derives from a linear map with an [E, H] parameter (the router):
+    for each routing anchor T (routing_anchor.py: a top-k, or K experts chosen by argmaxes or a
+    sort) whose scores derive from a linear map with an [E, H] parameter (the router):
         x   <- that linear's token operand;  W <- nodes after x, minus the router itself
         Step 1: walk W in program order; the routed output Y is the first node that depends on
                 T, has x's token count and hidden size, and whose parameter ancestors within W
@@ -41,6 +42,7 @@ from moe_compile.passes.expert_layout import (
 from moe_compile.passes.graph_index import GraphIndex, is_view, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable, common_prefix
 from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
+from moe_compile.passes.routing_anchor import Anchor, routing_anchors
 
 # interpretations to list per region, most likely first (canonicalize verifies them in order). A
 # graph of 0 tokens has no limit: every per-slot tensor then has the tokens' shape [0, H], none
@@ -61,50 +63,63 @@ class FindResult:
 
 @dataclass
 class _Router:
-    topk: fx.Node
+    topk: fx.Node  # the routing anchor's node (routing_anchor.Anchor.node)
     logits: fx.Node
     weight: fx.Node
     tokens: fx.Node
     nodes: set[fx.Node]
+    anchor: Anchor
 
 
 def find_moe_regions(gm: fx.GraphModule, example_inputs: list[object] | None = None) -> FindResult:
     index = GraphIndex(gm)
     params = ParamTable(gm, example_inputs)
-    anchors = [n for n in index.nodes if ops.is_topk(n)]
+    found_anchors = routing_anchors(index)
+    anchors = [a.node for a in found_anchors]
     routers: dict[fx.Node, _Router] = {}
-    for a in anchors:
-        r = _find_router(index, params, a)
+    for anchor in found_anchors:
+        r = _find_router(index, params, anchor)
         if r is not None:
-            routers[a] = r
+            routers[anchor.node] = r
     # A top-k inside another top-k's router picks expert groups (DeepSeek-V3 group-limited
     # routing); it is part of that router, not a layer of its own.
     inner = {a for r in routers.values() for a in anchors if a is not r.topk and a in r.nodes}
     regions: list[MoERegion] = []
     skipped: list[Skip] = []
     routing = [a for a in anchors if a in routers and a not in inner]
-    for a in anchors:
-        if a in inner:
-            continue
-        if a not in routers:
-            skipped.append(Skip(name=a.name, reason=(
+    for anchor in found_anchors:
+        # an argmax or a sort that no router feeds is not a routing decision: nothing to report
+        if anchor.node not in inner and anchor.node not in routers and anchor.kind == "topk":
+            skipped.append(Skip(name=anchor.node.name, reason=(
                 "top-k is not fed by a router projection (a linear map with an [E, hidden] "
                 "parameter); not an MoE router, left alone")))
-    for i, a in enumerate(routing):
-        bound = index.pos[routing[i + 1]] if i + 1 < len(routing) else len(index.nodes)
-        found = _region_for(index, params, routers[a], bound)
-        if isinstance(found, MoERegion):
-            regions.append(found)
+    # one layer per router projection: a router may hold several selections (PhiMoE's
+    # sparsemixer takes argmaxes for its mask too); the widest that leads to a layer is the one
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for a in routing:
+        groups.setdefault(routers[a].weight, []).append(a)
+    layers = sorted(groups.values(), key=lambda g: index.pos[g[0]])
+    for i, group in enumerate(layers):
+        bound = index.pos[layers[i + 1][0]] if i + 1 < len(layers) else len(index.nodes)
+        tries = sorted(group, key=lambda a: (-(routers[a].anchor.k or 0), index.pos[a]))
+        first: MoERegion | Skip | None = None
+        for a in tries:
+            found = _region_for(index, params, routers[a], bound)
+            first = first or found
+            if isinstance(found, MoERegion):
+                regions.append(found)
+                break
         else:
-            skipped.append(found)
-    return FindResult(regions=regions, skipped=skipped, num_topk=len(anchors), index=index, params=params)
+            assert isinstance(first, Skip)
+            skipped.append(first)
+    num_topk = sum(1 for a in found_anchors if a.kind == "topk" or a.node in routers)
+    return FindResult(regions=regions, skipped=skipped, num_topk=num_topk, index=index, params=params)
 
 
-def _find_router(index: GraphIndex, params: ParamTable, topk: fx.Node) -> _Router | None:
-    """Walk back from top-k's input to the linear map whose parameter is [E, H] or [H, E]."""
-    scores = topk.args[0] if topk.args else topk.kwargs.get("input")
-    if not isinstance(scores, fx.Node):
-        return None
+def _find_router(index: GraphIndex, params: ParamTable, anchor: Anchor) -> _Router | None:
+    """Walk back from the scores the experts are chosen from to the linear map whose parameter
+    is [E, H] or [H, E]."""
+    scores = anchor.scores
     shape = static_shape(scores)
     if not shape:
         return None
@@ -125,7 +140,7 @@ def _find_router(index: GraphIndex, params: ParamTable, topk: fx.Node) -> _Route
             if t_shape is None or t_shape[-1] != hidden:
                 continue
             nodes = index.ancestors([scores], stop={n})
-            return _Router(topk=topk, logits=n, weight=w, tokens=tokens, nodes=nodes)
+            return _Router(topk=anchor.node, logits=n, weight=w, tokens=tokens, nodes=nodes, anchor=anchor)
     return None
 
 
@@ -154,10 +169,9 @@ def _strip_casts(n: fx.Node) -> fx.Node:
 
 def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: int) -> MoERegion | Skip:
     a = router.topk
-    k = ops.topk_k(a)
-    idx_node = ops.topk_output(a, 1)
-    scores = a.args[0]
-    assert isinstance(scores, fx.Node)
+    k = router.anchor.k
+    idx_node = router.anchor.ids()
+    scores = router.anchor.scores
     scores_shape = static_shape(scores)
     assert scores_shape is not None  # _find_router checked it
     num_experts = scores_shape[-1]
@@ -177,7 +191,9 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     window = {n for n in index.nodes[lo + 1:bound] if n not in router_side}
     window |= set(params.path) - router_side
     outside = set(index.nodes) - window
-    after_topk = index.descendants([a])
+    # the selection and what is read off it (weights gathered at each argmax are not descendants
+    # of the cat of the argmaxes)
+    after_topk = index.descendants([a, *router.anchor.sources])
 
     # Step 1: the routed output (a few candidates; canonicalize verifies them in order)
     token_shapes = _token_shapes(router.tokens, num_tokens, hidden)
@@ -375,7 +391,10 @@ def _router_kind(index: GraphIndex, router: _Router, weights: list[RoutingWeight
         parts.append("bias")  # a selection bias (DeepSeek-V3's e_score_correction_bias)
     if any(ops.is_topk(n) for n in rnodes):
         parts.append("grouped")
-    path = index.ancestors([weights[0].node]) & index.descendants([router.topk]) if weights else set()
+    if router.anchor.kind != "topk":
+        parts.append(router.anchor.kind)  # top-k written as argmaxes or a sort
+    path = (index.ancestors([weights[0].node]) & index.descendants([router.topk, *router.anchor.sources])
+            if weights else set())
     if parts[0] == "logits" and any(ops.is_softmax(n) for n in path):
         parts[0] = "topk+softmax"
     if any(ops.is_div(n) for n in path):

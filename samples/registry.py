@@ -7,6 +7,7 @@ Router labels (``SampleSpec.router``):
   "sigmoid"               sigmoid scores, top-k, scores are the weights
   "sigmoid+renorm"        sigmoid, top-k, weights divided by their sum
   "sigmoid+bias+grouped"  DeepSeek-V3: sigmoid, selection bias, group-limited top-k, renorm
+  "...+argmax", "...+sort" the top-k written without torch.topk: K masked argmaxes, a sort's head
 ``route_scale`` multiplies the weights after the router rule (1.0 when there is none).
 """
 
@@ -27,6 +28,7 @@ from .gathered_bmm import GatheredBmmMoE
 from .gpt_oss import GptOssMoE
 from .grouped_gemm import GroupedGemmMoE
 from .qwen3 import Qwen3MoeSparseMoeBlock
+from .sparsemixer import SparseMixerMoE
 from .switch_einsum import SwitchEinsumMoE
 
 # Arguments whose value IS the expected metadata of the same name.
@@ -251,6 +253,16 @@ SAMPLES: dict[str, SampleSpec] = {
             "expert_loop",
             "gate_up_proj [E,H,2F] ([in, out], gate/up interleaved) + bias, down_proj [E,F,H] + bias; range(E) loop",
             fixed={"gated": True, "bias": True, "activation": GPT_OSS_ACTIVATION},
+        ),
+        _spec(
+            "sparsemixer",
+            SparseMixerMoE,
+            "topk+softmax+argmax",
+            "expert_loop",
+            "w1/w3 [E,F,H], w2 [E,H,F]; top-k as K masked argmaxes (PhiMoE), range(E) loop",
+            activation="silu",
+            jitter_eps=0.5,  # wide enough that each weight is a softmax over several experts
+            fixed={"gated": True, "bias": False},
         ),
         _spec(
             "qwen3",

@@ -14,6 +14,8 @@ CASES = [(name, {}) for name in SAMPLES] + [
     ("grouped_gemm", {"hidden_size": 30, "ffn_size": 22}),
     ("gathered_bmm", {"gated": False, "activation": "relu"}),
     ("gathered_bmm", {"gated": False, "activation": "relu2"}),  # NemotronH's experts: an expr: activation
+    ("gathered_bmm", {"router": "softmax+sort"}),  # top-k as the head of a sort
+    ("sparsemixer", {"top_k": 3}),
     ("grouped_gemm", {"gated": False, "bias": True, "activation": "relu2"}),
     ("expert_loop", {"gated": False, "bias": True, "activation": "relu"}),
     ("expert_loop", {"top_k": 8}),  # K == E
