@@ -78,6 +78,12 @@ def valid_family_keys(params: ParamTable, num_experts: int) -> set[str]:
     return {k for k, idx in indices.items() if idx == set(range(num_experts))}
 
 
+def in_family(path: str, num_experts: int, family_keys: set[str]) -> bool:
+    """Whether ``path`` is a member of one of the E-expert families ``family_keys``."""
+    fam = _family_key(path, num_experts)
+    return fam is not None and fam[0] in family_keys
+
+
 def _family_key(path: str, num_experts: int) -> tuple[str, int] | None:
     """``experts.3.w1.weight`` -> (``experts.#.w1.weight``, 3); picks the last numeric component
     below ``num_experts`` so a layer index (``layers.0...``) is not taken for the expert index."""

@@ -36,13 +36,15 @@ from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.expert_layout import (
     ExpertParams,
     classify_params,
+    in_family,
     layout_hypotheses,
     valid_family_keys,
 )
 from moe_compile.passes.graph_index import GraphIndex, is_view, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable, common_prefix
 from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
-from moe_compile.passes.routing_anchor import Anchor, routing_anchors
+from moe_compile.passes.router import Router, find_router, router_kind
+from moe_compile.passes.routing_anchor import routing_anchors
 
 # interpretations to list per region, most likely first (canonicalize verifies them in order). A
 # graph of 0 tokens has no limit: every per-slot tensor then has the tokens' shape [0, H], none
@@ -61,24 +63,14 @@ class FindResult:
     params: ParamTable
 
 
-@dataclass
-class _Router:
-    topk: fx.Node  # the routing anchor's node (routing_anchor.Anchor.node)
-    logits: fx.Node
-    weight: fx.Node
-    tokens: fx.Node
-    nodes: set[fx.Node]
-    anchor: Anchor
-
-
 def find_moe_regions(gm: fx.GraphModule, example_inputs: list[object] | None = None) -> FindResult:
     index = GraphIndex(gm)
     params = ParamTable(gm, example_inputs)
     found_anchors = routing_anchors(index)
     anchors = [a.node for a in found_anchors]
-    routers: dict[fx.Node, _Router] = {}
+    routers: dict[fx.Node, Router] = {}
     for anchor in found_anchors:
-        r = _find_router(index, params, anchor)
+        r = find_router(index, params, anchor)
         if r is not None:
             routers[anchor.node] = r
     # A top-k inside another top-k's router picks expert groups (DeepSeek-V3 group-limited
@@ -116,64 +108,13 @@ def find_moe_regions(gm: fx.GraphModule, example_inputs: list[object] | None = N
     return FindResult(regions=regions, skipped=skipped, num_topk=num_topk, index=index, params=params)
 
 
-def _find_router(index: GraphIndex, params: ParamTable, anchor: Anchor) -> _Router | None:
-    """Walk back from the scores the experts are chosen from to the linear map whose parameter
-    is [E, H] or [H, E]."""
-    scores = anchor.scores
-    shape = static_shape(scores)
-    if not shape:
-        return None
-    num_experts = shape[-1]
-    for n in reversed(index.ordered(index.ancestors([scores]))):
-        if not ops.is_matmul(n):
-            continue
-        for w_arg, x_arg in _operand_pairs(n):
-            w = _state_through_views(params, w_arg)
-            if w is None:
-                continue
-            w_shape = static_shape(w)
-            if w_shape is None or len(w_shape) != 2 or num_experts not in w_shape:
-                continue
-            hidden = w_shape[1] if w_shape[0] == num_experts else w_shape[0]
-            tokens = _strip_casts(x_arg)
-            t_shape = static_shape(tokens)
-            if t_shape is None or t_shape[-1] != hidden:
-                continue
-            nodes = index.ancestors([scores], stop={n})
-            return _Router(topk=anchor.node, logits=n, weight=w, tokens=tokens, nodes=nodes, anchor=anchor)
-    return None
-
-
-def _operand_pairs(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    args = [a for a in n.args if isinstance(a, fx.Node)]
-    if len(args) < 2:
-        return []
-    return [(args[1], args[0]), (args[0], args[1])]
-
-
-def _state_through_views(params: ParamTable, n: fx.Node) -> fx.Node | None:
-    while n not in params:
-        if not ops.is_transparent(n) or not n.args or not isinstance(n.args[0], fx.Node):
-            return None
-        n = n.args[0]
-    return n
-
-
-def _strip_casts(n: fx.Node) -> fx.Node:
-    while ops.op_name(n) in ("to", "float", "half", "bfloat16", "type", "type_as") and isinstance(
-        n.args[0], fx.Node
-    ):
-        n = n.args[0]
-    return n
-
-
-def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: int) -> MoERegion | Skip:
+def _region_for(index: GraphIndex, params: ParamTable, router: Router, bound: int) -> MoERegion | Skip:
     a = router.topk
     k = router.anchor.k
     idx_node = router.anchor.ids()
     scores = router.anchor.scores
     scores_shape = static_shape(scores)
-    assert scores_shape is not None  # _find_router checked it
+    assert scores_shape is not None  # find_router checked it
     num_experts = scores_shape[-1]
     t_shape = static_shape(router.tokens)
     assert t_shape is not None
@@ -190,14 +131,24 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     lo = index.pos[router.tokens]
     window = {n for n in index.nodes[lo + 1:bound] if n not in router_side}
     window |= set(params.path) - router_side
-    outside = set(index.nodes) - window
     # the selection and what is read off it (weights gathered at each argmax are not descendants
     # of the cat of the argmaxes)
     after_topk = index.descendants([a, *router.anchor.sources])
+    family_keys = valid_family_keys(params, num_experts)
+    # the layer's inputs: [T, H] floats the window computes without the routing decision or an
+    # expert tensor (the experts' own normalized copy of the tokens, Gemma-4's
+    # pre_feedforward_layernorm_2): the layer reads them, they are not part of it
+    inputs = _layer_inputs(index, params, window - after_topk, num_tokens, num_experts, family_keys)
+    outside = (set(index.nodes) - window) | inputs
 
     # Step 1: the routed output (a few candidates; canonicalize verifies them in order)
     token_shapes = _token_shapes(router.tokens, num_tokens, hidden)
-    family_keys = valid_family_keys(params, num_experts)
+    # the experts' hidden size need not be the router's: a latent projection before the logits
+    # (Zaya), or the experts' own copy of the tokens; their output has the shape of those
+    for n in inputs | index.ancestors([router.tokens]):
+        shape = static_shape(n)
+        if shape and len(shape) >= 2 and _numel(shape[:-1]) == num_tokens and _is_float(n):
+            token_shapes |= _token_shapes(n, num_tokens, shape[-1])
     experts: ExpertParams | None = None
     outputs: list[OutputCandidate] = []
     reason = "no value after the top-k combines expert outputs into a [tokens, hidden] tensor"
@@ -210,13 +161,18 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
             continue
         if _is_mutated_later(index, y):
             continue  # a partial sum: the tensor is still being accumulated into
-        nodes = index.ancestors([y], stop=outside) & window
+        nodes = index.ancestors([y], stop=outside) & window - inputs
         if not nodes & routing_floats:
             continue  # not weighted by the routing yet: an expert's output for its own slots
         state = [n for n in nodes if n in params]
         if not state:
             continue
         cls = classify_params(params, state, num_experts, family_keys)
+        if len(cls.weight_roles) < 2:
+            continue  # not the experts' output yet (the routing weights, a value made from them)
+        # parameters that only scale the routing weights (Gemma-4's per_expert_scale[ids]) are the
+        # router's: the weights the op reads are computed with them, as written
+        cls.foreign = [n for n in cls.foreign if not _weighs_only(index, n, nodes, cls, after_topk, num_tokens * k)]
         if cls.foreign:
             if not outputs:
                 names = ", ".join(sorted(params.path[n] for n in cls.foreign)[:3])
@@ -242,7 +198,8 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     if experts is None or not outputs:
         return Skip(label, reason + _graph_break_hint(index, a), router_weight=router.weight)
     region_nodes = set(outputs[0].nodes)
-    tokens = _expert_tokens(index, params, region_nodes, router.tokens)
+    hidden = static_shape(outputs[0].node)[-1]  # type: ignore[index]  # the experts', not the router's
+    tokens = _expert_tokens(index, params, region_nodes, router.tokens, inputs, hidden)
 
     # Step 2: expert roles and layouts
     name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]], router.logits)
@@ -266,7 +223,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     return MoERegion(
         name=name,
         pattern=_pattern(region_nodes, experts, any(w.kind == "combine" for w in weights)),
-        router=_router_kind(index, router, weights),
+        router=router_kind(index, router, weights),
         topk=a,
         router_weight=router.weight,
         tokens=tokens,
@@ -288,10 +245,12 @@ def _roles(cls: ExpertParams) -> set[tuple[fx.Node, ...]]:
     return {r.nodes for r in cls.weight_roles + cls.bias_roles}
 
 
-def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], router_tokens: fx.Node) -> fx.Node:
+def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], router_tokens: fx.Node,
+                   inputs: set[fx.Node], hidden: int) -> fx.Node:
     """The token tensor the experts read: the router may reshape or cast its own copy (HF
-    routers call ``hidden_states.reshape(-1, H)`` inside), and the op must read the same node
-    the experts did so gradients reach the same place."""
+    routers call ``hidden_states.reshape(-1, H)`` inside), or the experts read a copy of their
+    own (one of the layer's ``inputs``), and the op must read the same node the experts did so
+    gradients reach the same place."""
     root = index.value_root(router_tokens)
     shape = static_shape(router_tokens)
     reads = {d for n in nodes if n not in params for d in index.deps[n]} - nodes
@@ -299,7 +258,65 @@ def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], r
         if index.value_root(d) is root and static_shape(d) is not None and d is not router_tokens:
             if _numel(static_shape(d)) == _numel(shape) and tensor_meta(d).dtype == tensor_meta(router_tokens).dtype:  # type: ignore[union-attr]
                 return d
-    return router_tokens
+    if shape and shape[-1] == hidden and router_tokens in reads:
+        return router_tokens
+    def projected(d: fx.Node) -> bool:  # read by the experts' matmuls (not an accumulator's zeros)
+        return (static_shape(d) or (0,))[-1] == hidden and any(ops.is_matmul(u) for u in index.descendants([d]) & nodes)
+
+    own = [d for d in index.ordered(reads & inputs) if projected(d)]
+    if own:
+        return own[0]
+    # a latent projection before the logits: the experts read a tensor the router projected
+    rows = _numel(shape[:-1]) if shape else 0
+    before = [d for d in index.ordered(reads & index.ancestors([router_tokens])) if _is_float(d) and projected(d)
+              and _numel((static_shape(d) or (0,))[:-1]) == rows]
+    return before[-1] if before else router_tokens
+
+
+def _layer_inputs(index: GraphIndex, params: ParamTable, candidates: set[fx.Node], num_tokens: int,
+                  num_experts: int, family_keys: set[str]) -> set[fx.Node]:
+    """Float [T, H'] (or [B, S, H']) nodes among ``candidates`` that no expert-like parameter
+    feeds ([E, ...] tensors or members of an E-expert family): inputs of the layer."""
+    expert_like = [n for n in candidates if n in params and _expert_like(params, n, num_experts, family_keys)]
+    from_experts = index.descendants(expert_like)
+    out = set()
+    for n in candidates - from_experts:
+        if ops.op_name(index.root(n)) in _ALLOCATIONS:
+            continue  # an accumulator's zeros: no token values in it
+        shape = static_shape(n)
+        if n not in params and shape and len(shape) >= 2 and shape[-1] > 1 and _numel(shape[:-1]) == num_tokens \
+                and _is_float(n):
+            out.add(n)
+    return out
+
+
+_ALLOCATIONS = frozenset({"zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty", "full", "full_like",
+                          "new_full", "ones", "ones_like", "new_ones"})
+
+
+def _expert_like(params: ParamTable, n: fx.Node, num_experts: int, family_keys: set[str]) -> bool:
+    shape = static_shape(n) or ()
+    if len(shape) == 3 and shape[0] == num_experts:
+        return True
+    return in_family(params.path[n], num_experts, family_keys)
+
+
+def _weighs_only(index: GraphIndex, p: fx.Node, nodes: set[fx.Node], cls: ExpertParams, routed: set[fx.Node],
+                 slots: int) -> bool:
+    """Whether parameter ``p`` reaches the experts' values only through routing weights: values
+    made from the routing decision (in ``routed``), one per (token, slot) ([T*K], [T, K], a loop's
+    [n, 1] rows of them).  It scales or shifts the weights, which the op reads as computed."""
+    experts = [n for r in cls.weight_roles + cls.bias_roles for n in r.nodes]
+    merged = index.descendants(experts)
+    before = (index.descendants([p]) & nodes) - merged
+    crossings = [d for d in before if any(u in merged for u in index.rdeps[d] if u in nodes)]
+
+    def per_slot(d: fx.Node) -> bool:
+        t = tensor_meta(d)
+        one_per_row = t is not None and t.dim() >= 1 and isinstance(t.shape[-1], int) and t.shape[-1] == 1
+        return d in routed and _is_float(d) and (one_per_row or _numel(static_shape(d)) == slots)
+
+    return bool(crossings) and all(per_slot(d) for d in crossings)
 
 
 def _numel(shape: tuple[int, ...] | None) -> int:
@@ -374,32 +391,6 @@ def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:
     if names & {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_"}:
         return "expert_loop"
     return "dense_masked"
-
-
-def _router_kind(index: GraphIndex, router: _Router, weights: list[RoutingWeights]) -> str:
-    """A label for the routing rule: score function, selection bias, group-limited top-k, and
-    what happens to the top-k scores on their way to the most likely routing weights."""
-    rnodes = router.nodes
-    if any(ops.is_sigmoid(n) for n in rnodes):
-        parts = ["sigmoid"]
-    elif any(ops.is_softmax(n) for n in rnodes):
-        parts = ["softmax"]
-    else:
-        parts = ["logits"]
-    if any(ops.is_add(n) and any(isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") for a in n.args)
-           for n in rnodes):
-        parts.append("bias")  # a selection bias (DeepSeek-V3's e_score_correction_bias)
-    if any(ops.is_topk(n) for n in rnodes):
-        parts.append("grouped")
-    if router.anchor.kind != "topk":
-        parts.append(router.anchor.kind)  # top-k written as argmaxes or a sort
-    path = (index.ancestors([weights[0].node]) & index.descendants([router.topk, *router.anchor.sources])
-            if weights else set())
-    if parts[0] == "logits" and any(ops.is_softmax(n) for n in path):
-        parts[0] = "topk+softmax"
-    if any(ops.is_div(n) for n in path):
-        parts.append("renorm")
-    return "+".join(parts)
 
 
 def _label(params: ParamTable, state: list[fx.Node], anchor: fx.Node) -> str:

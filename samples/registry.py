@@ -27,6 +27,7 @@ from .expert_loop import MixtralSparseMoeBlock
 from .gathered_bmm import GatheredBmmMoE
 from .gpt_oss import GptOssMoE
 from .grouped_gemm import GroupedGemmMoE
+from .normed_router import NormedRouterMoE
 from .qwen3 import Qwen3MoeSparseMoeBlock
 from .sparsemixer import SparseMixerMoE
 from .switch_einsum import SwitchEinsumMoE
@@ -101,6 +102,10 @@ def _bmm_router(args: Mapping[str, Any]) -> str:
 def _capacity_router(args: Mapping[str, Any]) -> str:
     # Switch (top-1) keeps the raw probability; GShard renormalizes the kept choices.
     return "softmax" if args["top_k"] == 1 else "softmax+renorm"
+
+
+def _normed_router(args: Mapping[str, Any]) -> str:
+    return "softmax+renorm" if args["router"] == "norm" else "softmax"
 
 
 def _grouped_router(args: Mapping[str, Any]) -> str:
@@ -262,6 +267,18 @@ SAMPLES: dict[str, SampleSpec] = {
             "w1/w3 [E,F,H], w2 [E,H,F]; top-k as K masked argmaxes (PhiMoE), range(E) loop",
             activation="silu",
             jitter_eps=0.5,  # wide enough that each weight is a softmax over several experts
+            fixed={"gated": True, "bias": False},
+        ),
+        _spec(
+            "normed_router",
+            NormedRouterMoE,
+            _normed_router,
+            "expert_loop",
+            "gate_up [E,2F,H], down [E,H,F]; the router's own norm + scale (or latent MLP) before the logits, "
+            "per-expert weight scale; experts read their own normed tokens",
+            activation="gelu_tanh",
+            router="norm",
+            extra_rows=0,
             fixed={"gated": True, "bias": False},
         ),
         _spec(

@@ -16,6 +16,7 @@ CASES = [(name, {}) for name in SAMPLES] + [
     ("gathered_bmm", {"gated": False, "activation": "relu2"}),  # NemotronH's experts: an expr: activation
     ("gathered_bmm", {"router": "softmax+sort"}),  # top-k as the head of a sort
     ("sparsemixer", {"top_k": 3}),
+    ("normed_router", {"router": "latent", "extra_rows": 1}),  # a latent router MLP; unrouted score rows
     ("grouped_gemm", {"gated": False, "bias": True, "activation": "relu2"}),
     ("expert_loop", {"gated": False, "bias": True, "activation": "relu"}),
     ("expert_loop", {"top_k": 8}),  # K == E

@@ -78,6 +78,9 @@ def _expert(m, e: int, gated: bool) -> dict:
         w, b = m.gate_up_proj[e].T, m.gate_up_proj_bias[e]
         return dict(gate=w[0::2], up=w[1::2], down=m.down_proj[e].T, b_gate=b[0::2], b_up=b[1::2],
                     b_down=m.down_proj_bias[e])
+    if cls == "NormedRouterMoE":
+        gate, up = _split(m.gate_up_proj[e], True)
+        return dict(gate=gate, up=up, down=m.down_proj[e], b_gate=None, b_up=None, b_down=None)
     if cls == "SparseMixerMoE":
         return dict(gate=m.w1[e], up=m.w3[e], down=m.w2[e], b_gate=None, b_up=None, b_down=None)
     if cls == "DeepseekV3MoE":
@@ -114,6 +117,10 @@ def _ffn(x_H, p: dict, act: str):
     else:
         h = ACT[act](_linear(x_H, p["up"], p["b_up"]))
     return _linear(h, p["down"], p["b_down"])
+
+
+def _rms(v):
+    return v / torch.sqrt((v * v).mean() + 1e-6)
 
 
 def _router(m):
@@ -160,6 +167,8 @@ def _route_token(logits_E, meta: dict, spec_kwargs: dict, m) -> list[tuple[int, 
         w = scores[idx]
         if router.endswith("+renorm"):
             w = w / w.sum()
+        if hasattr(m, "per_expert_scale") and m.latent is None:  # NormedRouterMoE's Gemma-4 router
+            w = w * m.per_expert_scale[idx]
     elif router == "sigmoid+bias+grouped":
         scores = torch.sigmoid(logits_E)
         choice = (scores + m.gate.e_score_correction_bias).detach()
@@ -185,9 +194,19 @@ def reference_forward(m, spec, x, overrides: dict) -> tuple[torch.Tensor, int]:
     meta = spec.expected(**overrides)
     kwargs = {**spec.kwargs, **overrides}
     x_TH = x.reshape(-1, x.shape[-1])
-    w_router, b_router = _router(m)
-    routes = [_route_token(w_router @ x_TH[t] + (0 if b_router is None else b_router), meta, kwargs, m)
-              for t in range(x_TH.shape[0])]
+    normed = type(m).__name__ == "NormedRouterMoE"
+    if not normed:
+        w_router, b_router = _router(m)
+        logits = [w_router @ x_TH[t] + (0 if b_router is None else b_router) for t in range(x_TH.shape[0])]
+    else:  # the router's own input (norm and scale, or a latent GELU layer), its unrouted rows cut
+        w_router, num_e = m.proj.weight, meta["num_experts"]
+        if m.latent is None:
+            logits = [w_router @ (_rms(x_TH[t]) * m.router_scale * x_TH.shape[1] ** -0.5) for t in range(len(x_TH))]
+        else:
+            logits = [w_router @ F.gelu(m.latent.weight @ x_TH[t] + m.latent.bias) for t in range(len(x_TH))]
+        logits = [v[:num_e] for v in logits]
+        x_TH = torch.stack([_rms(x_TH[t]) * m.pre_norm for t in range(len(x_TH))])  # what the experts read
+    routes = [_route_token(logits[t], meta, kwargs, m) for t in range(x_TH.shape[0])]
 
     num_dropped = 0
     if meta["drops"]:
@@ -222,6 +241,8 @@ def reference_forward(m, spec, x, overrides: dict) -> tuple[torch.Tensor, int]:
             y = y + w * _ffn(x_TH[t], experts[e], meta["activation"])
         rows.append(y)
     out = torch.stack(rows)
+    if normed:
+        out = torch.stack([_rms(row) * m.post_norm for row in out])
     if meta["shared_ffn_size"]:
         s = m.shared_experts
         shared = dict(
@@ -263,6 +284,7 @@ CASES = [(name, {}) for name in SAMPLES] + [
     ("gathered_bmm", {"gated": False, "activation": "relu2"}),
     ("gathered_bmm", {"router": "softmax+sort"}),
     ("sparsemixer", {"top_k": 3}),
+    ("normed_router", {"router": "latent", "extra_rows": 1}),
     ("expert_loop", {"gated": False, "bias": True, "activation": "relu"}),
     ("dense_masked", {"gated": True, "norm_topk_prob": True, "activation": "silu"}),
     ("switch_einsum", {"gated": True, "activation": "gelu_tanh"}),
