@@ -13,8 +13,9 @@ Contract
 
 Detection is anchored on top-k and does not match one exact DAG (DESIGN.md, "Data flow"):
 
-    for each routing anchor T (routing_anchor.py: a top-k, or K experts chosen by argmaxes or a
-    sort) whose scores derive from a linear map with an [E, H] parameter (the router):
+    for each routing anchor T (routing_anchor.py: a top-k, or K experts chosen by argmaxes, a
+    sort or a fixed table) whose scores derive from a linear map with an [E, H] parameter (the
+    router, router.py):
         x   <- that linear's token operand;  W <- nodes after x, minus the router itself
         Step 1: walk W in program order; the routed output Y is the first node that depends on
                 T, has x's token count and hidden size, and whose parameter ancestors within W
@@ -127,7 +128,8 @@ def _region_for(index: GraphIndex, params: ParamTable, router: Router, bound: in
         return Skip(label, "top-k with a data-dependent k or unused indices; cannot tell the experts per token",
                     router_weight=router.weight)
 
-    router_side = index.ancestors([a])
+    # the selection and the scores it was made from (a hash table's ids are not made from them)
+    router_side = index.ancestors([a, scores])
     lo = index.pos[router.tokens]
     window = {n for n in index.nodes[lo + 1:bound] if n not in router_side}
     window |= set(params.path) - router_side

@@ -6,6 +6,8 @@ Most routers call ``torch.topk``; others choose the same K experts per token wit
     argmax   cat([argmax_1, ..., argmax_K], -1): the best expert, then the best of the scores
              with it masked out, and so on (PhiMoE's sparsemixer; K = 1: one argmax)
     sort     sort(scores, descending=True).indices[..., :K], argsort(...)[..., :K]
+    table    table[token_ids]: a fixed token -> experts table (DeepSeek-V4's hash routing,
+             ``tid2eid[input_ids]``), weighted by router scores gathered at the ids
 
 Each anchor is an [.., K] tensor of expert ids (a topk's indices) chosen from [.., E] router
 scores.  ``routing_anchors`` lists them in program order.  An id tensor that only feeds a larger
@@ -27,7 +29,7 @@ from moe_compile.passes.graph_index import GraphIndex, static_shape, tensor_meta
 @dataclass(frozen=True)
 class Anchor:
     node: fx.Node  # the topk call (its getitem 1 holds the ids) or the [.., K] id tensor itself
-    kind: str  # "topk", "argmax", "sort"
+    kind: str  # "topk", "argmax", "sort", "table"
     k: int | None  # None: a top-k whose k is data-dependent
     scores: fx.Node  # the (first) [.., E] float tensor the experts are chosen from
     # nodes whose results carry the selection: the weights a router reads off them (the top-k
@@ -47,7 +49,7 @@ def routing_anchors(index: GraphIndex) -> list[Anchor]:
             if isinstance(scores, fx.Node):
                 anchors.append(Anchor(n, "topk", ops.topk_k(n), scores, (n,)))
             continue
-        found = _argmax_selection(n) or _sort_selection(n)
+        found = _argmax_selection(n) or _sort_selection(n) or _table_selection(n)
         if found is not None:
             anchors.append(found)
     # an argmax inside a cat of argmaxes is part of that selection
@@ -147,6 +149,30 @@ def _sort_selection(n: fx.Node) -> Anchor | None:
     if not isinstance(scores, fx.Node) or not _is_scores(scores) or not descending or not _is_last(dim, scores):
         return None
     return Anchor(n, "sort", _last_dim(n), scores, (call,))
+
+
+_INT_CASTS = ("long", "int", "to")
+
+
+def _table_selection(n: fx.Node) -> Anchor | None:
+    """Expert ids looked up in a fixed integer table by token ids (``table[ids].long()``) whose
+    weights are router scores gathered at them; the scores are the anchor's, for its router."""
+    src = n
+    if ops.op_name(n) in _INT_CASTS and n.args and isinstance(n.args[0], fx.Node):
+        src = n.args[0]
+    elif any(ops.op_name(u) in _INT_CASTS and _is_ids(u) for u in n.users):
+        return None  # the cast is the anchor: the experts read the ids in its dtype
+    table = src.args[0] if src.op == "call_function" and src.target is operator.getitem else None
+    key = src.args[1] if table is not None else None
+    if not (_is_ids(n) and isinstance(table, fx.Node) and table.op in ("placeholder", "get_attr") and _is_ids(table)
+            and isinstance(key, fx.Node) and _is_ids(key)):
+        return None
+    for u in n.users:  # weights = scores.gather(-1, ids)
+        if ops.op_name(u) == "gather" and len(u.args) >= 3 and u.args[2] is n and _is_scores(u.args[0]):
+            scores = u.args[0]
+            assert isinstance(scores, fx.Node)
+            return Anchor(n, "table", _last_dim(n), scores, (n,))
+    return None
 
 
 __all__ = ["Anchor", "routing_anchors"]

@@ -3,8 +3,8 @@ every gradient, compile_utils' fp32 tolerance: summation order only).
 
 Each layer must be rewritten into one expert op, with the routing left as written: a latent
 projection before the logits while the experts read the tokens themselves, a top-k written as
-masked argmaxes, a router that scores more rows than it routes to, a learned per-expert scale on
-the weights.  If one fails, fix the finder, not the assertion.
+masked argmaxes, a fixed token -> experts table (hash routing), group-limited greedy routing.
+If one fails, fix the finder, not the assertion.
 """
 
 from __future__ import annotations
@@ -53,3 +53,73 @@ def test_argmax_router_compiles_and_matches_eager() -> None:
     cmp.assert_close()
     assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1
     assert cmp.report.regions[0].router == "softmax+argmax"
+
+
+class HashRouted(nn.Module):
+    """DeepSeek-V4's hash layer: the experts of each token are a fixed table's row for its token
+    id (``tid2eid[input_ids]``), weighted by the router's scores gathered there, renormalized."""
+
+    def __init__(self, vocab: int = 50, h: int = 16, f: int = 24, e: int = 8, k: int = 2) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.register_buffer("tid2eid", torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(vocab)]))
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(e, 2 * f, h) / h**0.5)
+        self.down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+        self.e = e
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        scores = F.softplus(self.router(x)).sqrt()
+        idx = self.tid2eid[input_ids.reshape(-1)].long()
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(gate) * up, self.down[e]) * w[tok, slot, None])
+        return out
+
+
+def test_hash_table_routing() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(1))
+    cmp = compare_compiled(HashRouted(), [torch.randn(12, 16), ids])
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
+    assert "table" in cmp.report.regions[0].router
+
+
+class GroupLimitedGreedy(nn.Module):
+    """DeepSeek-V2's group-limited greedy routing: each group scored by its best expert (a max,
+    not V3's top-2 sum), the best ``topk_group`` groups kept by masking the others to 0, then the
+    top-k of what is left; softmax scores as weights, times a route scale."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 8, k: int = 2, groups: int = 4, topk_group: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+        self.e, self.k, self.groups, self.topk_group = e, k, groups, topk_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.router(x).softmax(-1)
+        group_scores = scores.view(x.shape[0], self.groups, -1).max(dim=-1).values
+        group_idx = torch.topk(group_scores, self.topk_group, dim=-1)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        mask = group_mask.unsqueeze(-1).expand(-1, -1, self.e // self.groups).reshape(x.shape[0], -1)
+        w, idx = torch.topk(scores.masked_fill(~mask.bool(), 0.0), self.k, dim=-1)
+        w = w * 16.0
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, F.linear(F.gelu(F.linear(x[tok], self.w_up[e])), self.w_down[e]) * w[tok, slot, None])
+        return out
+
+
+def test_group_limited_greedy_routing() -> None:
+    torch.manual_seed(0)
+    cmp = compare_compiled(GroupLimitedGreedy(), [torch.randn(10, 16)])
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
+    assert "grouped" in cmp.report.regions[0].router

@@ -46,7 +46,7 @@ _SMALL: dict[str, Any] = dict(
     first_k_dense_replace=0, n_group=2, topk_group=1, shared_expert_intermediate_size=48, kv_lora_rank=16,
     q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, decoder_sparse_step=1,
     mlp_only_layers=[], num_shared_experts=1, n_shared_experts=1, use_cache=False, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
+    bos_token_id=1, eos_token_id=2, mlp_layer_types=["sparse", "sparse"],  # both layers MoE
 )
 # what a family needs besides _SMALL to build small (its own names for the same settings, a
 # layer-type list to match 2 layers, sizes of its non-MoE parts)
@@ -57,6 +57,7 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(moe_num_experts=8, moe_top_k=2, ffn_hidden_size=48)),
+    "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),  # one hash-routed layer, one top-k routed
     "doge": dict(is_moe=True, num_experts=16),
     "dots3_note_text": dict(use_sliding_window=False, use_dsa=False, per_layer_config={}, head_dim=16),
     "ernie4_5_moe": dict(moe_k=2, moe_layer_start_index=0),
