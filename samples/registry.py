@@ -29,6 +29,7 @@ from .gpt_oss import GptOssMoE
 from .grouped_gemm import GroupedGemmMoE
 from .normed_router import NormedRouterMoE
 from .qwen3 import Qwen3MoeSparseMoeBlock
+from .sequential_mlp import SequentialMLPMoE
 from .sparsemixer import SparseMixerMoE
 from .switch_einsum import SwitchEinsumMoE
 
@@ -280,6 +281,17 @@ SAMPLES: dict[str, SampleSpec] = {
             router="norm",
             extra_rows=0,
             fixed={"gated": True, "bias": False},
+        ),
+        _spec(
+            "sequential_mlp",
+            SequentialMLPMoE,
+            "topk+softmax",
+            "expert_loop",
+            "ModuleList of linear_fc1 [2F,H] / linear_fc2 [H,F] (Megatron); rows cut by counts.tolist()",
+            activation="silu",
+            gated=True,
+            style="split",
+            fixed={"bias": False},
         ),
         _spec(
             "qwen3",

@@ -86,6 +86,10 @@ def _expert(m, e: int, gated: bool) -> dict:
     if cls == "DeepseekV3MoE":
         gate, up = _split(m.experts.gate_up_proj[e], True)
         return dict(gate=gate, up=up, down=m.experts.down_proj[e], b_gate=None, b_up=None, b_down=None)
+    if cls == "SequentialMLPMoE":
+        fc1, fc2 = m.local_experts[e].linear_fc1.weight, m.local_experts[e].linear_fc2.weight
+        gate, up = _split(fc1, gated)
+        return dict(gate=gate, up=up, down=fc2, b_gate=None, b_up=None, b_down=None)
     names = {
         "MixtralSparseMoeBlock": ("w1", "w3", "w2"),
         "DenseMaskedMoE": ("fc_gate", "fc1", "fc2"),
@@ -285,6 +289,8 @@ CASES = [(name, {}) for name in SAMPLES] + [
     ("gathered_bmm", {"router": "softmax+sort"}),
     ("sparsemixer", {"top_k": 3}),
     ("normed_router", {"router": "latent", "extra_rows": 1}),
+    ("sequential_mlp", {"style": "tolist", "gated": False, "activation": "gelu"}),
+    ("sequential_mlp", {"style": "int"}),
     ("expert_loop", {"gated": False, "bias": True, "activation": "relu"}),
     ("dense_masked", {"gated": True, "norm_topk_prob": True, "activation": "silu"}),
     ("switch_einsum", {"gated": True, "activation": "gelu_tanh"}),
@@ -327,7 +333,7 @@ def test_sample_traces_as_one_graph(name: str) -> None:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
         out = torch.compile(m, backend=count_backend)(x)
     torch._dynamo.reset()
     assert num_graphs == 1, f"{name}: graph breaks ({num_graphs} graphs)"
@@ -345,7 +351,7 @@ def test_grouped_gemm_bf16_traces_aten_grouped_mm() -> None:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
         torch.compile(m, backend=backend)(x)
         fp32_targets = list(targets)
         targets.clear()
