@@ -195,11 +195,11 @@ def _aot_eager_error(model: torch.nn.Module, ids: torch.Tensor, params: list[tor
     return None
 
 
-def survey(family: str, implementation: str) -> ZooRow:
-    """Build ``family`` small, compile it with hiermoe (aot_eager), compare with eager.  Where the
-    model's step fails under plain ``aot_eager`` too (a torch issue, not hiermoe's), hiermoe runs
-    with the ``eager`` inner compiler instead and the row says so."""
-    row = ZooRow(family, implementation)
+def survey(family: str, implementation: str, inner_compiler: str = "aot_eager") -> ZooRow:
+    """Build ``family`` small, compile it with hiermoe (``inner_compiler``), compare with eager.
+    Where the model's step fails under plain ``aot_eager`` too (a torch issue, not hiermoe's),
+    hiermoe runs with the ``eager`` inner compiler instead and the row says so."""
+    row = ZooRow(family, implementation, inner_compiler=inner_compiler)
     start = time.perf_counter()
     try:
         model = build_tiny(family, implementation)
@@ -212,8 +212,10 @@ def survey(family: str, implementation: str) -> ZooRow:
             got.append(_step(compiled, ids, params))
 
         try:
-            report = explain_run(model, run, {"inner_compiler": "aot_eager"})
+            report = explain_run(model, run, {"inner_compiler": inner_compiler})
         except Exception:
+            if inner_compiler != "aot_eager":
+                raise
             why = _aot_eager_error(model, ids, params)
             if why is None:
                 raise
