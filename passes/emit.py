@@ -33,7 +33,9 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
     x_TH = m(region.tokens)
     if len(static_shape(region.tokens) or ()) != 2:
         x_TH = graph.call_method("reshape", (x_TH, -1, hidden))
-    if ops.is_topk(region.topk):
+    if region.ids is not None:  # the router masked the anchor's ids before the experts read them
+        topk_idx_TK, ids_shape = m(region.ids), static_shape(region.ids)
+    elif ops.is_topk(region.topk):
         topk_idx_TK = fn(operator.getitem, (m(region.topk), 1))
         ids_shape = static_shape(region.topk.args[0])  # type: ignore[arg-type]
     else:  # the anchor is the [.., K] id tensor itself (routing_anchor.py)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
@@ -136,6 +137,42 @@ def _region_for(index: GraphIndex, params: ParamTable, router: Router, bound: in
     # the selection and what is read off it (weights gathered at each argmax are not descendants
     # of the cat of the argmaxes)
     after_topk = index.descendants([a, *router.anchor.sources])
+    win = _Window(router, k, window, after_topk, num_tokens, hidden, lo, bound, label)
+    # E: the experts scored; a router may score more classes than there are experts (Zaya's skip
+    # expert, whose slots are masked to expert 0 with weight 0): then the experts' own count
+    stacked = {shape[0] for n in window if n in params and len(shape := static_shape(n) or ()) == 3}
+    counts = [num_experts] + sorted((e for e in stacked if 1 < e < num_experts), reverse=True)
+    first: MoERegion | Skip | None = None
+    for count in counts:
+        found = _region_with(index, params, win, count)
+        first = first or found
+        if isinstance(found, MoERegion):
+            return found
+    assert first is not None
+    return first
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What a routing anchor's layer search works on, whatever the expert count."""
+
+    router: Router
+    k: int
+    window: set[fx.Node]  # nodes the layer may contain
+    after_topk: set[fx.Node]
+    num_tokens: int
+    hidden: int  # the router's
+    lo: int  # position of the router's tokens
+    bound: int  # position of the next layer's anchor
+    label: str
+
+
+def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_experts: int) -> MoERegion | Skip:
+    router, k, window, after_topk, num_tokens, hidden = (win.router, win.k, win.window, win.after_topk, win.num_tokens,
+                                                         win.hidden)
+    a, lo, bound, label = router.topk, win.lo, win.bound, win.label
+    idx_node = router.anchor.ids()
+    assert idx_node is not None  # _region_for checked it
     family_keys = valid_family_keys(params, num_experts)
     # the layer's inputs: [T, H] floats the window computes without the routing decision or an
     # expert tensor (the experts' own normalized copy of the tokens, Gemma-4's
@@ -240,6 +277,8 @@ def _region_for(index: GraphIndex, params: ParamTable, router: Router, bound: in
         layouts=tuple(h.layout for h in layouts),
         weights=tuple(weights),
         existing_op=existing,
+        ids=_expert_ids(index, idx_node, region_nodes, num_tokens * k),
+        num_scored=(static_shape(router.anchor.scores) or (num_experts,))[-1],
     )
 
 
@@ -273,6 +312,25 @@ def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], r
     before = [d for d in index.ordered(reads & index.ancestors([router_tokens])) if _is_float(d) and projected(d)
               and _numel((static_shape(d) or (0,))[:-1]) == rows]
     return before[-1] if before else router_tokens
+
+
+_ID_STEPS = frozenset({"masked_fill", "masked_fill_", "where", "clamp", "clamp_", "reshape", "view", "flatten",
+                       "contiguous", "to", "long", "int", "squeeze", "unsqueeze"})
+
+
+def _expert_ids(index: GraphIndex, ids: fx.Node, nodes: set[fx.Node], slots: int) -> fx.Node | None:
+    """The ids the experts read, when the layer changes the anchor's ids before it dispatches
+    (a mask, a clamp): the end of the chain of such steps from the anchor's ids; None when the
+    chain only reshapes them (the op reads the anchor's)."""
+    n, changed = ids, False
+    while True:
+        steps = [u for u in n.users if u in nodes and ops.op_name(u) in _ID_STEPS and u.args and u.args[0] is n
+                 and (t := tensor_meta(u)) is not None and not t.dtype.is_floating_point and t.dtype != torch.bool
+                 and _numel(static_shape(u)) == slots]
+        if len(steps) != 1:
+            return n if changed else None
+        n = steps[0]
+        changed = changed or ops.op_name(n) in ("masked_fill", "masked_fill_", "where", "clamp", "clamp_")
 
 
 def _layer_inputs(index: GraphIndex, params: ParamTable, candidates: set[fx.Node], num_tokens: int,

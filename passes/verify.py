@@ -166,11 +166,11 @@ def boundary_of(index: GraphIndex, params: ParamTable, region: MoERegion, cand: 
 
 def kept_nodes(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
                weights: RoutingWeights) -> set[fx.Node]:
-    """Region nodes the replacement keeps as they are: those computing the routing weights it reads."""
-    if weights.node not in cand.nodes:
-        return set()
+    """Region nodes the replacement keeps as they are: those computing the routing weights and the
+    (masked) ids it reads."""
     inner = {n for n in cand.nodes if n not in params}
-    return index.ancestors([weights.node], stop=set(boundary_of(index, params, region, cand))) & inner
+    kept = [n for n in (weights.node, region.ids) if n is not None and n in cand.nodes]
+    return index.ancestors(kept, stop=set(boundary_of(index, params, region, cand))) & inner if kept else set()
 
 
 def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
@@ -250,7 +250,9 @@ def _synthetic_cases(index: GraphIndex, boundary: list[fx.Node], base: list[obje
         return []
     i = boundary.index(region.topk)
     anchor_value = base[i]  # topk's (values, indices), or the [.., K] ids of another anchor
-    e, k = region.num_experts, region.top_k
+    # ids over every class the router scores (Zaya's skip class too: the layer masks it, the op
+    # must read the masked ids), K distinct per token as a router picks them
+    e, k = max(region.num_experts, region.num_scored), region.top_k
     flat_idx = anchor_value[1] if isinstance(anchor_value, tuple) else anchor_value
     assert isinstance(flat_idx, torch.Tensor)
     flat = torch.arange(flat_idx.numel(), device=flat_idx.device)

@@ -123,3 +123,40 @@ def test_group_limited_greedy_routing() -> None:
     cmp.assert_close()
     assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
     assert "grouped" in cmp.report.regions[0].router
+
+
+class SkipRouted(nn.Module):
+    """Zaya's skip expert: the router scores E + 1 classes; a token whose slot picks the last one
+    gets expert 0 with weight 0 there (the ids and the weights are masked before the experts)."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e + 1, bias=True)
+        with torch.no_grad():
+            self.router.bias[-1] = 1.0  # the skip class is picked often
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+        self.e, self.k = e, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.topk(self.router(x).softmax(-1), self.k)
+        skip = idx == self.e
+        w, idx = w.masked_fill(skip, 0), idx.masked_fill(skip, 0)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, F.linear(F.silu(F.linear(x[tok], self.w_up[e])), self.w_down[e]) * w[tok, slot, None])
+        return out
+
+
+def test_skip_class_masked_before_the_experts() -> None:
+    """The op must read the masked ids: the raw ones name an expert that does not exist.  (Had
+    it read them, verification's routings, drawn over all E + 1 classes, would refuse it.)"""
+    torch.manual_seed(0)
+    model = SkipRouted()
+    x = torch.randn(12, 16)
+    assert (torch.topk(model.router(x), 2).indices == 4).any()  # the compile batch picks the skip class
+    cmp = compare_compiled(model, [x])
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
+    assert cmp.report.regions[0].num_experts == 4

@@ -34,8 +34,6 @@ LEFT_ALONE = {
     "jetmoe": (2, "`neg` at modeling_jetmoe.py"),
     # the routing weights scale the experts' input
     "llama4_text": (0, "multiplies the experts' input by the routing weights"),
-    # a skip expert: the router scores E + 1 classes and masks the ids of the last to 0
-    "zaya": (0, "no value after the top-k combines expert outputs"),
 }
 FAMILIES = moe_families()
 
