@@ -3,7 +3,9 @@ every gradient, compile_utils' fp32 tolerance: summation order only).
 
 Each layer must be rewritten into one expert op, with the routing left as written: a latent
 projection before the logits while the experts read the tokens themselves, a top-k written as
-masked argmaxes, a fixed token -> experts table (hash routing), group-limited greedy routing.
+masked argmaxes, a fixed token -> experts table (hash routing), group-limited greedy routing, a
+skip class the router masks; and a routed sum scaled and mixed with a gated shared expert and a
+norm after it (the routed part rewritten, the rest kept).
 If one fails, fix the finder, not the assertion.
 """
 
@@ -160,3 +162,37 @@ def test_skip_class_masked_before_the_experts() -> None:
     cmp.assert_close()
     assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
     assert cmp.report.regions[0].num_experts == 4
+
+
+class MixedAfterTheSum(nn.Module):
+    """The routed sum scaled by a learned vector, a sigmoid-gated shared expert added (Qwen2-MoE),
+    then a norm with its own weight: the routed part is rewritten, the rest stays as written."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+        self.routed_scale = nn.Parameter(1 + 0.1 * torch.randn(h))
+        self.shared_gate = nn.Linear(h, 1, bias=False)
+        self.shared = nn.Sequential(nn.Linear(h, f), nn.GELU(), nn.Linear(f, h))
+        self.norm = nn.LayerNorm(h)
+        self.e, self.k = e, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.topk(self.router(x).softmax(-1), self.k)
+        routed = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(idx == e)
+            routed.index_add_(0, tok, F.linear(F.silu(F.linear(x[tok], self.w_up[e])), self.w_down[e]) * w[tok, slot, None])
+        out = routed * self.routed_scale + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return self.norm(out)
+
+
+def test_what_follows_the_routed_sum_stays_as_written() -> None:
+    torch.manual_seed(0)
+    cmp = compare_compiled(MixedAfterTheSum(), [torch.randn(10, 16)])
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
+    after = cmp.report.after
+    assert "routed_scale" in after and "shared_gate" in after and "layer_norm" in after
