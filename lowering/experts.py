@@ -67,7 +67,7 @@ def _experts_fake(
     b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
     activation: str,
 ) -> Tensor:
-    check_activation(activation)  # fail at compile time, not at the first step
+    check_activation(activation, gated=w_gate is not None)  # fail at compile time, not at the first step
     return x.new_empty(x.shape)
 
 
@@ -91,7 +91,7 @@ def _experts_backward_fake(
     b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
     activation: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    check_activation(activation)
+    check_activation(activation, gated=w_gate is not None)
 
     def like(t: Tensor | None) -> Tensor:
         # The eager kernel returns contiguous grads, so new_empty (contiguous) matches its strides.

@@ -12,6 +12,8 @@ Semantics (nn.Linear layouts, ``act`` from ``ACTIVATIONS``)::
 
     gated:      h = act(x W_gate^T + b_gate) * (x W_up^T + b_up)
     non-gated:  h = act(x W_up^T + b_up)
+    expression: h = E(g, u), g = x W_gate^T + b_gate, u = x W_up^T + b_up  (``activation.py``:
+                an ``expr:`` activation, e.g. GPT-OSS's clamped SwiGLU; non-gated: E(u))
     y_e(x) = h W_down^T + b_down
     y[t]   = sum_k topk_weights[t, k] * y_{topk_idx[t, k]}(x[t])
 
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_compile.lowering.activation import is_expression, parse
 from moe_compile.lowering.grouped_mm import grouped_mm
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
@@ -68,9 +71,28 @@ _GROUPED_MM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 }
 
 
-def check_activation(activation: str) -> None:
+def check_activation(activation: str, gated: bool | None = None) -> None:
+    """ValueError unless ``activation`` is one of ``ACTIVATIONS`` or an ``expr:`` expression (that
+    reads the gate only when ``gated`` is not False)."""
+    if is_expression(activation):
+        if "g" in parse(activation).variables and gated is False:
+            raise ValueError(f"expert activation {activation!r} reads the gate g, but the experts have no gate "
+                             "projection")
+        return
     if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown expert activation {activation!r}; use one of {ACTIVATIONS}")
+        raise ValueError(f"unknown expert activation {activation!r}; use one of {ACTIVATIONS} or an "
+                         "'expr:' expression (moe_compile.lowering.activation)")
+
+
+def activation_error(activation: str) -> str | None:
+    """Why the Triton kernels cannot compute ``activation`` (None: they can). They evaluate
+    ``act(gate) * up`` / ``act(up)`` for the names in ``ACTIVATIONS`` inside their tiles; an
+    ``expr:`` activation runs on this torch lowering."""
+    if activation in ACTIVATIONS:
+        return None
+    return (f"the Triton expert kernels compute act(gate) * up or act(up) for act in {ACTIVATIONS}, not the "
+            f"expression activation {activation!r}; the torch lowering computes it "
+            "(options={'kernels': 'torch'}, or 'auto', which chooses it for such layers)")
 
 
 class _Routing(NamedTuple):
@@ -189,13 +211,15 @@ def _ffn(
     (``experts_reference_keep``), used instead of recomputing them; ``output``: also y."""
     x_NH = x_TH.index_select(0, r.tok_N).contiguous()
     up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r)
-    act = _ACT_FWD[activation]
     gate_NF = None
     if w_gate_EFH is not None:
         gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r)
-        h_NF = act(gate_NF) * up_NF
+    if is_expression(activation):
+        h_NF = parse(activation).forward(gate_NF, up_NF)
+    elif gate_NF is not None:
+        h_NF = _ACT_FWD[activation](gate_NF) * up_NF
     else:
-        h_NF = act(up_NF)
+        h_NF = _ACT_FWD[activation](up_NF)
     if not output:
         return _Ffn(x_NH, up_NF, gate_NF, h_NF, None)
     y_NH = _linear(h_NF, w_down_EHF, b_down_EH, r)
@@ -279,12 +303,17 @@ def experts_reference_backward(
     dh_NF = (gw_NF * weight_N[:, None]).to(cd)
 
     # Step 2: activation (and gate).
-    act_bwd = _ACT_BWD[activation]
-    if ffn.gate_NF is not None:
+    d_gate_NF: Tensor | None
+    if is_expression(activation):
+        d_gate_NF, d_up_NF = parse(activation).backward(dh_NF, ffn.gate_NF, ffn.up_NF)
+        if ffn.gate_NF is not None and d_gate_NF is None:  # a gate the expression does not read
+            d_gate_NF = torch.zeros_like(ffn.gate_NF)
+    elif ffn.gate_NF is not None:
+        act_bwd = _ACT_BWD[activation]
         d_up_NF = dh_NF * _ACT_FWD[activation](ffn.gate_NF)
-        d_gate_NF: Tensor | None = act_bwd(dh_NF * ffn.up_NF, ffn.gate_NF)
+        d_gate_NF = act_bwd(dh_NF * ffn.up_NF, ffn.gate_NF)
     else:
-        d_up_NF = act_bwd(dh_NF, ffn.up_NF)
+        d_up_NF = _ACT_BWD[activation](dh_NF, ffn.up_NF)
         d_gate_NF = None
 
     # Step 3: up (and gate) projection, then scatter slot grads back to token rows.

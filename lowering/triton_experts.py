@@ -53,7 +53,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from moe_compile.lowering import triton_esmm
 from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
-from moe_compile.lowering.experts_ref import check_activation
+from moe_compile.lowering.experts_ref import ACTIVATIONS, activation_error, check_activation
 from moe_compile.lowering.triton_esfk import esfk_backward
 from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward
 
@@ -140,7 +140,9 @@ def kernel_config(x_TH: Tensor, num_k: int, num_e: int, num_f: int) -> KernelCon
 
 
 def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
-    check_activation(activation)
+    check_activation(activation, gated=w_gate is not None)
+    if activation not in ACTIVATIONS:
+        raise ValueError(activation_error(activation))
     why = interpreter_error(x.device)
     if why is not None:
         raise ValueError(why)

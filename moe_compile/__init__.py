@@ -5,8 +5,9 @@ replaces each, after checking it numerically, by one dropless expert op.  Import
 registers the backend (an installed package also registers it through the
 ``torch_dynamo_backends`` entry point, so ``import moe_compile`` is optional), registers the
 ``hiermoe`` experts implementation with Hugging Face transformers when transformers is installed,
-and turns on Dynamo's ``capture_dynamic_output_shape_ops`` so per-expert loops over
-``torch.where(mask)`` trace as one graph instead of breaking at every expert.
+and turns on Dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` so
+per-expert loops over ``torch.where(mask)``, and over token counts read into Python ints
+(``counts.tolist()``, ``int(counts[e])``), trace as one graph instead of breaking at every expert.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ __all__ = ["ExpertSwapper", "Options", "RegionReport", "Report", "ShardReport", 
 # Per-expert loops (`idx, pos = torch.where(mask[e])`) have data-dependent shapes; without this
 # Dynamo breaks the graph at each expert and no layer can be seen whole.
 torch._dynamo.config.capture_dynamic_output_shape_ops = True
+# Loops that slice expert-sorted tokens by counts read into Python ints (Megatron's SequentialMLP:
+# `torch.split(tokens, counts.tolist())`, `n = int(counts[e])`): the ints become unbacked sizes
+# instead of a graph break at the read.
+torch._dynamo.config.capture_scalar_outputs = True
 
 
 def _register_backend() -> None:

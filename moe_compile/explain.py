@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -27,13 +28,19 @@ def explain(model: torch.nn.Module, *example_inputs: object, options: Mapping[st
     collectives); each expert-parallel layer's ``parallel`` entry then holds the d it used, the
     predicted time of every d, and the bytes this rank sent per level in that step.
     """
+    return explain_run(model, lambda compiled: compiled(*example_inputs, **example_kwargs), options)
+
+
+def explain_run(model: torch.nn.Module, run: Callable[[Callable[..., Any]], object],
+                options: Mapping[str, object] | None = None) -> Report:
+    """``explain`` with the step given as ``run(compiled_model)``: e.g. a forward and a backward,
+    whose graphs (the backward's too) are compiled inside it."""
     parse_options(options)  # fail before compiling on a bad option
     torch._dynamo.reset()
     counters["unimplemented"].clear()
     backend = functools.partial(hiermoe_backend, options=dict(options or {}))
     with collect_reports() as graphs:
-        compiled = torch.compile(model, backend=backend)
-        compiled(*example_inputs, **example_kwargs)
+        run(torch.compile(model, backend=backend))
     breaks = [_summarize_break(reason, n) for reason, n in counters["unimplemented"].items()]
     for g in graphs:  # expert-parallel layers: what the step just run chose and sent
         g.regions = [r if r.ep_layer is None else replace(r, parallel=parallel_summary(r.ep_layer))

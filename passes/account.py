@@ -14,11 +14,12 @@ Contract
     Guarantees: ``unexplained_op`` returns None only when each replaced node is one of: data
     movement (views, indexing, copies, casts, allocation, writes); a matmul of expert values
     with expert weights or with a routing tensor (einsum dispatch/combine masks); the layout's
-    activation; a bias add; the gating product (gated layouts); a multiply by a routing tensor;
+    activation (a named one, or every op of an ``expr:`` activation read off the graph by
+    ``activation_expr``: GPT-OSS's clamps, scale and offset); a bias add; the gating product (gated layouts); a multiply by a routing tensor;
     a combine (sum, accumulating add, index_add / scatter_add); routing bookkeeping on expert
     ids (sorting, counting, one-hot, masks); arithmetic or comparisons with 0 on routing weights.
-    Refuses: anything else on the expert values (clamp, a constant scale or offset, another
-    nonlinearity, a comparison of expert values) or on the routing weights (clamp, thresholds
+    Refuses: anything else on the expert values (a clamp, a constant scale or offset, another
+    nonlinearity outside the layout's activation, a comparison of expert values) or on the routing weights (clamp, thresholds
     other than 0), and anything but data movement on expert weights before their matmul; the
     reason names the op and the source line that wrote it.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -96,8 +98,13 @@ def describe(n: fx.Node) -> str:
     return f"`{_name(n) or n.target}`{at}"
 
 
+class Unexplained(NamedTuple):
+    reason: str
+    node: fx.Node  # the op no role of the expert op accounts for
+
+
 def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
-                   layout: ExpertLayout, keep: set[fx.Node]) -> str | None:
+                   layout: ExpertLayout, keep: set[fx.Node]) -> Unexplained | None:
     """Why the interpretation does not account for some op the rewrite removes, or None."""
     replaced = [n for n in index.ordered(cand.nodes)
                 if n not in params and n not in keep and n.op in ("call_function", "call_method", "call_module")]
@@ -105,6 +112,11 @@ def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, can
     biases = _role_nodes((layout.b_up, layout.b_gate, layout.b_down))
     tokens = region.tokens
     cls: dict[fx.Node, str] = {}
+    # what flows into the up/gate projections: the expert input, which no routing weight may scale
+    inward = _role_nodes((layout.up, layout.gate))
+    projections = [m for m in replaced if ops.is_matmul(m) and index.ancestors(m.all_input_nodes) & inward]
+    before_projection = index.ancestors(projections)
+    routed = index.descendants([region.topk])
 
     token_root = index.value_root(tokens)
 
@@ -134,9 +146,10 @@ def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, can
             c = "R"  # e.g. topk's indices: a getitem of the (values, indices) tuple
         cls[n] = c
         # Step 2
-        why = _check(n, c, layout, of)
+        scaled_input = n in before_projection and any(a in routed and of(a) == "W" for a in n.all_input_nodes)
+        why = _check(n, c, layout, of, scaled_input)
         if why:
-            return why
+            return Unexplained(why, n)
     return None
 
 
@@ -152,7 +165,7 @@ def _operands(n: fx.Node) -> list[object]:
     return flat
 
 
-def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]) -> str | None:
+def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str], scaled_input: bool) -> str | None:
     name = _name(n)
     what = describe(n)
     if c == "R":
@@ -171,6 +184,8 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
             return None
         return f"{what} reads the routing weights in a way the expert op does not (it only multiplies by them)"
     # X: the expert values
+    if n in layout.activation_nodes:
+        return None  # an op of the layout's expr: activation, which the expert op computes as written
     classes = [of(a) for a in _operands(n) if isinstance(a, fx.Node)]
     consts = [a for a in _operands(n) if isinstance(a, int | float) and not isinstance(a, bool)]
     if "Q" in classes:
@@ -196,6 +211,9 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
     if name in ("mul", "mul_"):
         if consts:
             return f"{what} scales the expert values by {consts[0]}"
+        if scaled_input:  # Llama-4
+            return (f"{what} multiplies the experts' input by the routing weights; the expert op weights their "
+                    "outputs, and FFN(w x) is not w FFN(x)")
         if classes.count("X") >= 2:
             return None if layout.gated else f"{what} multiplies expert values with each other"
         return None  # by a routing weight or mask
@@ -210,4 +228,4 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
     return f"{what} is not part of the expert computation (router, dispatch, expert FFN, combine)"
 
 
-__all__ = ["describe", "unexplained_op"]
+__all__ = ["Unexplained", "describe", "unexplained_op"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.account import unexplained_op
+from moe_compile.passes.account import Unexplained, unexplained_op
 from moe_compile.passes.emit import emit_expert_op
 from moe_compile.passes.find_moe_regions import FindResult
 from moe_compile.passes.graph_index import GraphIndex, is_inplace, is_view
@@ -161,18 +161,20 @@ def _routing(gm: fx.GraphModule, example_inputs: Sequence[object], index: GraphI
         values = capture_boundary_values(gm, example_inputs, index, {r.topk for r in regions})
     except ValueError:  # fake example inputs: no statistics, the planner assumes uniform routing
         return {}
-    return {n: v[1] for n, v in values.items() if isinstance(v, tuple)}
+    # a topk's (values, indices), or another anchor's ids (routing_anchor.py)
+    return {n: v[1] if isinstance(v, tuple) else v for n, v in values.items() if isinstance(v, tuple | torch.Tensor)}
 
 
 def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, object], verify: bool,  # type: ignore[no-untyped-def]
             result: CanonicalizeResult) -> Decision:
     vacuous = region.num_tokens == 0
-    unexplained: list[str] = []
+    unexplained: list[Unexplained] = []
     failed: list[str] = []
     passing: list[Interpretation] = []
     for cand in region.outputs:
         if _readers_after(index, cand.node) is None:
-            unexplained.append("the routed output is read through a view taken before it was accumulated")
+            unexplained.append(Unexplained("the routed output is read through a view taken before it was "
+                                           "accumulated", cand.node))
             continue
         reads = index.ancestors([cand.node])
         for layout in region.layouts:
@@ -203,11 +205,14 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
     if not unexplained:
         return Decision(region, None, "left unchanged: no output candidate reads any of the routing-weight "
                                       "candidates, so none is the routed sum")
-    why = f"left unchanged: {unexplained[0]}; rewriting the layer into the expert op would change its results"
+    # the interpretation that accounts for the most of the layer (its first unexplained op comes
+    # latest) says best what the op lacks: an earlier failure is often a wrong interpretation's
+    first = max(unexplained, key=lambda u: index.pos[u.node])
+    reason = f"left unchanged: {first.reason}; rewriting the layer into the expert op would change its results"
     if failed:
-        why += (f" (the {len(failed)} interpretations that account for every op fail verification, "
+        reason += (f" (the {len(failed)} interpretations that account for every op fail verification, "
                 f"first: {failed[0]})")
-    return Decision(region, None, why)
+    return Decision(region, None, reason)
 
 
 def _readers_after(index: GraphIndex, y: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:

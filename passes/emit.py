@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.graph_index import static_shape, tensor_meta
 from moe_compile.passes.regions import ExpertLayout, MoERegion, RoutingWeights, WeightRole
 
@@ -32,8 +33,14 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
     x_TH = m(region.tokens)
     if len(static_shape(region.tokens) or ()) != 2:
         x_TH = graph.call_method("reshape", (x_TH, -1, hidden))
-    topk_idx_TK = fn(operator.getitem, (m(region.topk), 1))
-    if len(static_shape(region.topk.args[0]) or ()) != 2:  # type: ignore[arg-type]
+    if region.ids is not None:  # the router masked the anchor's ids before the experts read them
+        topk_idx_TK, ids_shape = m(region.ids), static_shape(region.ids)
+    elif ops.is_topk(region.topk):
+        topk_idx_TK = fn(operator.getitem, (m(region.topk), 1))
+        ids_shape = static_shape(region.topk.args[0])  # type: ignore[arg-type]
+    else:  # the anchor is the [.., K] id tensor itself (routing_anchor.py)
+        topk_idx_TK, ids_shape = m(region.topk), static_shape(region.topk)
+    if len(ids_shape or ()) != 2:
         topk_idx_TK = graph.call_method("reshape", (topk_idx_TK, -1, k))
 
     w = m(weights.node)

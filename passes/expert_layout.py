@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
+from moe_compile.passes.activation_expr import expression_activation
 from moe_compile.passes.graph_index import GraphIndex, static_shape
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, WeightRole
@@ -77,6 +78,12 @@ def valid_family_keys(params: ParamTable, num_experts: int) -> set[str]:
     return {k for k, idx in indices.items() if idx == set(range(num_experts))}
 
 
+def in_family(path: str, num_experts: int, family_keys: set[str]) -> bool:
+    """Whether ``path`` is a member of one of the E-expert families ``family_keys``."""
+    fam = _family_key(path, num_experts)
+    return fam is not None and fam[0] in family_keys
+
+
 def _family_key(path: str, num_experts: int) -> tuple[str, int] | None:
     """``experts.3.w1.weight`` -> (``experts.#.w1.weight``, 3); picks the last numeric component
     below ``num_experts`` so a layer index (``layers.0...``) is not taken for the expert index."""
@@ -103,8 +110,10 @@ def _matrix_shape(role: WeightRole) -> tuple[int, ...]:
 
 
 def layout_hypotheses(index: GraphIndex, nodes: set[fx.Node], experts: ExpertParams, hidden: int,
-                      num_experts: int) -> tuple[list[Hypothesis], str]:
-    """Layouts consistent with the tensor shapes, most likely first; or [] and the reason."""
+                      num_experts: int, token_root: fx.Node) -> tuple[list[Hypothesis], str]:
+    """Layouts consistent with the tensor shapes, most likely first; or [] and the reason.  A
+    layout whose experts compute an activation of several ops (``activation_expr``) comes first,
+    with that expression as its activation."""
     uses = {r: _uses(r, nodes) for r in experts.weight_roles + experts.bias_roles}
     roles = sorted(experts.weight_roles, key=lambda r: min(index.pos[u] for u in uses[r]))
     if len(roles) not in (2, 3):
@@ -136,7 +145,17 @@ def layout_hypotheses(index: GraphIndex, nodes: set[fx.Node], experts: ExpertPar
             with_bias.append(Hypothesis(biased))
     if not with_bias:
         return [], "expert biases do not match the projections they are added to"
-    return with_bias, ""
+    expressions, seen = [], set()
+    for h in with_bias:
+        key = replace(h.layout, activation="")
+        if key in seen:
+            continue
+        seen.add(key)
+        found = expression_activation(index, nodes, h.layout, token_root)
+        if found is not None:
+            expressions.append(Hypothesis(replace(h.layout, activation=found.activation,
+                                                  activation_nodes=found.nodes)))
+    return expressions + with_bias, ""
 
 
 def _uses(role: WeightRole, nodes: set[fx.Node]) -> list[fx.Node]:

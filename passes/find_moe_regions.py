@@ -13,7 +13,9 @@ Contract
 
 Detection is anchored on top-k and does not match one exact DAG (DESIGN.md, "Data flow"):
 
-    for each top-k T whose input derives from a linear map with an [E, H] parameter (the router):
+    for each routing anchor T (routing_anchor.py: a top-k, or K experts chosen by argmaxes, a
+    sort or a fixed table) whose scores derive from a linear map with an [E, H] parameter (the
+    router, router.py):
         x   <- that linear's token operand;  W <- nodes after x, minus the router itself
         Step 1: walk W in program order; the routed output Y is the first node that depends on
                 T, has x's token count and hidden size, and whose parameter ancestors within W
@@ -29,18 +31,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.expert_layout import (
     ExpertParams,
     classify_params,
+    in_family,
     layout_hypotheses,
     valid_family_keys,
 )
 from moe_compile.passes.graph_index import GraphIndex, is_view, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable, common_prefix
 from moe_compile.passes.regions import MoERegion, OutputCandidate, RoutingWeights, Skip
+from moe_compile.passes.router import Router, find_router, router_kind
+from moe_compile.passes.routing_anchor import routing_anchors
 
 # interpretations to list per region, most likely first (canonicalize verifies them in order). A
 # graph of 0 tokens has no limit: every per-slot tensor then has the tokens' shape [0, H], none
@@ -59,107 +65,58 @@ class FindResult:
     params: ParamTable
 
 
-@dataclass
-class _Router:
-    topk: fx.Node
-    logits: fx.Node
-    weight: fx.Node
-    tokens: fx.Node
-    nodes: set[fx.Node]
-
-
 def find_moe_regions(gm: fx.GraphModule, example_inputs: list[object] | None = None) -> FindResult:
     index = GraphIndex(gm)
     params = ParamTable(gm, example_inputs)
-    anchors = [n for n in index.nodes if ops.is_topk(n)]
-    routers: dict[fx.Node, _Router] = {}
-    for a in anchors:
-        r = _find_router(index, params, a)
+    found_anchors = routing_anchors(index)
+    anchors = [a.node for a in found_anchors]
+    routers: dict[fx.Node, Router] = {}
+    for anchor in found_anchors:
+        r = find_router(index, params, anchor)
         if r is not None:
-            routers[a] = r
+            routers[anchor.node] = r
     # A top-k inside another top-k's router picks expert groups (DeepSeek-V3 group-limited
     # routing); it is part of that router, not a layer of its own.
     inner = {a for r in routers.values() for a in anchors if a is not r.topk and a in r.nodes}
     regions: list[MoERegion] = []
     skipped: list[Skip] = []
     routing = [a for a in anchors if a in routers and a not in inner]
-    for a in anchors:
-        if a in inner:
-            continue
-        if a not in routers:
-            skipped.append(Skip(name=a.name, reason=(
+    for anchor in found_anchors:
+        # an argmax or a sort that no router feeds is not a routing decision: nothing to report
+        if anchor.node not in inner and anchor.node not in routers and anchor.kind == "topk":
+            skipped.append(Skip(name=anchor.node.name, reason=(
                 "top-k is not fed by a router projection (a linear map with an [E, hidden] "
                 "parameter); not an MoE router, left alone")))
-    for i, a in enumerate(routing):
-        bound = index.pos[routing[i + 1]] if i + 1 < len(routing) else len(index.nodes)
-        found = _region_for(index, params, routers[a], bound)
-        if isinstance(found, MoERegion):
-            regions.append(found)
+    # one layer per router projection: a router may hold several selections (PhiMoE's
+    # sparsemixer takes argmaxes for its mask too); the widest that leads to a layer is the one
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for a in routing:
+        groups.setdefault(routers[a].weight, []).append(a)
+    layers = sorted(groups.values(), key=lambda g: index.pos[g[0]])
+    for i, group in enumerate(layers):
+        bound = index.pos[layers[i + 1][0]] if i + 1 < len(layers) else len(index.nodes)
+        tries = sorted(group, key=lambda a: (-(routers[a].anchor.k or 0), index.pos[a]))
+        first: MoERegion | Skip | None = None
+        for a in tries:
+            found = _region_for(index, params, routers[a], bound)
+            first = first or found
+            if isinstance(found, MoERegion):
+                regions.append(found)
+                break
         else:
-            skipped.append(found)
-    return FindResult(regions=regions, skipped=skipped, num_topk=len(anchors), index=index, params=params)
+            assert isinstance(first, Skip)
+            skipped.append(first)
+    num_topk = sum(1 for a in found_anchors if a.kind == "topk" or a.node in routers)
+    return FindResult(regions=regions, skipped=skipped, num_topk=num_topk, index=index, params=params)
 
 
-def _find_router(index: GraphIndex, params: ParamTable, topk: fx.Node) -> _Router | None:
-    """Walk back from top-k's input to the linear map whose parameter is [E, H] or [H, E]."""
-    scores = topk.args[0] if topk.args else topk.kwargs.get("input")
-    if not isinstance(scores, fx.Node):
-        return None
-    shape = static_shape(scores)
-    if not shape:
-        return None
-    num_experts = shape[-1]
-    for n in reversed(index.ordered(index.ancestors([scores]))):
-        if not ops.is_matmul(n):
-            continue
-        for w_arg, x_arg in _operand_pairs(n):
-            w = _state_through_views(params, w_arg)
-            if w is None:
-                continue
-            w_shape = static_shape(w)
-            if w_shape is None or len(w_shape) != 2 or num_experts not in w_shape:
-                continue
-            hidden = w_shape[1] if w_shape[0] == num_experts else w_shape[0]
-            tokens = _strip_casts(x_arg)
-            t_shape = static_shape(tokens)
-            if t_shape is None or t_shape[-1] != hidden:
-                continue
-            nodes = index.ancestors([scores], stop={n})
-            return _Router(topk=topk, logits=n, weight=w, tokens=tokens, nodes=nodes)
-    return None
-
-
-def _operand_pairs(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
-    args = [a for a in n.args if isinstance(a, fx.Node)]
-    if len(args) < 2:
-        return []
-    return [(args[1], args[0]), (args[0], args[1])]
-
-
-def _state_through_views(params: ParamTable, n: fx.Node) -> fx.Node | None:
-    while n not in params:
-        if not ops.is_transparent(n) or not n.args or not isinstance(n.args[0], fx.Node):
-            return None
-        n = n.args[0]
-    return n
-
-
-def _strip_casts(n: fx.Node) -> fx.Node:
-    while ops.op_name(n) in ("to", "float", "half", "bfloat16", "type", "type_as") and isinstance(
-        n.args[0], fx.Node
-    ):
-        n = n.args[0]
-    return n
-
-
-def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: int) -> MoERegion | Skip:
+def _region_for(index: GraphIndex, params: ParamTable, router: Router, bound: int) -> MoERegion | Skip:
     a = router.topk
-    k = ops.topk_k(a)
-    idx_node = ops.topk_output(a, 1)
-    scores = a.args[0]
-    assert isinstance(scores, fx.Node)
+    k = router.anchor.k
+    idx_node = router.anchor.ids()
+    scores = router.anchor.scores
     scores_shape = static_shape(scores)
-    assert scores_shape is not None  # _find_router checked it
+    assert scores_shape is not None  # find_router checked it
     num_experts = scores_shape[-1]
     t_shape = static_shape(router.tokens)
     assert t_shape is not None
@@ -172,16 +129,65 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         return Skip(label, "top-k with a data-dependent k or unused indices; cannot tell the experts per token",
                     router_weight=router.weight)
 
-    router_side = index.ancestors([a])
+    # the selection and the scores it was made from (a hash table's ids are not made from them)
+    router_side = index.ancestors([a, scores])
     lo = index.pos[router.tokens]
     window = {n for n in index.nodes[lo + 1:bound] if n not in router_side}
     window |= set(params.path) - router_side
-    outside = set(index.nodes) - window
-    after_topk = index.descendants([a])
+    # the selection and what is read off it (weights gathered at each argmax are not descendants
+    # of the cat of the argmaxes)
+    after_topk = index.descendants([a, *router.anchor.sources])
+    win = _Window(router, k, window, after_topk, num_tokens, hidden, lo, bound, label)
+    # E: the experts scored; a router may score more classes than there are experts (Zaya's skip
+    # expert, whose slots are masked to expert 0 with weight 0): then the experts' own count
+    stacked = {shape[0] for n in window if n in params and len(shape := static_shape(n) or ()) == 3}
+    counts = [num_experts] + sorted((e for e in stacked if 1 < e < num_experts), reverse=True)
+    first: MoERegion | Skip | None = None
+    for count in counts:
+        found = _region_with(index, params, win, count)
+        first = first or found
+        if isinstance(found, MoERegion):
+            return found
+    assert first is not None
+    return first
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What a routing anchor's layer search works on, whatever the expert count."""
+
+    router: Router
+    k: int
+    window: set[fx.Node]  # nodes the layer may contain
+    after_topk: set[fx.Node]
+    num_tokens: int
+    hidden: int  # the router's
+    lo: int  # position of the router's tokens
+    bound: int  # position of the next layer's anchor
+    label: str
+
+
+def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_experts: int) -> MoERegion | Skip:
+    router, k, window, after_topk, num_tokens, hidden = (win.router, win.k, win.window, win.after_topk, win.num_tokens,
+                                                         win.hidden)
+    a, lo, bound, label = router.topk, win.lo, win.bound, win.label
+    idx_node = router.anchor.ids()
+    assert idx_node is not None  # _region_for checked it
+    family_keys = valid_family_keys(params, num_experts)
+    # the layer's inputs: [T, H] floats the window computes without the routing decision or an
+    # expert tensor (the experts' own normalized copy of the tokens, Gemma-4's
+    # pre_feedforward_layernorm_2): the layer reads them, they are not part of it
+    inputs = _layer_inputs(index, params, window - after_topk, num_tokens, num_experts, family_keys)
+    outside = (set(index.nodes) - window) | inputs
 
     # Step 1: the routed output (a few candidates; canonicalize verifies them in order)
     token_shapes = _token_shapes(router.tokens, num_tokens, hidden)
-    family_keys = valid_family_keys(params, num_experts)
+    # the experts' hidden size need not be the router's: a latent projection before the logits
+    # (Zaya), or the experts' own copy of the tokens; their output has the shape of those
+    for n in inputs | index.ancestors([router.tokens]):
+        shape = static_shape(n)
+        if shape and len(shape) >= 2 and _numel(shape[:-1]) == num_tokens and _is_float(n):
+            token_shapes |= _token_shapes(n, num_tokens, shape[-1])
     experts: ExpertParams | None = None
     outputs: list[OutputCandidate] = []
     reason = "no value after the top-k combines expert outputs into a [tokens, hidden] tensor"
@@ -194,13 +200,18 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
             continue
         if _is_mutated_later(index, y):
             continue  # a partial sum: the tensor is still being accumulated into
-        nodes = index.ancestors([y], stop=outside) & window
+        nodes = index.ancestors([y], stop=outside) & window - inputs
         if not nodes & routing_floats:
             continue  # not weighted by the routing yet: an expert's output for its own slots
         state = [n for n in nodes if n in params]
         if not state:
             continue
         cls = classify_params(params, state, num_experts, family_keys)
+        if len(cls.weight_roles) < 2:
+            continue  # not the experts' output yet (the routing weights, a value made from them)
+        # parameters that only scale the routing weights (Gemma-4's per_expert_scale[ids]) are the
+        # router's: the weights the op reads are computed with them, as written
+        cls.foreign = [n for n in cls.foreign if not _weighs_only(index, n, nodes, cls, after_topk, num_tokens * k)]
         if cls.foreign:
             if not outputs:
                 names = ", ".join(sorted(params.path[n] for n in cls.foreign)[:3])
@@ -226,11 +237,13 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     if experts is None or not outputs:
         return Skip(label, reason + _graph_break_hint(index, a), router_weight=router.weight)
     region_nodes = set(outputs[0].nodes)
-    tokens = _expert_tokens(index, params, region_nodes, router.tokens)
+    hidden = static_shape(outputs[0].node)[-1]  # type: ignore[index]  # the experts', not the router's
+    tokens = _expert_tokens(index, params, region_nodes, router.tokens, inputs, hidden)
 
     # Step 2: expert roles and layouts
     name = _label(params, [router.weight, *[r.first for r in experts.weight_roles]], router.logits)
-    layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts)
+    layouts, why = layout_hypotheses(index, region_nodes, experts, hidden, num_experts,
+                                     index.value_root(tokens))
     if not layouts:
         return Skip(name, why, router_weight=router.weight)
 
@@ -249,7 +262,7 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
     return MoERegion(
         name=name,
         pattern=_pattern(region_nodes, experts, any(w.kind == "combine" for w in weights)),
-        router=_router_kind(index, router, weights),
+        router=router_kind(index, router, weights),
         topk=a,
         router_weight=router.weight,
         tokens=tokens,
@@ -264,6 +277,8 @@ def _region_for(index: GraphIndex, params: ParamTable, router: _Router, bound: i
         layouts=tuple(h.layout for h in layouts),
         weights=tuple(weights),
         existing_op=existing,
+        ids=_expert_ids(index, idx_node, region_nodes, num_tokens * k),
+        num_scored=(static_shape(router.anchor.scores) or (num_experts,))[-1],
     )
 
 
@@ -271,10 +286,12 @@ def _roles(cls: ExpertParams) -> set[tuple[fx.Node, ...]]:
     return {r.nodes for r in cls.weight_roles + cls.bias_roles}
 
 
-def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], router_tokens: fx.Node) -> fx.Node:
+def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], router_tokens: fx.Node,
+                   inputs: set[fx.Node], hidden: int) -> fx.Node:
     """The token tensor the experts read: the router may reshape or cast its own copy (HF
-    routers call ``hidden_states.reshape(-1, H)`` inside), and the op must read the same node
-    the experts did so gradients reach the same place."""
+    routers call ``hidden_states.reshape(-1, H)`` inside), or the experts read a copy of their
+    own (one of the layer's ``inputs``), and the op must read the same node the experts did so
+    gradients reach the same place."""
     root = index.value_root(router_tokens)
     shape = static_shape(router_tokens)
     reads = {d for n in nodes if n not in params for d in index.deps[n]} - nodes
@@ -282,7 +299,84 @@ def _expert_tokens(index: GraphIndex, params: ParamTable, nodes: set[fx.Node], r
         if index.value_root(d) is root and static_shape(d) is not None and d is not router_tokens:
             if _numel(static_shape(d)) == _numel(shape) and tensor_meta(d).dtype == tensor_meta(router_tokens).dtype:  # type: ignore[union-attr]
                 return d
-    return router_tokens
+    if shape and shape[-1] == hidden and router_tokens in reads:
+        return router_tokens
+    def projected(d: fx.Node) -> bool:  # read by the experts' matmuls (not an accumulator's zeros)
+        return (static_shape(d) or (0,))[-1] == hidden and any(ops.is_matmul(u) for u in index.descendants([d]) & nodes)
+
+    own = [d for d in index.ordered(reads & inputs) if projected(d)]
+    if own:
+        return own[0]
+    # a latent projection before the logits: the experts read a tensor the router projected
+    rows = _numel(shape[:-1]) if shape else 0
+    before = [d for d in index.ordered(reads & index.ancestors([router_tokens])) if _is_float(d) and projected(d)
+              and _numel((static_shape(d) or (0,))[:-1]) == rows]
+    return before[-1] if before else router_tokens
+
+
+_ID_STEPS = frozenset({"masked_fill", "masked_fill_", "where", "clamp", "clamp_", "reshape", "view", "flatten",
+                       "contiguous", "to", "long", "int", "squeeze", "unsqueeze"})
+
+
+def _expert_ids(index: GraphIndex, ids: fx.Node, nodes: set[fx.Node], slots: int) -> fx.Node | None:
+    """The ids the experts read, when the layer changes the anchor's ids before it dispatches
+    (a mask, a clamp): the end of the chain of such steps from the anchor's ids; None when the
+    chain only reshapes them (the op reads the anchor's)."""
+    n, changed = ids, False
+    while True:
+        steps = [u for u in n.users if u in nodes and ops.op_name(u) in _ID_STEPS and u.args and u.args[0] is n
+                 and (t := tensor_meta(u)) is not None and not t.dtype.is_floating_point and t.dtype != torch.bool
+                 and _numel(static_shape(u)) == slots]
+        if len(steps) != 1:
+            return n if changed else None
+        n = steps[0]
+        changed = changed or ops.op_name(n) in ("masked_fill", "masked_fill_", "where", "clamp", "clamp_")
+
+
+def _layer_inputs(index: GraphIndex, params: ParamTable, candidates: set[fx.Node], num_tokens: int,
+                  num_experts: int, family_keys: set[str]) -> set[fx.Node]:
+    """Float [T, H'] (or [B, S, H']) nodes among ``candidates`` that no expert-like parameter
+    feeds ([E, ...] tensors or members of an E-expert family): inputs of the layer."""
+    expert_like = [n for n in candidates if n in params and _expert_like(params, n, num_experts, family_keys)]
+    from_experts = index.descendants(expert_like)
+    out = set()
+    for n in candidates - from_experts:
+        if ops.op_name(index.root(n)) in _ALLOCATIONS:
+            continue  # an accumulator's zeros: no token values in it
+        shape = static_shape(n)
+        if n not in params and shape and len(shape) >= 2 and shape[-1] > 1 and _numel(shape[:-1]) == num_tokens \
+                and _is_float(n):
+            out.add(n)
+    return out
+
+
+_ALLOCATIONS = frozenset({"zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty", "full", "full_like",
+                          "new_full", "ones", "ones_like", "new_ones"})
+
+
+def _expert_like(params: ParamTable, n: fx.Node, num_experts: int, family_keys: set[str]) -> bool:
+    shape = static_shape(n) or ()
+    if len(shape) == 3 and shape[0] == num_experts:
+        return True
+    return in_family(params.path[n], num_experts, family_keys)
+
+
+def _weighs_only(index: GraphIndex, p: fx.Node, nodes: set[fx.Node], cls: ExpertParams, routed: set[fx.Node],
+                 slots: int) -> bool:
+    """Whether parameter ``p`` reaches the experts' values only through routing weights: values
+    made from the routing decision (in ``routed``), one per (token, slot) ([T*K], [T, K], a loop's
+    [n, 1] rows of them).  It scales or shifts the weights, which the op reads as computed."""
+    experts = [n for r in cls.weight_roles + cls.bias_roles for n in r.nodes]
+    merged = index.descendants(experts)
+    before = (index.descendants([p]) & nodes) - merged
+    crossings = [d for d in before if any(u in merged for u in index.rdeps[d] if u in nodes)]
+
+    def per_slot(d: fx.Node) -> bool:
+        t = tensor_meta(d)
+        one_per_row = t is not None and t.dim() >= 1 and isinstance(t.shape[-1], int) and t.shape[-1] == 1
+        return d in routed and _is_float(d) and (one_per_row or _numel(static_shape(d)) == slots)
+
+    return bool(crossings) and all(per_slot(d) for d in crossings)
 
 
 def _numel(shape: tuple[int, ...] | None) -> int:
@@ -357,29 +451,6 @@ def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:
     if names & {"index_add_", "index_add", "scatter_add_", "scatter_add", "index_put_"}:
         return "expert_loop"
     return "dense_masked"
-
-
-def _router_kind(index: GraphIndex, router: _Router, weights: list[RoutingWeights]) -> str:
-    """A label for the routing rule: score function, selection bias, group-limited top-k, and
-    what happens to the top-k scores on their way to the most likely routing weights."""
-    rnodes = router.nodes
-    if any(ops.is_sigmoid(n) for n in rnodes):
-        parts = ["sigmoid"]
-    elif any(ops.is_softmax(n) for n in rnodes):
-        parts = ["softmax"]
-    else:
-        parts = ["logits"]
-    if any(ops.is_add(n) and any(isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") for a in n.args)
-           for n in rnodes):
-        parts.append("bias")  # a selection bias (DeepSeek-V3's e_score_correction_bias)
-    if any(ops.is_topk(n) for n in rnodes):
-        parts.append("grouped")
-    path = index.ancestors([weights[0].node]) & index.descendants([router.topk]) if weights else set()
-    if parts[0] == "logits" and any(ops.is_softmax(n) for n in path):
-        parts[0] = "topk+softmax"
-    if any(ops.is_div(n) for n in path):
-        parts.append("renorm")
-    return "+".join(parts)
 
 
 def _label(params: ParamTable, state: list[fx.Node], anchor: fx.Node) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 import moe_compile.lowering as lowering
+from moe_compile.lowering.experts_ref import activation_error
 from moe_compile.passes.graph_index import fake_tensor, tensor_meta
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
@@ -52,10 +53,12 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                   ``hiermoe::experts_composite``, aten ops the inner compiler traces, fuses and
                   differentiates, where every matmul can be one grouped_mm) or "torch" (left as
                   the opaque ``hiermoe::experts``).
-                  "auto" is Triton when x is on CUDA and the triton package is installed, else torch.
+                  "auto" is Triton when x is on CUDA and the triton package is installed and the
+                  kernels compute the op's activation (not an ``expr:`` one), else torch.
       refuses     (ValueError, before anything changes) an unknown ``kernels`` value, and
-                  kernels="triton" when the kernels cannot run: triton missing, or x on CPU without
-                  TRITON_INTERPRET=1 in the environment from before triton was imported.
+                  kernels="triton" when the kernels cannot run: triton missing, x on CPU without
+                  TRITON_INTERPRET=1 in the environment from before triton was imported, or an
+                  activation they do not compute (``lowering.experts_ref.activation_error``).
 
     Pseudo-code::
 
@@ -77,13 +80,15 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
     for n in ops:
         x = n.args[0] if n.args else n.kwargs.get("x")
         device = _device_of(x) if isinstance(x, fx.Node) else None
-        if kernels == "torch":
+        activation = n.args[9] if len(n.args) > 9 else n.kwargs.get("activation")
+        unsupported = activation_error(activation) if isinstance(activation, str) else None
+        if kernels == "torch" or (kernels == "auto" and unsupported is not None):
             choices[n] = "torch"
         elif kernels == "auto":
             on_gpu = device is not None and device.type == "cuda" and lowering.triton_kernels_error(device) is None
             choices[n] = "triton" if on_gpu else "torch"
         else:
-            why = lowering.triton_kernels_error(device) if device is not None else None
+            why = unsupported or (lowering.triton_kernels_error(device) if device is not None else None)
             if why is not None:
                 raise ValueError(f"options kernels='triton' cannot lower {n.name}: {why}")
             choices[n] = "triton"

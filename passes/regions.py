@@ -49,6 +49,9 @@ class ExpertLayout:
     b_down: WeightRole | None = None
     activation: str = "silu"
     ffn_size: int = 0
+    # the graph nodes an ``expr:`` activation was read from (passes/activation_expr.py): account
+    # counts them as the activation; not part of what the layout is (equality, signature)
+    activation_nodes: frozenset[fx.Node] = field(default=frozenset(), compare=False, repr=False)
 
     @property
     def gated(self) -> bool:
@@ -115,6 +118,12 @@ class MoERegion:
     weights: tuple[RoutingWeights, ...]
     # set when the model already calls hiermoe::experts (transformers experts_implementation="hiermoe")
     existing_op: fx.Node | None = None
+    # the [.., K] ids the experts read when the router masks the anchor's ids first (Zaya sends its
+    # skip expert's slots to expert 0 with weight 0); None: the anchor's own
+    ids: fx.Node | None = None
+    # classes the router chooses among: E, or more where some are no expert (Zaya's skip class);
+    # verification's synthetic routings draw ids from all of them
+    num_scored: int = 0
 
 
 @dataclass(frozen=True)

@@ -166,11 +166,11 @@ def boundary_of(index: GraphIndex, params: ParamTable, region: MoERegion, cand: 
 
 def kept_nodes(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
                weights: RoutingWeights) -> set[fx.Node]:
-    """Region nodes the replacement keeps as they are: those computing the routing weights it reads."""
-    if weights.node not in cand.nodes:
-        return set()
+    """Region nodes the replacement keeps as they are: those computing the routing weights and the
+    (masked) ids it reads."""
     inner = {n for n in cand.nodes if n not in params}
-    return index.ancestors([weights.node], stop=set(boundary_of(index, params, region, cand))) & inner
+    kept = [n for n in (weights.node, region.ids) if n is not None and n in cand.nodes]
+    return index.ancestors(kept, stop=set(boundary_of(index, params, region, cand))) & inner if kept else set()
 
 
 def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
@@ -184,8 +184,8 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     # [T, E, C] weights: there the op's gradient is 0 at the (token, expert) pairs no slot
     # reads, where the layer's may not be; the mask in front of them zeroes it further back.)
     at_weights = bool(keep) and weights.kind == "topk"
-    original = _subgraph(boundary, inner, lambda g, m: (m(cand.node), *([m(weights.node)] if at_weights else [])))
-    replacement = _subgraph(boundary, index.ordered(keep), lambda g, m: (
+    original = _subgraph(index.gm, boundary, inner, lambda g, m: (m(cand.node), *([m(weights.node)] if at_weights else [])))
+    replacement = _subgraph(index.gm, boundary, index.ordered(keep), lambda g, m: (
         emit_expert_op(g, region, layout, weights, cand.node, m)[1], *([m(weights.node)] if at_weights else [])))
     via_weights = _through_weights(index, params, region, boundary, set(inner), keep, weights) if at_weights \
         else [False] * len(boundary)
@@ -230,9 +230,10 @@ def _through_weights(index: GraphIndex, params: ParamTable, region: MoERegion, b
     return out
 
 
-def _subgraph(boundary: list[fx.Node], inner: list[fx.Node], make_out) -> fx.GraphModule:  # type: ignore[no-untyped-def]
+def _subgraph(root: fx.GraphModule, boundary: list[fx.Node], inner: list[fx.Node], make_out) -> fx.GraphModule:  # type: ignore[no-untyped-def]
     """A graph of ``inner`` over placeholders for ``boundary``; it returns ``make_out``'s tuple
-    (the output, and the routing weights when both graphs compute them)."""
+    (the output, and the routing weights when both graphs compute them).  ``root`` holds what
+    the nodes' get_attrs read (the bodies of an autograd.Function a router calls)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for b in boundary:
@@ -240,7 +241,7 @@ def _subgraph(boundary: list[fx.Node], inner: list[fx.Node], make_out) -> fx.Gra
     for n in inner:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(make_out(g, env.__getitem__)))
-    return fx.GraphModule(torch.nn.Module(), g)
+    return fx.GraphModule(root, g)
 
 
 def _synthetic_cases(index: GraphIndex, boundary: list[fx.Node], base: list[object],
@@ -248,18 +249,24 @@ def _synthetic_cases(index: GraphIndex, boundary: list[fx.Node], base: list[obje
     if region.topk not in boundary:
         return []
     i = boundary.index(region.topk)
-    topk_value = base[i]  # topk's (values, indices)
-    assert isinstance(topk_value, tuple)
-    vals: torch.Tensor = topk_value[0]
-    idx: torch.Tensor = topk_value[1]
-    e, k = region.num_experts, region.top_k
-    gen = torch.Generator().manual_seed(0)
-    w = torch.rand(idx.shape, generator=gen).to(device=vals.device, dtype=vals.dtype)
-    w = w.sort(dim=-1, descending=True).values
-    flat = torch.arange(idx.numel(), device=idx.device)
+    anchor_value = base[i]  # topk's (values, indices), or the [.., K] ids of another anchor
+    # ids over every class the router scores (Zaya's skip class too: the layer masks it, the op
+    # must read the masked ids), K distinct per token as a router picks them
+    e, k = max(region.num_experts, region.num_scored), region.top_k
+    flat_idx = anchor_value[1] if isinstance(anchor_value, tuple) else anchor_value
+    assert isinstance(flat_idx, torch.Tensor)
+    flat = torch.arange(flat_idx.numel(), device=flat_idx.device)
     # token t takes experts tK..tK+K-1 (mod E): distinct per row, every expert used
-    balanced = (w.clone(), flat.remainder(e).view(idx.shape).to(idx.dtype))
-    skewed = (w.clone(), (flat % k).view(idx.shape).to(idx.dtype))
+    balanced_idx = flat.remainder(e).view(flat_idx.shape).to(flat_idx.dtype)
+    skewed_idx = (flat % k).view(flat_idx.shape).to(flat_idx.dtype)
+    balanced: object = balanced_idx
+    skewed: object = skewed_idx
+    if isinstance(anchor_value, tuple):
+        vals: torch.Tensor = anchor_value[0]
+        gen = torch.Generator().manual_seed(0)
+        w = torch.rand(flat_idx.shape, generator=gen).to(device=vals.device, dtype=vals.dtype)
+        w = w.sort(dim=-1, descending=True).values
+        balanced, skewed = (w.clone(), balanced_idx), (w.clone(), skewed_idx)
     token_root = index.value_root(region.tokens)
     large = [_scaled(v, LARGE_SCALE) if index.value_root(b) is token_root else v for b, v in zip(boundary, base)]
     out = []
@@ -279,12 +286,22 @@ def _fresh(vals: list[object]) -> list[object]:
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to the larger magnitude; inf on a shape mismatch."""
+    """max |a - b| relative to the larger magnitude over the finite entries; inf on a shape
+    mismatch or where the non-finite entries differ (a NaN in the user's batch makes its token's
+    output NaN in both graphs: they agree when NaN and inf sit at the same places)."""
     if a.shape != b.shape:
         return float("inf")
     if not a.numel():
         return 0.0
     a64, b64 = a.detach().double(), b.detach().double()
+    fin_a, fin_b = torch.isfinite(a64), torch.isfinite(b64)
+    if not (bool(fin_a.all()) and bool(fin_b.all())):
+        same = (fin_a == fin_b) & (fin_a | (a64 == b64) | (a64.isnan() & b64.isnan()))
+        if not bool(same.all()):
+            return float("inf")
+        a64, b64 = a64[fin_a], b64[fin_b]
+        if not a64.numel():
+            return 0.0
     diff = (a64 - b64).abs().max().item()
     scale = max(a64.abs().max().item(), b64.abs().max().item(), 1e-30)
     return 0.0 if diff == 0 else diff / scale

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu")
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
+
+
+class ReLUSquared(nn.Module):
+    """relu(x)^2 (Primer; transformers' ``ACT2FN["relu2"]``, NemotronH's experts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))
 
 
 def get_activation(name: str) -> nn.Module:
@@ -26,6 +33,8 @@ def get_activation(name: str) -> nn.Module:
         return nn.GELU(approximate="tanh")
     if name == "relu":
         return nn.ReLU()
+    if name == "relu2":
+        return ReLUSquared()
     raise ValueError(f"unknown activation {name!r}; use one of {ACTIVATIONS}")
 
 
@@ -39,6 +48,8 @@ def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda t: F.gelu(t, approximate="tanh")
     if name == "relu":
         return F.relu
+    if name == "relu2":
+        return lambda t: torch.square(F.relu(t))
     raise ValueError(f"unknown activation {name!r}; use one of {ACTIVATIONS}")
 
 

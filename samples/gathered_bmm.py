@@ -6,7 +6,8 @@ no offsets: memory grows with S * F * H, which is why transformers uses it for s
 The combine is a deterministic ``view(T, K, H).sum(1)``.
 
 The router here is "top-k on the logits, then softmax over the K chosen" (Mixtral's reference code,
-MegaBlocks), which equals softmax -> top-k -> renormalize.
+MegaBlocks), which equals softmax -> top-k -> renormalize; or softmax -> top-k; or softmax and the
+first K of a descending sort (a top-k written without ``torch.topk``).
 
 Shape legend: T tokens, H hidden, F ffn, E experts, K top-k, S = T*K routed rows.
 """
@@ -44,8 +45,8 @@ class GatheredBmmMoE(nn.Module):
     ) -> None:
         super().__init__()
         check_top_k(num_experts, top_k)
-        if router not in ("topk+softmax", "softmax"):
-            raise ValueError(f"router must be 'topk+softmax' or 'softmax', got {router!r}")
+        if router not in ("topk+softmax", "softmax", "softmax+sort"):
+            raise ValueError(f"router must be 'topk+softmax', 'softmax' or 'softmax+sort', got {router!r}")
         self.hidden_dim, self.intermediate_dim = hidden_size, ffn_size
         self.num_experts, self.num_experts_per_tok = num_experts, top_k
         self.has_gate, self.has_bias, self.router_kind = gated, bias, router
@@ -77,6 +78,11 @@ class GatheredBmmMoE(nn.Module):
         if self.router_kind == "topk+softmax":
             top_k_logits, top_k_index = torch.topk(router_logits, self.num_experts_per_tok, dim=-1)
             top_k_weights = F.softmax(top_k_logits, dim=-1, dtype=torch.float).to(hidden_states.dtype)
+        elif self.router_kind == "softmax+sort":  # top-k as the head of a descending sort
+            probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            top_k_weights = sorted_probs[:, : self.num_experts_per_tok].to(hidden_states.dtype)
+            top_k_index = order[:, : self.num_experts_per_tok]
         else:
             probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
             top_k_weights, top_k_index = torch.topk(probs, self.num_experts_per_tok, dim=-1)

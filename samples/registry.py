@@ -7,6 +7,7 @@ Router labels (``SampleSpec.router``):
   "sigmoid"               sigmoid scores, top-k, scores are the weights
   "sigmoid+renorm"        sigmoid, top-k, weights divided by their sum
   "sigmoid+bias+grouped"  DeepSeek-V3: sigmoid, selection bias, group-limited top-k, renorm
+  "...+argmax", "...+sort" the top-k written without torch.topk: K masked argmaxes, a sort's head
 ``route_scale`` multiplies the weights after the router rule (1.0 when there is none).
 """
 
@@ -24,8 +25,12 @@ from .deepseek_v3 import DeepseekV3MoE
 from .dense_masked import DenseMaskedMoE
 from .expert_loop import MixtralSparseMoeBlock
 from .gathered_bmm import GatheredBmmMoE
+from .gpt_oss import GptOssMoE
 from .grouped_gemm import GroupedGemmMoE
+from .normed_router import NormedRouterMoE
 from .qwen3 import Qwen3MoeSparseMoeBlock
+from .sequential_mlp import SequentialMLPMoE
+from .sparsemixer import SparseMixerMoE
 from .switch_einsum import SwitchEinsumMoE
 
 # Arguments whose value IS the expected metadata of the same name.
@@ -65,6 +70,8 @@ class SampleSpec:
     def expected(self, **overrides: Any) -> dict[str, Any]:
         args = self._merged(overrides)
         meta = {k: args[k] for k in _META_KEYS if k in args}
+        if "activation" in meta:
+            meta["activation"] = EXPRESSIONS.get(meta["activation"], meta["activation"])
         meta.update(self.fixed)
         meta.update(
             router=self.router(args) if callable(self.router) else self.router,
@@ -98,11 +105,20 @@ def _capacity_router(args: Mapping[str, Any]) -> str:
     return "softmax" if args["top_k"] == 1 else "softmax+renorm"
 
 
+def _normed_router(args: Mapping[str, Any]) -> str:
+    return "softmax+renorm" if args["router"] == "norm" else "softmax"
+
+
 def _grouped_router(args: Mapping[str, Any]) -> str:
     return args["score_func"] + ("+renorm" if args["norm_topk_prob"] else "")
 
 
 _H, _F, _E = 32, 48, 8
+
+# what the finder reads off the samples whose activation is an expression (lowering/activation.py)
+GPT_OSS_ACTIVATION = ("expr:mul(add(clamp(u,-7.0,7.0),1.0),mul(clamp(g,None,7.0),"
+                      "sigmoid(mul(clamp(g,None,7.0),1.702))))")
+EXPRESSIONS = {"relu2": "expr:square(relu(u))"}
 
 
 def _spec(
@@ -235,6 +251,47 @@ SAMPLES: dict[str, SampleSpec] = {
             n_shared_experts=1,
             activation="silu",
             fixed={"gated": True, "bias": False},
+        ),
+        _spec(
+            "gpt_oss",
+            GptOssMoE,
+            "topk+softmax",
+            "expert_loop",
+            "gate_up_proj [E,H,2F] ([in, out], gate/up interleaved) + bias, down_proj [E,F,H] + bias; range(E) loop",
+            fixed={"gated": True, "bias": True, "activation": GPT_OSS_ACTIVATION},
+        ),
+        _spec(
+            "sparsemixer",
+            SparseMixerMoE,
+            "topk+softmax+argmax",
+            "expert_loop",
+            "w1/w3 [E,F,H], w2 [E,H,F]; top-k as K masked argmaxes (PhiMoE), range(E) loop",
+            activation="silu",
+            jitter_eps=0.5,  # wide enough that each weight is a softmax over several experts
+            fixed={"gated": True, "bias": False},
+        ),
+        _spec(
+            "normed_router",
+            NormedRouterMoE,
+            _normed_router,
+            "expert_loop",
+            "gate_up [E,2F,H], down [E,H,F]; the router's own norm + scale (or latent MLP) before the logits, "
+            "per-expert weight scale; experts read their own normed tokens",
+            activation="gelu_tanh",
+            router="norm",
+            extra_rows=0,
+            fixed={"gated": True, "bias": False},
+        ),
+        _spec(
+            "sequential_mlp",
+            SequentialMLPMoE,
+            "topk+softmax",
+            "expert_loop",
+            "ModuleList of linear_fc1 [2F,H] / linear_fc2 [H,F] (Megatron); rows cut by counts.tolist()",
+            activation="silu",
+            gated=True,
+            style="split",
+            fixed={"bias": False},
         ),
         _spec(
             "qwen3",

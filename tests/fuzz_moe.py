@@ -1,10 +1,13 @@
 """A configurable MoE layer for the fuzz tests: the idioms, storages, routers, activations and
 the modifications a model may add to its experts, chosen by a ``FuzzConfig``.
 
-``EXTRAS_ON_EXPERTS`` are modifications the expert op does not compute (a clamped gate as in
-GPT-OSS, an offset, a scale, another nonlinearity): a layer with one must be left as written,
-with the op named in the reason.  The others ("none", and a threshold on the routing weights,
-which the rewrite keeps as it is when it reads the thresholded weights) may be rewritten.
+``EXTRAS_ON_EXPERTS`` are modifications the expert op does not compute (a scale, a clamp or
+another nonlinearity after the down projection): a layer with one must be left as written,
+with the op named in the reason.  ``EXTRAS_IN_ACTIVATION`` (a clamped gate or up as in GPT-OSS,
+an offset, a second nonlinearity between the projections) the op computes as an ``expr:``
+activation: such a layer must be rewritten, with that expression (``computed_by_op``).  The
+others ("none", and a threshold on the routing weights, which the rewrite keeps as it is when it
+reads the thresholded weights) may be rewritten.
 """
 
 from __future__ import annotations
@@ -20,12 +23,20 @@ IDIOMS = ("loop", "gathered", "dense")
 STORAGES = ("stacked", "stacked_t", "fused", "modules")
 ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-EXTRAS_ON_EXPERTS = ("clamp_gate", "clamp_up", "up_plus_one", "scale_out", "tanh_out", "relu_after")
-EXTRAS = ("none", "weight_threshold", *EXTRAS_ON_EXPERTS)
+EXTRAS_IN_ACTIVATION = ("clamp_gate", "clamp_up", "up_plus_one", "relu_after")
+EXTRAS_ON_EXPERTS = ("scale_out", "tanh_out", "clamp_out")
+EXTRAS = ("none", "weight_threshold", *EXTRAS_IN_ACTIVATION, *EXTRAS_ON_EXPERTS)
 # the clamp limit: above every pre-activation of the compile batch (tokens of std COMPILE_STD)
 LIMIT = 2.0
 COMPILE_STD = 0.05
 LARGE_STD = 30.0
+
+
+def computed_by_op(cfg: FuzzConfig) -> bool:
+    """Whether the expert op computes ``cfg.extra`` (as an ``expr:`` activation): the extras
+    between the projections, except relu6 (``relu_after`` on a relu), which is not in the
+    expressions' grammar."""
+    return cfg.extra in EXTRAS_IN_ACTIVATION and not (cfg.extra == "relu_after" and cfg.activation == "relu")
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,8 @@ class FuzzMoE(nn.Module):
             y = y * 1.5
         if cfg.extra == "tanh_out":
             y = torch.tanh(y)
+        if cfg.extra == "clamp_out":
+            y = y.clamp(max=LIMIT)
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

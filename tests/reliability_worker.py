@@ -46,10 +46,10 @@ def case_unlucky() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in PARAMS["kinds"]:
         torch._dynamo.reset()
-        if kind == "diverge":  # one rank's experts clamp their gate: it alone cannot rewrite the layer
+        if kind == "diverge":  # one rank's experts clamp their output: it alone cannot rewrite the layer
             from fuzz_moe import FuzzConfig, make
 
-            extra = "clamp_gate" if rank == PARAMS["diverge_rank"] else "none"
+            extra = "clamp_out" if rank == PARAMS["diverge_rank"] else "none"
             model = make(FuzzConfig("loop", "stacked", "softmax_renorm", False, 1.0, "silu", True, False, extra,
                                     8, 2, 32, 16))
             hidden = 32

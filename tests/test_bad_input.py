@@ -24,8 +24,9 @@ def test_model_without_moe_compiles_unchanged() -> None:
 
 
 class ClampedGLU(nn.Module):
-    """An MoE whose experts use a clamped gate (like GPT-OSS): not an activation the op has, so
-    no interpretation accounts for the clamp and the layer must stay as written."""
+    """An MoE whose experts clamp their outputs: not something the op computes (a clamped gate,
+    as in GPT-OSS, it would compute as an ``expr:`` activation), so no interpretation accounts
+    for the clamp and the layer must stay as written."""
 
     def __init__(self, h: int = 16, f: int = 24, e: int = 4) -> None:
         super().__init__()
@@ -36,9 +37,9 @@ class ClampedGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = torch.topk(self.router(x).softmax(-1), 2)
-        g = torch.einsum("tkfh,th->tkf", self.w_gate[idx], x).clamp(max=0.5)
+        g = torch.einsum("tkfh,th->tkf", self.w_gate[idx], x)
         u = torch.einsum("tkfh,th->tkf", self.w_up[idx], x)
-        y = torch.einsum("tkhf,tkf->tkh", self.w_down[idx], F.silu(g) * u)
+        y = torch.einsum("tkhf,tkf->tkh", self.w_down[idx], F.silu(g) * u).clamp(max=0.5)
         return (y * w.unsqueeze(-1)).sum(1)
 
 

@@ -13,6 +13,13 @@ CASES = [(name, {}) for name in SAMPLES] + [
     ("grouped_gemm", {"gated": False, "bias": True, "activation": "gelu"}),
     ("grouped_gemm", {"hidden_size": 30, "ffn_size": 22}),
     ("gathered_bmm", {"gated": False, "activation": "relu"}),
+    ("gathered_bmm", {"gated": False, "activation": "relu2"}),  # NemotronH's experts: an expr: activation
+    ("gathered_bmm", {"router": "softmax+sort"}),  # top-k as the head of a sort
+    ("sparsemixer", {"top_k": 3}),
+    ("normed_router", {"router": "latent", "extra_rows": 1}),  # a latent router MLP; unrouted score rows
+    ("sequential_mlp", {"style": "tolist", "gated": False, "activation": "gelu"}),  # slices by counts.tolist()
+    ("sequential_mlp", {"style": "int"}),  # n = int(counts[e]) per expert
+    ("grouped_gemm", {"gated": False, "bias": True, "activation": "relu2"}),
     ("expert_loop", {"gated": False, "bias": True, "activation": "relu"}),
     ("expert_loop", {"top_k": 8}),  # K == E
     ("dense_masked", {"gated": True, "norm_topk_prob": True, "activation": "silu"}),
@@ -65,7 +72,7 @@ def test_capacity_layer_keeps_its_drops() -> None:
     assert cmp.report.regions[0].pattern == "einsum_capacity"
 
 
-@pytest.mark.parametrize("name", ["expert_loop", "grouped_gemm", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["expert_loop", "grouped_gemm", "deepseek_v3", "sequential_mlp"])
 def test_dynamic_shapes_compile_once_and_stay_correct(name: str) -> None:
     """With dynamic=True the rewrite must not specialize the token count: one graph serves
     several batch shapes, and each result equals eager."""

@@ -89,3 +89,4 @@ def test_backend_works_without_importing_moe_compile() -> None:
 def test_importing_registers_backend() -> None:
     assert "hiermoe" in torch._dynamo.list_backends()
     assert torch._dynamo.config.capture_dynamic_output_shape_ops
+    assert torch._dynamo.config.capture_scalar_outputs

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
 from moe_compile.samples import SAMPLES, example_input
 
@@ -129,3 +130,47 @@ def test_every_sample_is_found_with_its_fields() -> None:
         assert (r.num_experts, r.top_k, r.hidden_size) == (spec.num_experts, spec.top_k, spec.hidden_size), name
         assert any(lay.ffn_size == spec.ffn_size and lay.activation == spec.activation for lay in r.layouts), name
         assert r.name.endswith("(compiled module)"), r.name
+
+
+class ArgmaxRouted(nn.Module):
+    """Top-2 without torch.topk: argmax, mask the winner, argmax again (PhiMoE's sparsemixer),
+    and a third argmax of the scores that only feeds a confidence mask on the weights."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).softmax(-1)
+        first = probs.argmax(-1, keepdim=True)
+        second = probs.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]
+        idx = torch.cat([first, second], dim=-1)
+        w = probs.gather(-1, idx) * (probs.argmax(-1, keepdim=True) >= 0)  # an argmax that picks no expert
+        h = torch.einsum("tkfh,th->tkf", self.w_up[idx], x)
+        y = torch.einsum("tkhf,tkf->tkh", self.w_down[idx], F.relu(h))
+        return (y * w.unsqueeze(-1)).sum(1)
+
+
+def test_topk_written_as_argmaxes_is_one_layer() -> None:
+    found = find(ArgmaxRouted(), torch.randn(7, 16))
+    assert len(found.regions) == 1 and not found.skipped, found.skipped
+    r = found.regions[0]
+    assert (r.num_experts, r.top_k) == (4, 2) and r.router == "softmax+argmax"
+    assert ops.op_name(r.topk) == "cat"
+
+
+def test_argmax_without_a_router_is_not_a_layer() -> None:
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(-1, x.argmax(-1, keepdim=True))  # an argmax of activations: no router, no report
+
+    found = find(pick, torch.randn(5, 16))
+    assert found.regions == [] and found.skipped == []
+
+
+def test_topk_written_as_a_sort_is_found() -> None:
+    spec = SAMPLES["gathered_bmm"]
+    found = find(spec.make(router="softmax+sort"), example_input(spec))
+    assert len(found.regions) == 1, found.skipped
+    assert found.regions[0].top_k == 2 and found.regions[0].router.endswith("+sort")

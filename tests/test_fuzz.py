@@ -1,9 +1,11 @@
 """Fuzz: random MoE layers (tests/fuzz_moe.py: idioms, storages, routers, activations, biases,
-E, K, dtypes, and modifications of the experts the op does not compute), compiled on a batch of
-small values and compared with eager forward and backward on a batch far outside that range.
+E, K, dtypes, and modifications of the experts), compiled on a batch of small values and
+compared with eager forward and backward on a batch far outside that range.
 
-A layer with a modification on its experts (a clamp, an offset, a scale, another nonlinearity)
-must be left as written, the op named in the reason; a plain layer must be rewritten.  On 4
+A layer with a modification the op does not compute (a scale, a clamp or a tanh after the down
+projection) must be left as written, the op named in the reason; one between the projections (a
+clamp, an offset, another nonlinearity: GPT-OSS's kind) must be rewritten with an ``expr:``
+activation, and a plain layer rewritten.  On 4
 ranks, per-rank batch sizes (one of 0 tokens) and a NaN on one rank's first batch: no hang, the
 same rewrite on every rank, equality with eager on the clean batches.
 
@@ -22,12 +24,12 @@ from fuzz_moe import (
     ACTIVATIONS,
     COMPILE_STD,
     EXTRAS,
-    EXTRAS_ON_EXPERTS,
     IDIOMS,
     LARGE_STD,
     ROUTERS,
     STORAGES,
     FuzzConfig,
+    computed_by_op,
     make,
 )
 from hypothesis import given, settings
@@ -37,8 +39,7 @@ from moe_compile.backend import collect_reports
 
 TOL = {"float32": 1e-5, "bfloat16": 3e-2}
 # the op each modification adds, as the reason names it
-NAMED = {"clamp_gate": "`clamp`", "clamp_up": "`clamp`", "up_plus_one": "`add`", "scale_out": "`mul`",
-         "tanh_out": "`tanh`", "relu_after": "`relu"}
+NAMED = {"scale_out": "`mul`", "tanh_out": "`tanh`", "clamp_out": "`clamp`", "relu_after": "`relu6`"}
 
 
 @st.composite
@@ -47,12 +48,18 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
     idiom = draw(st.sampled_from(IDIOMS))
     storage = draw(st.sampled_from(STORAGES if idiom != "gathered" else STORAGES[:3]))
     e = draw(st.sampled_from(num_experts))
+    extra = draw(st.sampled_from(extras))
+    # a clamp the op computes, in bf16: a pre-activation one bf16 ulp (1/128 at the limit 2) from
+    # the limit is on either side of it depending on the matmul's summation order, and the clamp's
+    # derivative there is 0 or 1; the op and eager sum in different orders, so such layers are
+    # compared in fp32 (bf16 is fuzzed on every other modification)
+    clamps = extra in ("clamp_gate", "clamp_up")
     return FuzzConfig(
         idiom=idiom, storage=storage, router=draw(st.sampled_from(ROUTERS)), router_bias=draw(st.booleans()),
         route_scale=draw(st.sampled_from([1.0, 2.5])), activation=draw(st.sampled_from(ACTIVATIONS)),
-        gated=draw(st.booleans()), bias=draw(st.booleans()), extra=draw(st.sampled_from(extras)),
+        gated=draw(st.booleans()), bias=draw(st.booleans()), extra=extra,
         num_experts=e, top_k=draw(st.integers(1, min(3, e))), hidden=draw(st.sampled_from([8, 16])),
-        ffn=draw(st.sampled_from([8, 12])), dtype=draw(st.sampled_from(dtypes)))
+        ffn=draw(st.sampled_from([8, 12])), dtype=draw(st.sampled_from(dtypes[:1] if clamps else dtypes)))
 
 
 @given(cfg=configs(), batch=st.integers(1, 2), seq=st.integers(1, 6))
@@ -69,7 +76,10 @@ def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch:
         compiled(x_small)
     regions = [r for g in graphs for r in g.regions]
     reasons = " | ".join(s.reason for g in graphs for s in g.skipped)
-    if cfg.extra in EXTRAS_ON_EXPERTS:
+    if computed_by_op(cfg):
+        assert len(regions) == 1 and regions[0].activation.startswith("expr:"), \
+            f"{cfg} on [{batch}, {seq}] tokens: not rewritten with an expression activation: {reasons}"
+    elif cfg.extra in NAMED:
         assert not regions, f"{cfg}: rewritten although the op does not compute {cfg.extra}"
         assert NAMED[cfg.extra] in reasons, f"{cfg}: the reason does not name the op: {reasons}"
     elif cfg.extra == "none":
@@ -84,7 +94,14 @@ def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch:
         outs.append(y.detach())
     tol = TOL[cfg.dtype]
     assert rel_err(outs[0], outs[1]) <= tol, f"{cfg}: outputs differ by {rel_err(outs[0], outs[1]):.2e}"
+    # top-1 with weights renormalized over the K chosen: every weight is route_scale whatever the
+    # router says, so the router's gradient is exactly 0 and both sides hold only the cancellation
+    # noise of (g y / w - g y w / w^2), of the size of the expert outputs' rounding (their scale is
+    # huge on the std-30 batch); there is nothing to compare
+    constant_weights = cfg.top_k == 1 and cfg.router != "softmax"
     for name, a, b in zip(["input", *(n for n, _ in model.named_parameters())], *grads, strict=True):
+        if constant_weights and name.startswith("router."):
+            continue
         assert rel_err(a, b) <= tol, f"{cfg}: gradient of {name} differs by {rel_err(a, b):.2e}"
 
 

@@ -2,7 +2,8 @@
 
 Exactness: a rewrite never changes what the model computes, also on values far outside the
 compile batch (an op the expert op does not compute leaves the layer alone, named in the reason;
-numerical verification runs on sample values of a wide range, not on the batch).
+one it computes as an ``expr:`` activation is kept in the rewrite; numerical verification runs
+on sample values of a wide range, not on the batch).
 Agreement: every rank rewrites the same layers the same way, whatever its first batch holds.
 Bounded failures: a rank that dies or hangs makes every other rank raise within the process
 group timeout, naming the layer and the collective.
@@ -32,9 +33,11 @@ TOL = 1e-5
 
 
 class LoopMoE(nn.Module):
-    """A per-expert loop over stacked weights with one modification of the gated experts the op
-    does not compute (``extra``), or none; clamps at ``limit``, which the compile batch never
-    reaches (the GPT-OSS case: the clamp is inactive on the batch the layer is compiled on)."""
+    """A per-expert loop over stacked weights with one modification of the gated experts
+    (``extra``), or none; clamps at ``limit``, which the compile batch never reaches (the GPT-OSS
+    case: the clamp is inactive on the batch the layer is compiled on).  Between the projections
+    (clamp, relu_gate, offset) the op computes it as an ``expr:`` activation; after the down
+    projection (scale, clamp_out) it does not."""
 
     def __init__(self, extra: str = "none", h: int = 16, f: int = 32, e: int = 4, k: int = 2,
                  limit: float = 7.0) -> None:
@@ -63,6 +66,8 @@ class LoopMoE(nn.Module):
             y = (F.silu(g) * u) @ self.w_down[e].T
             if self.extra == "scale":
                 y = y * 0.5
+            if self.extra == "clamp_out":
+                y = y.clamp(max=self.limit)
             out.index_add_(0, tok, y * w[tok, slot, None])
         return out
 
@@ -87,37 +92,47 @@ def _compile_then_compare(model: nn.Module, compile_x: torch.Tensor, x: torch.Te
     return [r for g in graphs for r in g.regions], [s.reason for g in graphs for s in g.skipped], max(errs)
 
 
-@pytest.mark.parametrize("extra,named", [("clamp", "`clamp` at test_reliability.py:"),
-                                         ("relu_gate", "the experts also apply relu"),
-                                         ("offset", "adds a constant"), ("scale", "scales the expert values by 0.5")])
+def _batches(extra: str) -> tuple[LoopMoE, torch.Tensor, torch.Tensor]:
+    """The layer, a compile batch on which ``extra`` changes nothing, and a batch 100x larger."""
+    gen = torch.Generator().manual_seed(0)
+    small = torch.randn(8, 16, generator=gen) * 0.1
+    model = LoopMoE(extra)
+    if extra == "relu_gate":  # a batch on which every gate pre-activation is positive: relu is identity
+        small = small.abs()
+        with torch.no_grad():
+            model.w_gate.abs_()
+    return model, small, torch.randn(8, 16, generator=gen) * 100
+
+
+@pytest.mark.parametrize("extra,named", [("scale", "scales the expert values by 0.5"),
+                                         ("clamp_out", "`clamp` at test_reliability.py:")])
 def test_inactive_modification_on_the_compile_batch_is_not_rewritten(extra: str, named: str) -> None:
     """Defect: a clamp the compile batch never reaches was "verified", and larger batches got
     outputs and gradients wrong by orders of magnitude. Now every op the rewrite would remove
     must be one the expert op computes: the layer is left alone, the op and its line named, and
     compiled equals eager on a batch 100x larger."""
-    gen = torch.Generator().manual_seed(0)
-    small = torch.randn(8, 16, generator=gen) * 0.1
-    if extra == "relu_gate":  # a batch on which every gate pre-activation is positive: relu is identity
-        small = small.abs()
-        model = LoopMoE(extra)
-        with torch.no_grad():
-            model.w_gate.abs_()
-    else:
-        model = LoopMoE(extra)
-    large = torch.randn(8, 16, generator=gen) * 100
-    regions, reasons, err = _compile_then_compare(model, small, large)
+    regions, reasons, err = _compile_then_compare(*_batches(extra))
     assert regions == [], f"{extra}: rewritten although the op does not compute it"
     assert any(named in r for r in reasons), reasons
     assert err <= TOL
 
 
+@pytest.mark.parametrize("extra,expression", [("clamp", "silu(clamp(g,None,7.0))"), ("relu_gate", "silu(relu(g))"),
+                                              ("offset", "add(u,1.0)")])
+def test_inactive_modification_the_op_computes_is_kept_in_the_rewrite(extra: str, expression: str) -> None:
+    """The same modifications between the projections (GPT-OSS's clamped gate): the op computes
+    them as an ``expr:`` activation read off the graph, so the rewrite keeps them, and compiled
+    equals eager on the batch 100x larger, where they act."""
+    regions, reasons, err = _compile_then_compare(*_batches(extra))
+    assert len(regions) == 1 and expression in regions[0].activation, (reasons, regions)
+    assert err <= TOL
+
+
 def test_numerical_verification_alone_catches_an_inactive_clamp(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second line: with the op accounting switched off, verification's "large values" case
-    (sample tokens x16, not the compile batch) still sees the clamp."""
+    (sample tokens x16, not the compile batch) still sees the clamp on the experts' outputs."""
     monkeypatch.setattr(canonicalize, "unexplained_op", lambda *a, **k: None)
-    gen = torch.Generator().manual_seed(0)
-    regions, reasons, err = _compile_then_compare(LoopMoE("clamp"), torch.randn(8, 16, generator=gen) * 0.1,
-                                                  torch.randn(8, 16, generator=gen) * 100)
+    regions, reasons, err = _compile_then_compare(*_batches("clamp_out"))
     assert regions == []
     assert any("large values: outputs differ" in r for r in reasons), reasons
     assert err <= TOL
@@ -157,7 +172,7 @@ def test_ranks_agree_on_nan_and_empty_first_batches() -> None:
     on one rank left its layer local while the others waited in expert-parallel collectives.
     Rank 1's first batch holds a NaN, rank 2's has 0 tokens: every rank rewrites the same layers,
     rank 2 taking the interpretation the others verified. And where one rank cannot rewrite a
-    layer (rank 3's experts clamp their gate in "diverge"), no rank does, the reason naming it."""
+    layer (rank 3's experts clamp their outputs in "diverge"), no rank does, the reason naming it."""
     kinds = ["grouped_gemm", "gathered_bmm", "expert_loop", "diverge"]
     results = run_ranks(4, "unlucky", timeout_s=300, worker="reliability_worker.py", shape=[2, 2], kinds=kinds,
                         nan_rank=1, empty_rank=2, diverge_rank=3)
@@ -202,5 +217,5 @@ def test_a_stopped_rank_makes_the_others_raise_within_the_timeout(how: str) -> N
 
 
 def test_explain_and_dumps_name_the_reason_for_left_alone_layers() -> None:
-    report = moe_compile.explain(LoopMoE("clamp"), torch.randn(8, 16), options={"inner_compiler": "aot_eager"})
+    report = moe_compile.explain(LoopMoE("clamp_out"), torch.randn(8, 16), options={"inner_compiler": "aot_eager"})
     assert "`clamp` at test_reliability.py:" in str(report)

@@ -30,7 +30,18 @@ ACT = {
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "relu": F.relu,
+    "expr:square(relu(u))": lambda t: F.relu(t) ** 2,
 }
+
+
+def _gpt_oss_glu(gate, up, alpha: float = 1.702, limit: float = 7.0):
+    """GPT-OSS's clamped SwiGLU, from the paper's formula: (clamp(u) + 1) * g sigmoid(alpha g), g <= limit."""
+    g = torch.minimum(gate, torch.tensor(limit))
+    return (torch.clamp(up, -limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+
+
+# gated activations the samples state as expressions: h from (gate, up)
+GATED = {SAMPLES["gpt_oss"].activation: _gpt_oss_glu}
 
 
 def _split(w, gated: bool):
@@ -63,9 +74,22 @@ def _expert(m, e: int, gated: bool) -> dict:
             b_up=m.bi[e] if bias else None,
             b_down=m.bo[e] if bias else None,
         )
+    if cls == "GptOssMoE":  # [in, out] storage, gate and up in alternating columns
+        w, b = m.gate_up_proj[e].T, m.gate_up_proj_bias[e]
+        return dict(gate=w[0::2], up=w[1::2], down=m.down_proj[e].T, b_gate=b[0::2], b_up=b[1::2],
+                    b_down=m.down_proj_bias[e])
+    if cls == "NormedRouterMoE":
+        gate, up = _split(m.gate_up_proj[e], True)
+        return dict(gate=gate, up=up, down=m.down_proj[e], b_gate=None, b_up=None, b_down=None)
+    if cls == "SparseMixerMoE":
+        return dict(gate=m.w1[e], up=m.w3[e], down=m.w2[e], b_gate=None, b_up=None, b_down=None)
     if cls == "DeepseekV3MoE":
         gate, up = _split(m.experts.gate_up_proj[e], True)
         return dict(gate=gate, up=up, down=m.experts.down_proj[e], b_gate=None, b_up=None, b_down=None)
+    if cls == "SequentialMLPMoE":
+        fc1, fc2 = m.local_experts[e].linear_fc1.weight, m.local_experts[e].linear_fc2.weight
+        gate, up = _split(fc1, gated)
+        return dict(gate=gate, up=up, down=fc2, b_gate=None, b_up=None, b_down=None)
     names = {
         "MixtralSparseMoeBlock": ("w1", "w3", "w2"),
         "DenseMaskedMoE": ("fc_gate", "fc1", "fc2"),
@@ -90,19 +114,41 @@ def _linear(x, w, b):
 
 
 def _ffn(x_H, p: dict, act: str):
-    if p["gate"] is not None:
+    if act in GATED:
+        h = GATED[act](_linear(x_H, p["gate"], p["b_gate"]), _linear(x_H, p["up"], p["b_up"]))
+    elif p["gate"] is not None:
         h = ACT[act](_linear(x_H, p["gate"], p["b_gate"])) * _linear(x_H, p["up"], p["b_up"])
     else:
         h = ACT[act](_linear(x_H, p["up"], p["b_up"]))
     return _linear(h, p["down"], p["b_down"])
 
 
-def _router_weight(m):
+def _rms(v):
+    return v / torch.sqrt((v * v).mean() + 1e-6)
+
+
+def _router(m):
+    """(weight, bias or None) of the router's linear map."""
     for name in ("router", "gate", "wg"):
         sub = getattr(m, name, None)
         if sub is not None:
-            return sub.weight
+            return sub.weight, getattr(sub, "bias", None)
     raise AssertionError(type(m).__name__)
+
+
+def _sparsemixer_route(logits_E, k: int, eps: float) -> tuple[list[int], torch.Tensor]:
+    """PhiMoE's choice, one expert at a time: the best remaining score; its weight is a softmax
+    over the remaining scores within a relative 2 eps of it, read at it."""
+    chosen: list[int] = []
+    weights = []
+    for _ in range(k):
+        rest = [e for e in range(logits_E.numel()) if e not in chosen]
+        best = max(rest, key=lambda e: float(logits_E[e]))
+        top = logits_E[best].detach()
+        near = [e for e in rest if float((top - logits_E[e]) / torch.clamp(logits_E[e].abs(), min=top)) <= 2 * eps]
+        weights.append(torch.softmax(logits_E[near], 0)[near.index(best)])
+        chosen.append(best)
+    return chosen, torch.stack(weights)
 
 
 def _top(values, k: int) -> list[int]:
@@ -117,12 +163,16 @@ def _route_token(logits_E, meta: dict, spec_kwargs: dict, m) -> list[tuple[int, 
     if router == "topk+softmax":
         idx = _top(logits_E, k)
         w = torch.softmax(logits_E[idx], dim=0)
-    elif router in ("softmax", "softmax+renorm", "sigmoid", "sigmoid+renorm"):
+    elif router == "topk+softmax+argmax":
+        idx, w = _sparsemixer_route(logits_E, k, spec_kwargs["jitter_eps"])
+    elif router in ("softmax", "softmax+sort", "softmax+renorm", "sigmoid", "sigmoid+renorm"):
         scores = torch.softmax(logits_E, 0) if router.startswith("softmax") else torch.sigmoid(logits_E)
         idx = _top(scores, k)
         w = scores[idx]
         if router.endswith("+renorm"):
             w = w / w.sum()
+        if hasattr(m, "per_expert_scale") and m.latent is None:  # NormedRouterMoE's Gemma-4 router
+            w = w * m.per_expert_scale[idx]
     elif router == "sigmoid+bias+grouped":
         scores = torch.sigmoid(logits_E)
         choice = (scores + m.gate.e_score_correction_bias).detach()
@@ -148,8 +198,19 @@ def reference_forward(m, spec, x, overrides: dict) -> tuple[torch.Tensor, int]:
     meta = spec.expected(**overrides)
     kwargs = {**spec.kwargs, **overrides}
     x_TH = x.reshape(-1, x.shape[-1])
-    w_router = _router_weight(m)
-    routes = [_route_token(w_router @ x_TH[t], meta, kwargs, m) for t in range(x_TH.shape[0])]
+    normed = type(m).__name__ == "NormedRouterMoE"
+    if not normed:
+        w_router, b_router = _router(m)
+        logits = [w_router @ x_TH[t] + (0 if b_router is None else b_router) for t in range(x_TH.shape[0])]
+    else:  # the router's own input (norm and scale, or a latent GELU layer), its unrouted rows cut
+        w_router, num_e = m.proj.weight, meta["num_experts"]
+        if m.latent is None:
+            logits = [w_router @ (_rms(x_TH[t]) * m.router_scale * x_TH.shape[1] ** -0.5) for t in range(len(x_TH))]
+        else:
+            logits = [w_router @ F.gelu(m.latent.weight @ x_TH[t] + m.latent.bias) for t in range(len(x_TH))]
+        logits = [v[:num_e] for v in logits]
+        x_TH = torch.stack([_rms(x_TH[t]) * m.pre_norm for t in range(len(x_TH))])  # what the experts read
+    routes = [_route_token(logits[t], meta, kwargs, m) for t in range(x_TH.shape[0])]
 
     num_dropped = 0
     if meta["drops"]:
@@ -184,6 +245,8 @@ def reference_forward(m, spec, x, overrides: dict) -> tuple[torch.Tensor, int]:
             y = y + w * _ffn(x_TH[t], experts[e], meta["activation"])
         rows.append(y)
     out = torch.stack(rows)
+    if normed:
+        out = torch.stack([_rms(row) * m.post_norm for row in out])
     if meta["shared_ffn_size"]:
         s = m.shared_experts
         shared = dict(
@@ -222,6 +285,12 @@ CASES = [(name, {}) for name in SAMPLES] + [
     ("grouped_gemm", {"hidden_size": 30, "ffn_size": 22}),
     ("grouped_gemm_sigmoid", {"norm_topk_prob": True, "style": "hf"}),
     ("gathered_bmm", {"gated": False, "activation": "relu"}),
+    ("gathered_bmm", {"gated": False, "activation": "relu2"}),
+    ("gathered_bmm", {"router": "softmax+sort"}),
+    ("sparsemixer", {"top_k": 3}),
+    ("normed_router", {"router": "latent", "extra_rows": 1}),
+    ("sequential_mlp", {"style": "tolist", "gated": False, "activation": "gelu"}),
+    ("sequential_mlp", {"style": "int"}),
     ("expert_loop", {"gated": False, "bias": True, "activation": "relu"}),
     ("dense_masked", {"gated": True, "norm_topk_prob": True, "activation": "silu"}),
     ("switch_einsum", {"gated": True, "activation": "gelu_tanh"}),
@@ -264,7 +333,7 @@ def test_sample_traces_as_one_graph(name: str) -> None:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
         out = torch.compile(m, backend=count_backend)(x)
     torch._dynamo.reset()
     assert num_graphs == 1, f"{name}: graph breaks ({num_graphs} graphs)"
@@ -282,7 +351,7 @@ def test_grouped_gemm_bf16_traces_aten_grouped_mm() -> None:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
         torch.compile(m, backend=backend)(x)
         fp32_targets = list(targets)
         targets.clear()
