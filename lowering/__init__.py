@@ -26,6 +26,12 @@ else:
     from moe_compile.lowering import triton_experts  # registers hiermoe::experts_triton
 
 
+def triton_keep_blk(x: torch.Tensor, num_k: int, num_e: int) -> int:
+    """The re-index block of ``hiermoe::experts_triton_keep`` for tokens like ``x`` (a fake value
+    will do); for passes, which must not import Triton themselves."""
+    return triton_experts.keep_blk(x, num_k, num_e)
+
+
 def triton_kernels_error(device: torch.device) -> str | None:
     """Why ``hiermoe::experts_triton`` cannot run on ``device`` in this process (None: it can).
     For passes, which must not import Triton themselves."""
@@ -35,4 +41,4 @@ def triton_kernels_error(device: torch.device) -> str | None:
 
 
 __all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
-           "experts_flops", "experts_reference", "grouped_mm_ok", "triton_kernels_error"]
+           "experts_flops", "experts_reference", "grouped_mm_ok", "triton_keep_blk", "triton_kernels_error"]

@@ -43,20 +43,21 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from moe_compile.lowering.experts_ref import ACTIVATIONS
+from moe_compile.lowering.experts_ref import _GROUPED_MM_DTYPES, ACTIVATIONS
 from moe_compile.lowering.triton_esmm import KernelConfig, act_fwd, act_grad, esmm_tile, strides2, strides3
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex
 
 
 @triton.jit
 def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, b_up_ptr, b_gate_ptr, b_down_ptr,
-                        h_ptr, d_up_ptr, d_gate_ptr, dw_part_ptr, v_ptr, block_expert_ptr,
+                        keep_up_ptr, keep_gate_ptr, h_ptr, d_up_ptr, d_gate_ptr, dw_part_ptr, v_ptr, block_expert_ptr,
                         num_h, num_f, top_k,
                         s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h, s_down_e, s_down_h, s_down_f,
                         s_bup_e, s_bup_f, s_bgate_e, s_bgate_f, s_bdown_e, s_bdown_h,
                         ACT: tl.constexpr, GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr,
                         HAS_B_DOWN: tl.constexpr, BLK: tl.constexpr, BLOCK_F: tl.constexpr,
-                        BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                        ZERO_UNUSED: tl.constexpr, KEPT: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_f = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_b)
@@ -70,20 +71,28 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
         f_ok = offs_f < num_f
         mask = (pos >= 0)[:, None] & f_ok[None, :]  # every row of the block: padding rows store zeros
         zero = tl.zeros((BLK, BLOCK_F), tl.float32)
-        up = esmm_tile(zero, x_ptr, tok, ok, w_up_ptr, e64 * s_up_e, s_up_f, s_up_h, offs_f, num_f, num_h,
-                       BLOCK_H, UPCAST, PRECISION)
-        if HAS_B_UP:
-            up += tl.load(b_up_ptr + e64 * s_bup_e + offs_f * s_bup_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+        if KEPT:  # the forward stored the pre-activations (bias included) in v's order
+            up = tl.load(keep_up_ptr + pos[:, None] * num_f + offs_f[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            up = esmm_tile(zero, x_ptr, tok, ok, w_up_ptr, e64 * s_up_e, s_up_f, s_up_h, offs_f, num_f, num_h,
+                           BLOCK_H, UPCAST, PRECISION)
+            if HAS_B_UP:
+                up += tl.load(b_up_ptr + e64 * s_bup_e + offs_f * s_bup_f, mask=f_ok,
+                              other=0.0).to(tl.float32)[None, :]
         # ESMM with W_down^T: element (o=f, i=h) of the operand is w_down[e, h, f]
         dhu = esmm_tile(zero, g_ptr, tok, ok, w_down_ptr, e64 * s_down_e, s_down_f, s_down_h, offs_f, num_f, num_h,
                         BLOCK_H, UPCAST, PRECISION)
         w = tl.load(tw_ptr + slot, mask=ok, other=0.0)
         if GATED:
-            gate = esmm_tile(zero, x_ptr, tok, ok, w_gate_ptr, e64 * s_gate_e, s_gate_f, s_gate_h, offs_f, num_f,
-                             num_h, BLOCK_H, UPCAST, PRECISION)
-            if HAS_B_GATE:
-                gate += tl.load(b_gate_ptr + e64 * s_bgate_e + offs_f * s_bgate_f, mask=f_ok,
-                                other=0.0).to(tl.float32)[None, :]
+            if KEPT:
+                gate = tl.load(keep_gate_ptr + pos[:, None] * num_f + offs_f[None, :], mask=mask,
+                               other=0.0).to(tl.float32)
+            else:
+                gate = esmm_tile(zero, x_ptr, tok, ok, w_gate_ptr, e64 * s_gate_e, s_gate_f, s_gate_h, offs_f,
+                                 num_f, num_h, BLOCK_H, UPCAST, PRECISION)
+                if HAS_B_GATE:
+                    gate += tl.load(b_gate_ptr + e64 * s_bgate_e + offs_f * s_bgate_f, mask=f_ok,
+                                    other=0.0).to(tl.float32)[None, :]
             a = act_fwd(gate, ACT)
             h = a * up
             dh = dhu * w[:, None]
@@ -108,6 +117,15 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
                     bd = tl.load(b_down_ptr + e64 * s_bdown_e + offs_h * s_bdown_h, mask=h_ok, other=0.0)
                     part += tl.sum(gt * bd.to(tl.float32)[None, :], axis=1)
         tl.store(dw_part_ptr + slot * tl.num_programs(1) + pid_f, part, mask=ok)
+    elif ZERO_UNUSED:  # a block past the last expert's: zero rows, so a grouped GEMM may read them
+        pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
+        offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask = (pos >= 0)[:, None] & (offs_f < num_f)[None, :]
+        zero_q = tl.zeros((BLK, BLOCK_F), tl.float32).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
+        tl.store(d_up_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
+        if GATED:
+            tl.store(d_gate_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
 
 
 @triton.jit
@@ -272,9 +290,12 @@ def esfk_backward(
     w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
     activation: str, cfg: KernelConfig, r: Reindex | None = None,
+    kept: tuple[Tensor, Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """(dx_TH, d_tw_N (fp32), d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down); an absent
-    optional input gets None. g_TH and x_TH contiguous, tw_N fp32."""
+    optional input gets None. g_TH and x_TH contiguous, tw_N fp32. ``kept``: the (up_PF, gate_PF)
+    pre-activations ``esmm_forward(keep=...)`` stored for the same re-index ``r`` (then the hidden
+    launch reads them instead of recomputing two of its three matmuls)."""
     num_t, num_h = x_TH.shape
     num_k = topk_idx_TK.shape[1]
     num_e, num_f = w_up_EFH.shape[0], w_up_EFH.shape[1]
@@ -285,6 +306,7 @@ def esfk_backward(
     dev = x_TH.device
     absent = x_TH
     common = dict(BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision)
+    grouped = cfg.wgrad == "grouped"
 
     # Step 1: recompute h; dhu = g W_down (ESMM, transposed weight); activation backward; dL/dw partials.
     num_ft = triton.cdiv(num_f, cfg.hidden.block_f)
@@ -295,25 +317,32 @@ def esfk_backward(
     wrap_triton(_hidden_grad_kernel)[(num_blocks, num_ft)](
         x_TH, g_TH, tw_N, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH, w_down_EHF,
         absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
-        absent if b_down_EH is None else b_down_EH, h_PF, d_up_PF, d_gate_PF, dw_part_NJ,
+        absent if b_down_EH is None else b_down_EH, absent if kept is None else kept[0],
+        absent if kept is None or kept[1] is None else kept[1], h_PF, d_up_PF, d_gate_PF, dw_part_NJ,
         r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides3(w_down_EHF),
         *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH),
         ACT=ACTIVATIONS.index(activation), GATED=gated, HAS_B_UP=b_up_EF is not None,
-        HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, **common, **cfg.hidden.launch(),
+        HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, ZERO_UNUSED=grouped, KEPT=kept is not None, **common,
+        **cfg.hidden.launch(),
     )
     d_tw_N = dw_part_NJ.sum(1)
 
     # Step 2: ESTMM + ESMM + ESS, fused into one launch (or three).
     atomic = cfg.combine == "atomic"
     dx_acc = torch.zeros(num_t if atomic else num_t * num_k, num_h, dtype=torch.float32, device=dev)
-    d_w_up = torch.empty(w_up_EFH.shape, dtype=w_up_EFH.dtype, device=dev)
-    d_w_gate = _empty_like(w_gate_EFH)
-    d_w_down = torch.empty(w_down_EHF.shape, dtype=w_down_EHF.dtype, device=dev)
+    if grouped:  # Step 3 makes them
+        d_w_up, d_w_gate, d_w_down = x_TH.new_empty(0), None, x_TH.new_empty(0)
+    else:
+        d_w_up = torch.empty(w_up_EFH.shape, dtype=w_up_EFH.dtype, device=dev)
+        d_w_gate = _empty_like(w_gate_EFH)
+        d_w_down = torch.empty(w_down_EHF.shape, dtype=w_down_EHF.dtype, device=dev)
     d_b_up, d_b_gate, d_b_down = (_empty_like(b) for b in (b_up_EF, b_gate_EF, b_down_EH))
     biases = (b_up_EF is not None, b_gate_EF is not None, b_down_EH is not None)
     ranges = _esfk_ranges(num_e, num_blocks, num_h, num_f, cfg, gated, biases)
     parts = [(1, 1, 1)] if cfg.fused else [(1, 0, 0), (0, 1, 0), (0, 0, 1)]
+    if grouped:  # the weight gradients by grouped GEMM (Step 3), the rest of ESFK as before
+        parts = [(0, 1, 1)] if cfg.fused else [(0, 1, 0), (0, 0, 1)]
     for do_estmm, do_esmm, do_ess in parts:
         grid = ranges[0] * do_estmm + ranges[1] * do_esmm + ranges[2] * do_ess
         if grid == 0:
@@ -328,5 +357,48 @@ def esfk_backward(
             GATED=gated, HAS_B_UP=biases[0], HAS_B_GATE=biases[1], HAS_B_DOWN=biases[2], ATOMIC=atomic,
             DO_ESTMM=do_estmm, DO_ESMM=do_esmm, DO_ESS=do_ess, **common, **cfg.esfk.launch(),
         )
+    if grouped:
+        d_w_up, d_w_gate, d_w_down = _grouped_wgrad(g_TH, x_TH, tw_N, h_PF, d_up_PF, d_gate_PF if gated else None,
+                                                    r, num_k)
+        d_w_up, d_w_down = d_w_up.to(w_up_EFH.dtype), d_w_down.to(w_down_EHF.dtype)
+        if d_w_gate is not None and w_gate_EFH is not None:
+            d_w_gate = d_w_gate.to(w_gate_EFH.dtype)
     dx_TH = dx_acc if atomic else dx_acc.view(num_t, num_k, num_h).sum(1)
     return dx_TH.to(x_TH.dtype), d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down
+
+
+def grouped_wgrad_ok(dtype: torch.dtype, device: torch.device, num_h: int, num_f: int) -> bool:
+    """Whether torch's grouped GEMM takes the backward's weight-gradient operands: a dtype it
+    multiplies on ``device`` (CUDA: bf16 from sm_80 on; CPU: fp32/fp16/bf16) and rows of H and F
+    elements that are 16-byte multiples (its stride rule)."""
+    if dtype not in _GROUPED_MM_DTYPES.get(device.type, ()):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return (num_h * dtype.itemsize) % 16 == 0 and (num_f * dtype.itemsize) % 16 == 0
+
+
+def _grouped_wgrad(g_TH: Tensor, x_TH: Tensor, tw_N: Tensor, h_PF: Tensor, d_up_PF: Tensor,
+                   d_gate_PF: Tensor | None, r: Reindex, num_k: int) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Step 3 with ``KernelConfig.wgrad = "grouped"``: the ESTMM's three weight gradients
+    (HEXA-MoE Alg. 4, Table 5 steps 5, 9) as grouped GEMMs whose groups are the experts' runs of v,
+    ``starts_E1[1:]`` their ends (every run a whole number of BLK blocks):
+
+        dW_up[e]   = d_up_P[run e]^T   x_P[run e]       x_P[p] = x[v[p] // K], 0 where v[p] = -1
+        dW_gate[e] = d_gate_P[run e]^T x_P[run e]
+        dW_down[e] = wg_P[run e]^T     h_P[run e]       wg_P[p] = w[v[p]] g[v[p] // K]
+
+    The hidden launch stored h, d_up and d_gate in v's order, zero in the blocks past the last run,
+    so only x and w g are gathered (one [P, H] buffer at a time). Returns (dW_up, dW_gate or None,
+    dW_down) in the operands' dtype (fp32 accumulation inside the GEMM)."""
+    slot_P = r.v_P.to(torch.int64)
+    valid_P1 = (slot_P >= 0).unsqueeze(1)
+    tok_P = slot_P.clamp(min=0) // num_k
+    ends_E = r.starts_E1[1:]
+    x_PH = torch.where(valid_P1, x_TH.index_select(0, tok_P), 0)
+    d_w_up = torch._grouped_mm(d_up_PF.t(), x_PH, offs=ends_E)
+    d_w_gate = None if d_gate_PF is None else torch._grouped_mm(d_gate_PF.t(), x_PH, offs=ends_E)
+    del x_PH
+    w_P1 = tw_N.index_select(0, slot_P.clamp(min=0)).unsqueeze(1)
+    wg_PH = torch.where(valid_P1, g_TH.index_select(0, tok_P) * w_P1, 0).to(g_TH.dtype)
+    return d_w_up, d_w_gate, torch._grouped_mm(wg_PH.t(), h_PF, offs=ends_E)

@@ -39,6 +39,7 @@ from moe_compile.lowering.experts_ref import ACTIVATIONS
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex
 
 COMBINES = ("atomic", "slots")
+WGRADS = ("estmm", "grouped")
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,15 @@ class KernelConfig:
     esfk: Tiles = Tiles()
     combine: str = "atomic"  # top-k accumulation of y and dx: "atomic" or "slots"
     fused: bool = True  # backward: one ESFK launch, or ESTMM, ESMM and ESS launched separately
+    # backward's weight gradients: "estmm" (the ESTMM range of ESFK) or "grouped" (torch's grouped
+    # GEMM over the rows the hidden launch stored in v's order, see triton_esfk)
+    wgrad: str = "estmm"
     upcast: bool = False  # tl.dot on fp32 copies of the tiles (the interpreter's bf16 dot is wrong)
     precision: str = "ieee"  # tl.dot input_precision for fp32 tiles: "ieee" or "tf32"
 
     def __post_init__(self) -> None:
         assert self.combine in COMBINES, self.combine
+        assert self.wgrad in WGRADS, self.wgrad
         assert self.blk >= 16 and self.blk & (self.blk - 1) == 0, "blk is a tl.dot dimension: a power of two >= 16"
 
     @classmethod
@@ -157,13 +162,14 @@ def esmm_tile(acc, a_ptr, a_row, row_ok, w_ptr, w_off, s_wo, s_wi, offs_o, num_o
 
 
 @triton.jit
-def _esmm_up_kernel(x_ptr, w_up_ptr, w_gate_ptr, b_up_ptr, b_gate_ptr, h_ptr, v_ptr, block_expert_ptr,
-                    num_h, num_f, top_k,
+def _esmm_up_kernel(x_ptr, w_up_ptr, w_gate_ptr, b_up_ptr, b_gate_ptr, h_ptr, keep_up_ptr, keep_gate_ptr, v_ptr,
+                    block_expert_ptr, num_h, num_f, top_k,
                     s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h, s_bup_e, s_bup_f, s_bgate_e, s_bgate_f,
                     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr,
                     BLK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr,
-                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Table 5 steps 1-2: h[s, f-tile] for the BLK slots of block program_id(0)."""
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, KEEP: tl.constexpr):
+    """Table 5 steps 1-2: h[s, f-tile] for the BLK slots of block program_id(0). With KEEP, also the
+    pre-activations up (and gate) of every row of the block, stored in v's order for the backward."""
     pid_b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_b)
     if expert >= 0:  # blocks past N' hold no slots
@@ -184,10 +190,26 @@ def _esmm_up_kernel(x_ptr, w_up_ptr, w_gate_ptr, b_up_ptr, b_gate_ptr, h_ptr, v_
                 gate += tl.load(b_gate_ptr + e64 * s_bgate_e + offs_f * s_bgate_f, mask=f_ok,
                                 other=0.0).to(tl.float32)[None, :]
             h = act_fwd(gate, ACT) * up
+            if KEEP:
+                pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
+                tl.store(keep_gate_ptr + pos[:, None] * num_f + offs_f[None, :],
+                         gate.to(keep_gate_ptr.dtype.element_ty), mask=(pos >= 0)[:, None] & f_ok[None, :])
         else:
             h = act_fwd(up, ACT)
+        if KEEP:
+            pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
+            tl.store(keep_up_ptr + pos[:, None] * num_f + offs_f[None, :], up.to(keep_up_ptr.dtype.element_ty),
+                     mask=(pos >= 0)[:, None] & f_ok[None, :])
         tl.store(h_ptr + slot[:, None] * num_f + offs_f[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=ok[:, None] & f_ok[None, :])
+    elif KEEP:  # a block past the last expert's: its kept rows are zeros (the op's outputs are defined)
+        pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
+        offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask = (pos >= 0)[:, None] & (offs_f < num_f)[None, :]
+        zero_q = tl.zeros((BLK, BLOCK_F), tl.float32).to(keep_up_ptr.dtype.element_ty)
+        tl.store(keep_up_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
+        if GATED:
+            tl.store(keep_gate_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
 
 
 @triton.jit
@@ -230,9 +252,13 @@ def esmm_forward(
     w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
     activation: str, cfg: KernelConfig, r: Reindex | None = None,
+    keep: tuple[Tensor, Tensor | None] | None = None,
 ) -> Tensor:
     """y_TH of ``hiermoe::experts`` with two ESMM launches after the re-index (x_TH contiguous,
-    tw_N the flattened routing weights in fp32). Returns y_TH in x's dtype."""
+    tw_N the flattened routing weights in fp32). Returns y_TH in x's dtype. ``keep``: (up_PF,
+    gate_PF or None) buffers of P = len(r.v_P) rows in x's dtype, filled with the pre-activations of
+    every row of every used block of v (what ``esfk_backward(kept=...)`` reads instead of
+    recomputing them; rows of unused blocks are zeros)."""
     num_t, num_h = x_TH.shape
     num_k = topk_idx_TK.shape[1]
     num_e, num_f = w_up_EFH.shape[0], w_up_EFH.shape[1]
@@ -244,11 +270,12 @@ def esmm_forward(
     wrap_triton(_esmm_up_kernel)[(num_blocks, triton.cdiv(num_f, cfg.up.block_f))](
         x_TH, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH,
         absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
-        h_NF, r.v_P, r.block_expert_B, num_h, num_f, num_k,
+        h_NF, absent if keep is None else keep[0], absent if keep is None or keep[1] is None else keep[1],
+        r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides2(b_up_EF), *strides2(b_gate_EF),
         ACT=ACTIVATIONS.index(activation), GATED=w_gate_EFH is not None, HAS_B_UP=b_up_EF is not None,
         HAS_B_GATE=b_gate_EF is not None, BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision,
-        **cfg.up.launch(),
+        KEEP=keep is not None, **cfg.up.launch(),
     )
     atomic = cfg.combine == "atomic"
     rows = num_t if atomic else num_t * num_k

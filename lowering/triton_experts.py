@@ -34,7 +34,9 @@ Top-k accumulation (``KernelConfig.combine``), chosen per call from HIERMOE_TRIT
       order: for backends without float atomics, and chosen by "auto" (the default value) whenever
       torch.are_deterministic_algorithms_enabled() (bitwise reproducible, K times the buffer).
 HIERMOE_TRITON_FUSED=0 runs the backward's ESTMM, ESMM and ESS as three launches instead of ESFK.
-Both variables are read when the op runs (or is traced: a compiled graph keeps its choice).
+HIERMOE_TRITON_WGRAD (auto, estmm, grouped): the backward's weight gradients by the ESTMM kernel or by
+torch's grouped GEMM over the rows the hidden launch stores in v's order; "auto" (the default) takes
+grouped GEMM wherever it accepts the operands. All three variables are read when the op runs (or is traced: a compiled graph keeps its choice).
 
 Shape legend: T tokens, K experts per token, N = T*K, E experts, H hidden, F ffn; x_TH, topk_idx_TK,
 topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, grad_TH.
@@ -54,14 +56,16 @@ from triton.runtime.interpreter import InterpretedFunction
 from moe_compile.lowering import triton_esmm
 from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
 from moe_compile.lowering.experts_ref import ACTIVATIONS, activation_error, check_activation
-from moe_compile.lowering.triton_esfk import esfk_backward
+from moe_compile.lowering.triton_esfk import esfk_backward, grouped_wgrad_ok
 from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward
+from moe_compile.lowering.triton_reindex import Reindex, build_reindex, num_blocks_bound
 
-__all__ = ["INTERPRETED", "KernelConfig", "experts_triton", "experts_triton_backward", "interpreter_error",
-           "kernel_config"]
+__all__ = ["INTERPRETED", "KernelConfig", "experts_triton", "experts_triton_backward", "experts_triton_backward_keep",
+           "experts_triton_keep", "interpreter_error", "keep_blk", "kernel_config"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+Kept = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # y, up_PF, gate_PF, v_P, block_expert_B, starts_E1
 
 
 # @triton.jit made InterpretedFunctions: TRITON_INTERPRET=1 was set when triton was imported.
@@ -123,20 +127,48 @@ def gpu_blk(num_slots: int, num_e: int, blk_max: int = GPU_BLK_MAX) -> int:
     return min(blk_max, max(16, triton.next_power_of_2(mean)))
 
 
-def kernel_config(x_TH: Tensor, num_k: int, num_e: int, num_f: int) -> KernelConfig:
+def _wgrad(x_TH: Tensor, num_f: int) -> str:
+    mode = os.environ.get("HIERMOE_TRITON_WGRAD", "auto")
+    if mode not in ("auto", "estmm", "grouped"):
+        raise ValueError(f"HIERMOE_TRITON_WGRAD must be auto, estmm or grouped, got {mode!r}")
+    ok = grouped_wgrad_ok(x_TH.dtype, x_TH.device, x_TH.shape[1], num_f)
+    if mode == "grouped" and not ok:
+        raise ValueError(f"HIERMOE_TRITON_WGRAD=grouped: torch's grouped GEMM does not take {x_TH.dtype} on "
+                         f"{x_TH.device.type} with H={x_TH.shape[1]}, F={num_f} (needs bf16 on CUDA sm_80+, or "
+                         "fp32/fp16/bf16 on CPU, and 16-byte rows); unset it or use estmm")
+    if mode == "auto":
+        return "grouped" if ok else "estmm"
+    return mode
+
+
+def kernel_config(x_TH: Tensor, num_k: int, num_e: int, num_f: int, blk: int | None = None) -> KernelConfig:
     """Tile sizes and modes for one call: on GPU the tuned ``gpu_tiles`` and a re-index block sized to
     the mean expert load; small tiles in the interpreter (its cost grows with every element a
-    program touches, padding included)."""
+    program touches, padding included). The backward's weight gradients are grouped GEMMs wherever
+    torch's grouped GEMM takes the operands (``triton_esfk.grouped_wgrad_ok``; the ESTMM kernel
+    elsewhere, or with HIERMOE_TRITON_WGRAD=estmm)."""
     fused = os.environ.get("HIERMOE_TRITON_FUSED", "1") != "0"
     num_h = x_TH.shape[1]
+    wgrad = _wgrad(x_TH, num_f)
     if INTERPRETED:
         def tile(n: int) -> int:
             return min(32, max(16, triton.next_power_of_2(n)))
 
-        return KernelConfig.uniform(16, tile(num_f), tile(num_h), combine=_combine(), fused=fused, upcast=True)
+        return KernelConfig.uniform(blk or 16, tile(num_f), tile(num_h), combine=_combine(), fused=fused,
+                                    upcast=True, wgrad=wgrad)
     tf32 = x_TH.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
-    return dataclasses.replace(gpu_tiles(x_TH.device, x_TH.dtype), blk=gpu_blk(x_TH.shape[0] * num_k, num_e),
-                               combine=_combine(), fused=fused, precision="tf32" if tf32 else "ieee")
+    return dataclasses.replace(gpu_tiles(x_TH.device, x_TH.dtype), blk=blk or gpu_blk(x_TH.shape[0] * num_k, num_e),
+                               combine=_combine(), fused=fused, precision="tf32" if tf32 else "ieee", wgrad=wgrad)
+
+
+def keep_blk(x_TH: Tensor, num_k: int, num_e: int) -> int:
+    """The re-index block ``hiermoe::experts_triton_keep`` is given (its kept buffers have
+    num_blocks_bound(N, E, blk) * blk rows, so the block must be known when the graph is traced):
+    ``kernel_config``'s choice for x's shape, the largest block where T is symbolic."""
+    num_t = x_TH.shape[0]
+    if INTERPRETED:
+        return 16
+    return gpu_blk(num_t * num_k if isinstance(num_t, int) else num_t, num_e)
 
 
 def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
@@ -166,20 +198,50 @@ def _forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_
                            activation, cfg)
 
 
+def _keep_rows(num_slots: Any, num_e: int, blk: int) -> Any:
+    return num_blocks_bound(num_slots, num_e, blk) * blk
+
+
+def _forward_keep(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+                  w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
+                  activation: str, blk: int) -> Kept:
+    num_k, num_e, num_f = topk_idx.shape[1], w_up.shape[0], w_up.shape[1]
+    rows = _keep_rows(topk_idx.numel(), num_e, blk)
+    up_PF = x.new_empty(rows, num_f)
+    gate_PF = x.new_empty(rows if w_gate is not None else 0, num_f)
+    if topk_idx.numel() == 0:
+        v = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+        return (torch.zeros_like(x, memory_format=torch.contiguous_format), up_PF.zero_(), gate_PF.zero_(), v,
+                torch.full((rows // blk,), -1, dtype=torch.int32, device=x.device),
+                torch.zeros(num_e + 1, dtype=torch.int32, device=x.device))
+    cfg = kernel_config(x, num_k, num_e, num_f, blk=blk)
+    r = build_reindex(topk_idx.contiguous(), num_e, blk)
+    tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    y = esmm_forward(x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
+                     activation, cfg, r=r, keep=(up_PF, gate_PF if w_gate is not None else None))
+    return y, up_PF, gate_PF, r.v_P, r.block_expert_B, r.starts_E1
+
+
 def _backward(grad: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor,
               w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
-              b_down: Tensor | None, activation: str) -> Grads:
+              b_down: Tensor | None, activation: str, kept: tuple[Tensor, ...] | None = None) -> Grads:
     def fresh(t: Tensor | None) -> Tensor:  # outputs may not alias each other or an input
         return x.new_empty(0) if t is None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
     if topk_idx.numel() == 0:
         return (fresh(x), fresh(topk_weights), fresh(w_up), fresh(w_gate), fresh(w_down), fresh(b_up),
                 fresh(b_gate), fresh(b_down))
-    cfg = kernel_config(x, topk_idx.shape[1], w_up.shape[0], w_up.shape[1])
+    r, pre = None, None
+    if kept is not None:  # (up_PF, gate_PF, v_P, block_expert_B, starts_E1) of _forward_keep
+        up_PF, gate_PF, v_P, block_expert_B, starts_E1 = kept
+        blk = v_P.shape[0] // max(block_expert_B.shape[0], 1)
+        r = Reindex(v_P, block_expert_B, starts_E1, blk)
+        pre = (up_PF, gate_PF if w_gate is not None else None)
+    cfg = kernel_config(x, topk_idx.shape[1], w_up.shape[0], w_up.shape[1], blk=None if r is None else r.blk)
     tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
     dx, d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = esfk_backward(
         grad.contiguous(), x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
-        activation, cfg)
+        activation, cfg, r=r, kept=pre)
 
     def given(t: Tensor | None) -> Tensor:
         return x.new_empty(0) if t is None else t
@@ -280,3 +342,114 @@ def _autograd_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
 
 
 experts_triton.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# ---- The training form: the forward keeps the pre-activations for the backward. ----------------------
+# ``hiermoe::experts_triton_keep`` returns y and, in the re-index order v (P = num_blocks_bound(N, E,
+# blk) * blk rows, x's dtype), up and gate before the activation, plus v itself; its backward reads
+# them instead of recomputing the two input-side matmuls (the hidden launch then runs one matmul, not
+# three). Cost: 2 * P * F elements kept from forward to backward (P * F non-gated), where the torch
+# lowering under autograd keeps the dispatched tokens and three [N, F] activations. The lower_kernels
+# pass emits it (and a getitem of y) for ops whose inputs require grad unless HIERMOE_TRITON_KEEP=0.
+_KEEP_SCHEMA = _EXPERTS_SCHEMA.replace("str activation) -> Tensor",
+                                      "str activation, int blk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_KEEP_BACKWARD_SCHEMA = _EXPERTS_BACKWARD_SCHEMA.replace(
+    "str activation)", "str activation, Tensor up_PF, Tensor gate_PF, Tensor v_P, Tensor block_expert_B, "
+    "Tensor starts_E1)")
+
+
+@torch.library.triton_op("hiermoe::experts_triton_keep", mutates_args=())
+def experts_triton_keep(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
+    b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str, blk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, up_PF, gate_PF, v_P, block_expert_B, starts_E1): y as ``experts_triton``; the rest is what
+    its backward reads (see the note above); ``blk`` the re-index block (``keep_blk``)."""
+    _check(x, w_up, w_gate, w_down, activation)
+    if INTERPRETED:
+        return torch.ops.hiermoe.experts_triton_keep_interpreted(
+            x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation, blk)
+    return _forward_keep(x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation, blk)
+
+
+@torch.library.triton_op("hiermoe::experts_triton_backward_keep", mutates_args=())
+def experts_triton_backward_keep(
+    grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+    w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+    up_PF: Tensor, gate_PF: Tensor, v_P: Tensor, block_expert_B: Tensor, starts_E1: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``experts_triton_backward`` reading the kept pre-activations of ``experts_triton_keep``."""
+    _check(x, w_up, w_gate, w_down, activation)
+    kept = (up_PF, gate_PF, v_P, block_expert_B, starts_E1)
+    if INTERPRETED:
+        return torch.ops.hiermoe.experts_triton_backward_keep_interpreted(
+            grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation, *kept)
+    return _backward(grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation,
+                     kept)
+
+
+@torch.library.custom_op("hiermoe::experts_triton_keep_interpreted", mutates_args=(), schema=_KEEP_SCHEMA)
+def _keep_interpreted(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
+    b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str, blk: int,
+) -> Kept:
+    return _forward_keep(x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation, blk)
+
+
+@torch.library.custom_op("hiermoe::experts_triton_backward_keep_interpreted", mutates_args=(),
+                         schema=_KEEP_BACKWARD_SCHEMA)
+def _backward_keep_interpreted(
+    grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+    w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
+    up_PF: Tensor, gate_PF: Tensor, v_P: Tensor, block_expert_B: Tensor, starts_E1: Tensor,
+) -> Grads:
+    return _backward(grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, activation,
+                     (up_PF, gate_PF, v_P, block_expert_B, starts_E1))
+
+
+def _fake_keep(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None,
+               w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
+               activation: str, blk: int) -> Kept:
+    _check(x, w_up, w_gate, w_down, activation)
+    num_e, num_f = w_up.shape[0], w_up.shape[1]
+    rows = _keep_rows(topk_idx.shape[0] * topk_idx.shape[1], num_e, blk)
+    def i32(n: Any) -> Tensor:
+        return torch.empty(n, dtype=torch.int32, device=x.device)
+
+    return (x.new_empty(x.shape), x.new_empty(rows, num_f), x.new_empty(rows if w_gate is not None else 0, num_f),
+            i32(rows), i32(rows // blk), i32(num_e + 1))
+
+
+def _fake_backward_keep(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor,
+                        w_gate: Tensor | None, w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None,
+                        b_down: Tensor | None, activation: str, *kept: Tensor) -> Grads:
+    return _fake_backward(grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down,
+                          activation)
+
+
+for _kop, _kf in ((experts_triton_keep, _fake_keep), (_keep_interpreted, _fake_keep),
+                  (experts_triton_backward_keep, _fake_backward_keep),
+                  (_backward_keep_interpreted, _fake_backward_keep)):
+    _kop.register_fake(_kf)
+
+
+def _setup_context_keep(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    *tensors, activation, _blk = inputs
+    ctx.save_for_backward(*tensors, *output[1:])
+    ctx.activation = activation
+
+
+def _autograd_backward_keep(ctx: Any, grad_out: Tensor, *_unused: Tensor) -> tuple[Tensor | None, ...]:
+    x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, *kept = ctx.saved_tensors
+    grads = torch.ops.hiermoe.experts_triton_backward_keep(
+        grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation, *kept)
+    d_x, d_tw, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = grads
+
+    def given(grad: Tensor, inp: Tensor | None) -> Tensor | None:
+        return None if inp is None else grad
+
+    return (d_x, None, d_tw, d_w_up, given(d_w_gate, w_gate), d_w_down, given(d_b_up, b_up),
+            given(d_b_gate, b_gate), given(d_b_down, b_down), None, None)
+
+
+experts_triton_keep.register_autograd(_autograd_backward_keep, setup_context=_setup_context_keep)

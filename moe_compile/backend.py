@@ -153,10 +153,11 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Optio
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
     patches = dict(list_mode_options(mode)) if mode else {}
     if overlap is not None:  # after any pass the user set
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
         theirs = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
         patches["post_grad_custom_post_pass"] = [*theirs, overlap] if theirs else overlap
         patches["reorder_for_peak_memory"] = False

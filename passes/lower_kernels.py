@@ -10,10 +10,15 @@ not import Triton; see DESIGN.md, Layout).
 
 from __future__ import annotations
 
+import operator
+import os
+from typing import cast
+
 import torch
 import torch.fx as fx
 
 import moe_compile.lowering as lowering
+from moe_compile.lowering import kernel_table
 from moe_compile.lowering.experts_ref import activation_error
 from moe_compile.passes.graph_index import fake_tensor, tensor_meta
 
@@ -53,8 +58,13 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                   ``hiermoe::experts_composite``, aten ops the inner compiler traces, fuses and
                   differentiates, where every matmul can be one grouped_mm) or "torch" (left as
                   the opaque ``hiermoe::experts``).
-                  "auto" is Triton when x is on CUDA and the triton package is installed and the
-                  kernels compute the op's activation (not an ``expr:`` one), else torch.
+                  "auto" is Triton when x is on CUDA, the triton package is installed, the
+                  kernels compute the op's activation (not an ``expr:`` one) and the measured
+                  table (``lowering.kernel_table``: this device, the nearest shape, forward+backward
+                  when the op is trained) has them faster than the torch lowering; else torch.
+                  A trained op lowered to Triton takes the training form
+                  ``experts_triton_keep(...)[0]`` (pre-activations kept for the backward) unless
+                  HIERMOE_TRITON_KEEP=0.
       refuses     (ValueError, before anything changes) an unknown ``kernels`` value, and
                   kernels="triton" when the kernels cannot run: triton missing, x on CPU without
                   TRITON_INTERPRET=1 in the environment from before triton was imported, or an
@@ -65,6 +75,7 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
         ops = [n for n in graph if n.target in (experts, ep_local_experts)]   # Step 1
         for n in ops: choice[n] = resolve(kernels, device(n.x))              # Step 2 (may refuse)
         for n in ops with choice triton: experts -> experts_triton,          # Step 3
+                                         or experts_triton_keep(..., blk)[0] when trained,
                                          ep_local_experts(..., triton=True)
         for n in ops with choice torch: experts -> experts_composite where grouped_mm takes them
         return {"triton": #retargeted, "composite": #traceable, "torch": #left}
@@ -86,7 +97,7 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
             choices[n] = "torch"
         elif kernels == "auto":
             on_gpu = device is not None and device.type == "cuda" and lowering.triton_kernels_error(device) is None
-            choices[n] = "triton" if on_gpu else "torch"
+            choices[n] = _measured_choice(n, device) if on_gpu and device is not None else "torch"
         else:
             why = unsupported or (lowering.triton_kernels_error(device) if device is not None else None)
             if why is not None:
@@ -97,6 +108,8 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
     for n, choice in choices.items():
         if choice == "triton" and n.target is local:
             n.update_kwarg("triton", True)
+        elif choice == "triton" and _keeps(n):
+            _to_keep_form(gm, n)
         elif choice == "triton":
             n.target = torch.ops.hiermoe.experts_triton.default
         elif n.target is not local and _composite_ok(n):
@@ -106,6 +119,68 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
     if counts["triton"] or counts["composite"]:
         gm.recompile()
     return counts
+
+
+_NAMES = ("x", "topk_idx", "topk_weights", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down", "activation")
+
+
+def _arg(n: fx.Node, i: int) -> object:
+    return n.args[i] if i < len(n.args) else n.kwargs.get(_NAMES[i])
+
+
+def _fakes(n: fx.Node, *names: str) -> list[torch.Tensor | None]:
+    out = []
+    for name in names:
+        a = _arg(n, _NAMES.index(name))
+        out.append(fake_tensor(a) if isinstance(a, fx.Node) else None)
+    return out
+
+
+def _measured_choice(n: fx.Node, device: torch.device) -> str:
+    """kernels="auto" on CUDA: what ``lowering.kernel_table`` measured faster for this layer's shape
+    on this device, forward + backward where its inputs require grad, else forward; the torch
+    lowering where a shape is unknown or the device was never measured."""
+    x, idx, w_up = _fakes(n, "x", "topk_idx", "w_up")
+    if x is None or idx is None or w_up is None:
+        return "torch"
+    num_t = x.shape[0] if isinstance(x.shape[0], int) else 8192  # a symbolic T: judge a large batch
+    choice = kernel_table.choose(kernel_table.device_key(device), x.dtype, num_t, idx.shape[1], w_up.shape[0],
+                                 x.shape[1], w_up.shape[1], training=_training(n))
+    return choice.kernels
+
+
+def _training(n: fx.Node) -> bool:
+    """Whether a gradient can flow through expert op ``n``: a fake value of its tokens or weights
+    requires grad (Dynamo records parameters' requires_grad on their example values)."""
+    return any(t is not None and t.requires_grad
+               for t in _fakes(n, "x", "topk_weights", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"))
+
+
+def _keeps(n: fx.Node) -> bool:
+    """Whether the Triton lowering of ``n`` takes its training form (``hiermoe::experts_triton_keep``:
+    the forward stores up and gate for the backward instead of the backward recomputing them): when
+    it is trained, unless HIERMOE_TRITON_KEEP=0 (read when the graph is compiled)."""
+    mode = os.environ.get("HIERMOE_TRITON_KEEP", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"HIERMOE_TRITON_KEEP must be 0 or 1, got {mode!r}")
+    x, idx = _fakes(n, "x", "topk_idx")
+    return mode == "1" and x is not None and idx is not None and _training(n)
+
+
+def _to_keep_form(gm: fx.GraphModule, n: fx.Node) -> None:
+    """Replace ``n`` by ``experts_triton_keep(..., blk)[0]`` (same value; the other outputs feed the
+    backward through autograd)."""
+    x, idx, w_up = _fakes(n, "x", "topk_idx", "w_up")
+    assert x is not None and idx is not None and w_up is not None
+    blk = lowering.triton_keep_blk(x, idx.shape[1], w_up.shape[0])
+    args = tuple(cast(fx.node.Argument, _arg(n, i)) for i in range(len(_NAMES))) + (blk,)
+    with gm.graph.inserting_after(n):
+        keep = gm.graph.call_function(torch.ops.hiermoe.experts_triton_keep.default, args)
+    with gm.graph.inserting_after(keep):
+        y = gm.graph.call_function(operator.getitem, (keep, 0))
+    y.meta.update(n.meta)
+    n.replace_all_uses_with(y)
+    gm.graph.erase_node(n)
 
 
 def _composite_ok(n: fx.Node) -> bool:

@@ -26,6 +26,8 @@ topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import os
 import sys
 
@@ -233,6 +235,24 @@ def test_slot_buffer_combine_and_unfused_backward(monkeypatch: pytest.MonkeyPatc
 
 
 @needs_triton
+def test_wgrad_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped GEMM for the weight gradients wherever torch's grouped GEMM takes the operands: the
+    dtype on the device and 16-byte rows (F = 6 fp32 elements is 24 bytes: the ESTMM kernel)."""
+    monkeypatch.delenv("HIERMOE_TRITON_WGRAD", raising=False)
+    x = torch.zeros(2, 16)
+    assert triton_experts.kernel_config(x, 2, 4, 16).wgrad == "grouped"
+    assert triton_experts.kernel_config(x, 2, 4, 6).wgrad == "estmm"
+    monkeypatch.setenv("HIERMOE_TRITON_WGRAD", "estmm")
+    assert triton_experts.kernel_config(x, 2, 4, 16).wgrad == "estmm"
+    monkeypatch.setenv("HIERMOE_TRITON_WGRAD", "grouped")
+    with pytest.raises(ValueError, match="H=16, F=6"):
+        triton_experts.kernel_config(x, 2, 4, 6)
+    monkeypatch.setenv("HIERMOE_TRITON_WGRAD", "often")
+    with pytest.raises(ValueError, match="HIERMOE_TRITON_WGRAD"):
+        triton_experts.kernel_config(x, 2, 4, 16)
+
+
+@needs_triton
 def test_combine_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIERMOE_TRITON_COMBINE", raising=False)
     x = torch.zeros(2, 16)
@@ -248,9 +268,10 @@ def test_combine_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @interp
-@pytest.mark.parametrize("fused", [True, False])
-def test_launchers_with_many_small_tiles(fused: bool) -> None:
-    """16-wide tiles: H = 40 and F = 24 span 3 and 2 tiles with masked tails; both combines."""
+@pytest.mark.parametrize("fused,wgrad", [(True, "estmm"), (False, "estmm"), (True, "grouped"), (False, "grouped")])
+def test_launchers_with_many_small_tiles(fused: bool, wgrad: str) -> None:
+    """16-wide tiles: H = 40 and F = 24 span 3 and 2 tiles with masked tails; both combines; weight
+    gradients by the ESTMM kernel and by grouped GEMM over v's order."""
     lv, build = make_case(True, True, torch.float32, num_t=20)
     args = build(lv)
     x, idx, tw, w_up, w_gate, w_down, b_up, b_gate, b_down = args
@@ -258,7 +279,7 @@ def test_launchers_with_many_small_tiles(fused: bool) -> None:
     want_y = torch.ops.hiermoe.experts(*args, "gelu")
     want = experts_reference_backward(grad, *args, "gelu")
     for combine in ("atomic", "slots"):
-        cfg = triton_esmm.KernelConfig.uniform(16, 16, 16, combine=combine, fused=fused, upcast=True)
+        cfg = triton_esmm.KernelConfig.uniform(16, 16, 16, combine=combine, fused=fused, upcast=True, wgrad=wgrad)
         tw_N = tw.reshape(-1).float()
         y = triton_esmm.esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
         got = triton_esfk.esfk_backward(grad, x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
@@ -316,15 +337,19 @@ def test_user_errors_say_what_to_change() -> None:
 
 # ---- the lower_kernels pass ---------------------------------------------------------------------
 
-def _op_graph(device: str = "cpu") -> tuple[fx.GraphModule, list[Any]]:
-    """A graph calling hiermoe::experts, with Dynamo-style fake values on x (on ``device``)."""
+def _op_graph(device: str = "cpu", fakes: str = "x") -> tuple[fx.GraphModule, list[Any]]:
+    """A graph calling hiermoe::experts, with Dynamo-style fake values (on ``device``) on x alone
+    (``fakes="x"``), or on every input, weights requiring grad (``"train"``) or not (``"infer"``)."""
     lv, build = make_case(True, True, torch.float32, num_t=8, num_h=16, num_f=16)
     args = build(lv)
     graph = fx.Graph()
     names = ["x", "topk_idx", "topk_weights", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"]
     nodes = [graph.placeholder(n) for n in names]
     with FakeTensorMode():
-        nodes[0].meta["example_value"] = torch.empty(args[0].shape, device=device)
+        for i, (node, a) in enumerate(zip(nodes, args, strict=True)):
+            if a is not None and (i == 0 or fakes != "x"):
+                fake = torch.empty(a.shape, dtype=a.dtype, device=device)
+                node.meta["example_value"] = fake.requires_grad_(fakes == "train" and i >= 3)
     out = graph.call_function(torch.ops.hiermoe.experts.default, (*nodes, "silu"))
     graph.output(out)
     return fx.GraphModule(torch.nn.Module(), graph), args
@@ -343,10 +368,34 @@ def test_pass_torch_and_auto_on_cpu_leave_the_graph_alone() -> None:
 
 
 @needs_triton
-def test_pass_auto_on_cuda_picks_triton() -> None:
-    gm, _ = _op_graph("cuda")  # a fake CUDA value: no GPU needed to decide
+def test_pass_auto_on_cuda_follows_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels="auto" on CUDA (fake CUDA values: no GPU needed to decide) takes what the table
+    measured faster at the nearest shape on this device: here Triton for training, torch for
+    inference; a device never measured gets torch. A trained op lowered to Triton takes the
+    training form experts_triton_keep(...)[0], or plain experts_triton with HIERMOE_TRITON_KEEP=0."""
+    from moe_compile.lowering import kernel_table
+
+    def entry(mode: str, triton_ms: float, torch_ms: float) -> kernel_table.Entry:
+        return kernel_table.Entry("GPU X", (9, 0), "float32", mode, 8, K, E, 16, 16, triton_ms, torch_ms)
+
+    table = (entry("fwd+bwd", 1.0, 2.0), entry("fwd", 2.0, 1.0), dataclasses.replace(entry("fwd+bwd", 9.0, 1.0), tokens=10**6))
+    monkeypatch.setattr(kernel_table, "load", lambda: table)
+    monkeypatch.setattr(kernel_table, "device_key", lambda device: ("GPU X", (9, 0)))
+    monkeypatch.delenv("HIERMOE_TRITON_KEEP", raising=False)
+    gm, _ = _op_graph("cuda", "train")
+    assert lower_kernels_pass(gm, "auto") == {"triton": 1, "torch": 0, "composite": 0}
+    assert _targets(gm) == [torch.ops.hiermoe.experts_triton_keep.default, operator.getitem]
+    gm, _ = _op_graph("cuda", "infer")
+    assert lower_kernels_pass(gm, "auto") == {"triton": 0, "torch": 1, "composite": 0}  # fp32 CUDA: no grouped_mm
+    monkeypatch.setenv("HIERMOE_TRITON_KEEP", "0")
+    gm, _ = _op_graph("cuda", "train")
     assert lower_kernels_pass(gm, "auto") == {"triton": 1, "torch": 0, "composite": 0}
     assert _targets(gm) == [torch.ops.hiermoe.experts_triton.default]
+    monkeypatch.setattr(kernel_table, "device_key", lambda device: ("GPU Y", (8, 0)))
+    gm, _ = _op_graph("cuda", "train")
+    assert lower_kernels_pass(gm, "auto") == {"triton": 0, "torch": 1, "composite": 0}
+    why = kernel_table.choose(("GPU Y", (8, 0)), torch.float32, 8, K, E, 16, 16, True, table).why
+    assert "no fwd+bwd measurement" in why and "GPU Y" in why
 
 
 def test_pass_rejects_unknown_choice() -> None:
@@ -449,6 +498,12 @@ def test_gpu_matches_torch_op(dtype: torch.dtype, combine: str, num_t: int, monk
                                                       a.is_floating_point() else a for a in args], "silu")
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) <= TOL_OP[dtype]
+    # the training form: the same y, and autograd's gradients through the kept pre-activations
+    y_keep = torch.ops.hiermoe.experts_triton_keep(*leaves, "silu", triton_experts.keep_blk(args[0], 2, 8))[0]
+    assert rel_err(y_keep, ref) <= TOL_OP[dtype]
+    floats = [a for a in leaves if isinstance(a, Tensor) and a.requires_grad]
+    for a, b in zip(torch.autograd.grad(y_keep, floats, grad), want, strict=True):
+        assert rel_err(a, b) <= TOL_OP[dtype]
 
 
 @gpu
@@ -463,24 +518,31 @@ def test_gpu_int64_offsets() -> None:
 
 
 @gpu
-def test_gpu_compile_auto_uses_triton_with_inductor() -> None:
+def test_gpu_compile_triton_with_inductor_trains() -> None:
+    """kernels="triton" under Inductor, bf16: the trained layer takes the training form (kept
+    pre-activations); output and every parameter's gradient near eager's."""
     spec = SAMPLES["grouped_gemm"]
     torch.manual_seed(0)
     model = spec.make().cuda().to(torch.bfloat16)
     x = example_input(spec).cuda().to(torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
     torch._dynamo.reset()
     from moe_compile.backend import collect_reports
 
     with collect_reports() as graphs:
-        y = torch.compile(model, backend="hiermoe")(x)
-    assert graphs[0].counters["lower_kernels"] == {"triton": 1, "torch": 0, "composite": 0}
-    assert rel_err(y, model(x)) <= 3e-2
+        y = torch.compile(model, backend="hiermoe", options={"kernels": "triton"})(x)
+    assert sum(g.counters.get("lower_kernels", {}).get("triton", 0) for g in graphs) == 1
+    y_e = model(x)
+    assert rel_err(y, y_e) <= 3e-2
+    grads = torch.autograd.grad(y.float().square().sum(), params)
+    for a, b in zip(grads, torch.autograd.grad(y_e.float().square().sum(), params), strict=True):
+        assert rel_err(a, b) <= 6e-2
 
 
 @gpu
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_gpu_hf_training_step_matches_eager(family: str) -> None:
-    """A transformers MoE model on CUDA, compiled with hiermoe (kernels auto -> Triton, Inductor):
+    """A transformers MoE model on CUDA, compiled with hiermoe (kernels="triton", Inductor):
     the loss and every parameter's gradient equal eager's. fp32, so the check is tight (the
     kernels' tl.dot runs in ieee fp32 unless matmul precision allows tf32)."""
     pytest.importorskip("transformers")
@@ -493,7 +555,7 @@ def test_gpu_hf_training_step_matches_eager(family: str) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     torch._dynamo.reset()
     with collect_reports() as graphs:
-        loss_c = torch.compile(model, backend="hiermoe")(ids, labels=ids).loss
+        loss_c = torch.compile(model, backend="hiermoe", options={"kernels": "triton"})(ids, labels=ids).loss
     grads_c = torch.autograd.grad(loss_c, params)
     loss_e = model(ids, labels=ids).loss
     grads_e = torch.autograd.grad(loss_e, params)
