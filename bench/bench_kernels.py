@@ -14,7 +14,13 @@ over T in {128, 1024, 8192, 32768} tokens.
 
 Implementations (same inputs, same weights):
   triton      torch.ops.hiermoe.experts_triton: re-index + 2 ESMM launches forward; backward = the
-              hidden-grad launch + one fused ESFK launch (recomputes up/gate)
+              hidden-grad launch (recomputes up/gate) + one ESFK launch (input gradient, biases) and
+              the weight gradients as grouped GEMMs over the rows stored in the re-index order
+  triton_keep the training form hiermoe::experts_triton_keep: the forward also stores up/gate (2 P F
+              elements) and the backward's hidden launch reads them instead of recomputing them
+  triton_estmm  triton with the weight gradients by the ESTMM range of ESFK (HIERMOE_TRITON_WGRAD=estmm)
+  composite   torch.ops.hiermoe.experts_composite: the torch lowering as aten ops (what kernels="torch"
+              runs under torch.compile), eager here
   torch       torch.ops.hiermoe.experts: sort, gather, F.grouped_mm per projection, index_add
   grouped_mm  the same pipeline written with torch._grouped_mm and differentiated by autograd
               (saves its activations instead of recomputing)
@@ -71,7 +77,8 @@ MODELS: dict[str, tuple[int, int, int, int]] = {  # H, F, E, K
     "deepseek": (7168, 2048, 256, 8),
 }
 TOKENS = (128, 1024, 8192, 32768)
-IMPLS = ("triton", "torch", "grouped_mm", "padded_bmm")
+IMPLS = ("triton", "triton_keep", "triton_estmm", "composite", "torch", "grouped_mm", "padded_bmm")
+REF_IMPL = "grouped_mm"  # GPU rows: time ratio and max relative difference against this one
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device-name substring, from the vendors' data sheets.
 BF16_PEAK_TFLOPS = {"H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100": 756.0, "H200": 989.4,
                     "H800": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "L4": 121.0, "RTX 4090": 165.2}
@@ -89,7 +96,7 @@ class Row:
     peak_bytes: int | None = None
     flops: int = 0
     error: str | None = None
-    max_err: float | None = None  # --cpu-check: vs the torch op
+    max_err: float | None = None  # --cpu-check: vs the torch op; GPU: vs REF_IMPL (output and every gradient)
 
     @property
     def median_ms(self) -> float:
@@ -147,9 +154,32 @@ def padded_bmm_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: 
     return x.new_zeros(x.shape, dtype=torch.float32).index_add(0, tok, ys.float() * w[:, None]).to(x.dtype)
 
 
+def _triton_estmm(*a: Any) -> Tensor:
+    """The Triton op with its weight gradients by the ESTMM kernel (HIERMOE_TRITON_WGRAD=estmm, read
+    when the backward runs: set for the whole call)."""
+    os.environ["HIERMOE_TRITON_WGRAD"] = "estmm"
+    return torch.ops.hiermoe.experts_triton(*a, "silu")
+
+
+def _triton_keep(*a: Any) -> Tensor:
+    """The training form: the forward keeps up/gate for the backward (what lower_kernels emits when
+    the op's inputs require grad)."""
+    from moe_compile.lowering.triton_experts import keep_blk
+
+    x, idx, *_ = a
+    return torch.ops.hiermoe.experts_triton_keep(*a, "silu", keep_blk(x, idx.shape[1], a[3].shape[0]))[0]
+
+
 def impl_fn(impl: str) -> Callable[..., Tensor]:
+    os.environ.pop("HIERMOE_TRITON_WGRAD", None)
     if impl == "triton":
         return lambda *a: torch.ops.hiermoe.experts_triton(*a, "silu")
+    if impl == "triton_estmm":
+        return _triton_estmm
+    if impl == "triton_keep":
+        return _triton_keep
+    if impl == "composite":
+        return lambda *a: torch.ops.hiermoe.experts_composite(*a, "silu")
     if impl == "torch":
         return lambda *a: torch.ops.hiermoe.experts(*a, "silu")
     return {"grouped_mm": grouped_mm_experts, "padded_bmm": padded_bmm_experts}[impl]
@@ -178,10 +208,13 @@ def bench_gpu(model: str, num_t: int, impl: str, mode: str, reps: int, warmup: i
     backward = mode != "fwd"
     try:
         args = leaves_for(make_args(num_t, hidden, ffn, num_e, top_k, dtype, "cuda"), backward)
-        grad = torch.randn(num_t, hidden, device="cuda", dtype=dtype) if backward else None
+        # seeded: every implementation's gradients are compared against REF_IMPL's for the same grad
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        grad = torch.randn(num_t, hidden, device="cuda", generator=gen).to(dtype) if backward else None
         for _ in range(warmup):
             step(fn, args, grad)
         torch.cuda.synchronize()
+        row.max_err = _check_against_ref(model, num_t, impl, fn, args, grad)
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -203,6 +236,47 @@ def bench_gpu(model: str, num_t: int, impl: str, mode: str, reps: int, warmup: i
         args = grad = None  # type: ignore[assignment]
         torch.cuda.empty_cache()
     return row
+
+
+_REF_OUT: dict[tuple[str, int, bool], list[Tensor]] = {}
+
+
+def _outputs(fn: Callable[..., Tensor], args: Args, grad: Tensor | None) -> list[Tensor]:
+    if grad is None:
+        with torch.no_grad():
+            return [fn(*args)]
+    y = fn(*args)
+    leaves = [a for a in args if isinstance(a, Tensor) and a.requires_grad]
+    return [y, *torch.autograd.grad(y, leaves, grad)]
+
+
+def _rel_err_big(a: Tensor, b: Tensor, rows: int = 1 << 24) -> float:
+    """rel_err in fp32 slices of the flattened tensors (a DeepSeek-shape weight gradient has 3.8e9
+    elements: no double copy of it fits beside the model)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    diff = scale = 0.0
+    for i in range(0, a.numel(), rows):
+        x, y = a[i:i + rows].float(), b[i:i + rows].float()
+        diff = max(diff, (x - y).abs().max().item())
+        scale = max(scale, y.abs().max().item())
+    return diff / max(1.0, scale)
+
+
+def _check_against_ref(model: str, num_t: int, impl: str, fn: Callable[..., Tensor], args: Args,
+                       grad: Tensor | None) -> float | None:
+    """Max over the output and every gradient of |impl - REF_IMPL| / max(1, |REF_IMPL|) on the same
+    inputs (make_args is seeded); the reference's outputs are kept from its own row, so REF_IMPL
+    must come first among --impls for the others to be checked."""
+    key = (model, num_t, grad is not None)
+    got = _outputs(fn, args, grad)
+    if impl == REF_IMPL:
+        _REF_OUT.clear()  # one reference at a time (DeepSeek's gradients are 22 GiB)
+        _REF_OUT[key] = got
+        return 0.0
+    want = _REF_OUT.get(key)
+    if want is None:
+        return None
+    return max(_rel_err_big(a, b) for a, b in zip(got, want, strict=True))
 
 
 def cpu_peak_bytes(fn: Callable[[], None]) -> int:
@@ -275,6 +349,7 @@ def machine_info(device: str) -> dict[str, Any]:
     if device == "cuda":
         name = torch.cuda.get_device_name()
         info["gpu"] = name
+        info["capability"] = list(torch.cuda.get_device_capability())
         info["bf16_peak_tflops"] = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
     else:
         info["triton_interpret"] = os.environ.get("TRITON_INTERPRET")
@@ -285,9 +360,11 @@ def table(rows: list[Row], info: dict[str, Any], cpu: bool) -> list[str]:
     if cpu:
         head = ["shape/dtype", "T", "impl", "mode", "peak KiB", "vs torch", "max rel. diff vs torch"]
     else:
-        head = ["model", "T", "impl", "mode", "median ms", "min ms", "TFLOP/s", "of bf16 peak", "peak MiB", "note"]
+        head = ["model", "T", "impl", "mode", "median ms", "min ms", "TFLOP/s", "of bf16 peak", "peak MiB",
+                f"time vs {REF_IMPL}", f"peak vs {REF_IMPL}", f"max rel. diff vs {REF_IMPL}", "note"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     ref = {(r.model, r.tokens, r.mode): r for r in rows if r.impl == "torch"}
+    base = {(r.model, r.tokens, r.mode): r for r in rows if r.impl == REF_IMPL}
     peak = info.get("bf16_peak_tflops")
     for r in rows:
         if cpu:
@@ -297,12 +374,16 @@ def table(rows: list[Row], info: dict[str, Any], cpu: bool) -> list[str]:
                        f"| {r.max_err:.1e} |")
             continue
         if r.error:
-            out.append(f"| {r.model} | {r.tokens} | {r.impl} | {r.mode} | - | - | - | - | - | {r.error} |")
+            out.append(f"| {r.model} | {r.tokens} | {r.impl} | {r.mode} | - | - | - | - | - | - | - | - | {r.error} |")
             continue
         tflops = r.flops / (r.median_ms * 1e-3) / 1e12
         frac = f"{tflops / peak:.0%}" if peak else "-"
+        b = base.get((r.model, r.tokens, r.mode))
+        t_ratio = f"{r.median_ms / b.median_ms:.2f}x" if b and not b.error else "-"
+        m_ratio = f"{r.peak_bytes / b.peak_bytes:.2f}x" if b and b.peak_bytes and r.peak_bytes is not None else "-"
+        err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
         out.append(f"| {r.model} | {r.tokens} | {r.impl} | {r.mode} | {r.median_ms:.3f} | {min(r.times_ms):.3f} | "
-                   f"{tflops:.1f} | {frac} | {(r.peak_bytes or 0) / 2**20:.1f} | |")
+                   f"{tflops:.1f} | {frac} | {(r.peak_bytes or 0) / 2**20:.1f} | {t_ratio} | {m_ratio} | {err} | |")
     return out
 
 
@@ -340,13 +421,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--tokens", nargs="+", type=int, default=None,
                         help=f"token counts (default {list(TOKENS)}; --cpu-check: 16 64)")
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=[REF_IMPL, *(i for i in IMPLS if i != REF_IMPL)],
+                        help=f"implementations, in this order ({REF_IMPL} first: the others are checked against it)")
     parser.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (Triton compiles in the first)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU, if not known")
     parser.add_argument("--cpu-check", action="store_true",
                         help="no GPU: correctness and memory at tiny shapes in the Triton interpreter")
+    parser.add_argument("--write-table", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="no run: write the kernels='auto' table (lowering/kernel_table.json) from a CUDA "
+                             "results JSON of this script (triton_keep / triton vs composite)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results path without suffix (.md and .json are written; default "
                              "bench/results/kernels, or kernels_cpu_check with --cpu-check)")
@@ -355,6 +440,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is None:
         args.out = Path(__file__).parent / "results" / ("kernels_cpu_check" if args.cpu_check else "kernels")
 
+    if args.write_table is not None:
+        from moe_compile.lowering import kernel_table
+
+        results = json.loads(args.write_table.read_text())
+        entries = kernel_table.entries_from_bench(results, MODELS)
+        kernel_table.TABLE_PATH.write_text(json.dumps(
+            {"source": str(args.write_table), "command": results["command"], "entries": entries}, indent=1) + "\n")
+        print(f"wrote {len(entries)} entries to {kernel_table.TABLE_PATH}")
+        return
     if not lowering.HAS_TRITON:
         raise SystemExit("the triton package is not installed: pip install 'triton>=3.3'")
     if args.cpu_check:

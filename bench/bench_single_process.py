@@ -3,7 +3,7 @@
     python bench/bench_single_process.py --threads 1  # full run, writes bench/results/single_process.{md,json}
     python bench/bench_single_process.py --quick      # small shapes, about a minute (compiling), prints only
 
-Cases (all fp32, one training step = forward + loss + backward, no optimizer):
+Cases (fp32 unless --dtype bfloat16, one training step = forward + loss + backward, no optimizer):
   expert_loop   the registry's per-expert loop layer (Mixtral v4 style, "(c)"), input [B, S, H]
   dense_masked  the registry's dense masked layer (every expert on every token, "(d)")
   hf_mixtral    transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
@@ -64,6 +64,7 @@ class Shape:
     experts: int
     top_k: int
     seq: int
+    dtype: str = "float32"  # of the parameters and activations (bfloat16: the GPU training setting)
 
     @property
     def batch(self) -> int:
@@ -98,12 +99,13 @@ _HF_CASES = {"hf_mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate."""
     torch.manual_seed(0)
+    dtype = getattr(torch, shape.dtype)
     if case in ("expert_loop", "dense_masked"):
         model = SAMPLES[case].make(hidden_size=shape.hidden, ffn_size=shape.ffn, num_experts=shape.experts,
-                                   top_k=shape.top_k).to(device)
-        x = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, requires_grad=True)
+                                   top_k=shape.top_k).to(device=device, dtype=dtype)
+        x = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=dtype, requires_grad=True)
         # A fixed random upstream gradient, as if the layer sat inside a model.
-        grad_out = torch.randn(shape.batch, shape.seq, shape.hidden, device=device)
+        grad_out = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=dtype)
 
         def layer_step(m: nn.Module) -> torch.Tensor:
             x.grad = None
@@ -122,7 +124,7 @@ def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module
         )
         hf = model_cls(config)
         hf.set_experts_implementation("grouped_mm")
-        cast(nn.Module, hf).to(device)  # transformers' typed wrapper of .to confuses mypy
+        cast(nn.Module, hf).to(device=device, dtype=dtype)  # transformers' typed wrapper of .to confuses mypy
         ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
 
         def lm_step(m: nn.Module) -> torch.Tensor:
@@ -306,7 +308,7 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         + f"; torch {info['torch']}; transformers {info.get('transformers', '-')}; Python {info['python']}",
         "",
         f"Shape: {shape.tokens} tokens (batch {shape.batch} x seq {shape.seq}), hidden {shape.hidden}, "
-        f"ffn {shape.ffn}, {shape.experts} experts, top-{shape.top_k}, fp32. hf_mixtral, hf_qwen3_moe and hf_olmoe "
+        f"ffn {shape.ffn}, {shape.experts} experts, top-{shape.top_k}, {shape.dtype}. hf_mixtral, hf_qwen3_moe and hf_olmoe "
         "are 2-layer MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM (vocab 1024, 4 heads) with "
         "experts implementation grouped_mm.",
         "",
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 512; 64 quick)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--threads", type=int, default=None,
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     shape = Shape(tokens=args.tokens or (256 if quick else 2048), hidden=args.hidden or (64 if quick else 256),
                   ffn=args.ffn or (128 if quick else 512), experts=args.experts, top_k=args.top_k,
-                  seq=args.seq or (64 if quick else 512))
+                  seq=args.seq or (64 if quick else 512), dtype=args.dtype)
     if shape.tokens % shape.seq:
         raise ValueError(f"--tokens {shape.tokens} must be a multiple of --seq {shape.seq}")
     reps = args.reps or (3 if quick else 11)
