@@ -17,7 +17,9 @@ Contract
     activation (a named one, or every op of an ``expr:`` activation read off the graph by
     ``activation_expr``: GPT-OSS's clamps, scale and offset); a bias add; the gating product (gated layouts); a multiply by a routing tensor;
     a combine (sum, accumulating add, index_add / scatter_add); routing bookkeeping on expert
-    ids (sorting, counting, one-hot, masks); arithmetic or comparisons with 0 on routing weights.
+    ids (sorting, counting, one-hot, masks); zeroing expert values where a routing mask says
+    (``where(mask, x, 0)``, ``masked_fill(x, mask, 0)``); arithmetic or comparisons with 0 on
+    routing weights.
     Refuses: anything else on the expert values (a clamp, a constant scale or offset, another
     nonlinearity outside the layout's activation, a comparison of expert values) or on the routing weights (clamp, thresholds
     other than 0), and anything but data movement on expert weights before their matmul; the
@@ -153,6 +155,12 @@ def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, can
     return None
 
 
+def _zeroed_by_routing_mask(n: fx.Node, of: Callable[[object], str]) -> bool:
+    """``masked_fill(v, mask, 0)`` with a mask computed from routing (ids or weights)."""
+    return (_name(n) in ("masked_fill", "masked_fill_") and len(n.args) == 3 and of(n.args[1]) in ("R", "W")
+            and not isinstance(n.args[2], fx.Node) and n.args[2] == 0)
+
+
 def _decides_on_weights(n: fx.Node) -> bool:
     """A non-float result read from routing-weight values (not just carried along with them)."""
     return _name(n) not in ("getitem", "size", "sym_size", "getattr", "dim", "numel")
@@ -182,6 +190,8 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
             return None  # a routing weight of exactly 0 is an unrouted slot (capacity drops)
         if name in ("bool", "long", "int", "one_hot", "cumsum"):
             return None
+        if _zeroed_by_routing_mask(n, of):
+            return None  # unrouted (sentinel) slots get weight 0
         return f"{what} reads the routing weights in a way the expert op does not (it only multiplies by them)"
     # X: the expert values
     if n in layout.activation_nodes:
@@ -198,6 +208,8 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
         return None
     if name == "where" and len(n.args) == 3 and of(n.args[0]) in ("R", "W") and all(a == 0 for a in consts):
         return None  # masked selection by routing
+    if _zeroed_by_routing_mask(n, of):
+        return None  # the same selection written as a fill (transformers' expert-parallel sentinel slots)
     if ops.is_matmul(n):
         if all(k == "X" for k in classes):
             return f"{what} multiplies expert values with each other"

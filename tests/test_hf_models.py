@@ -28,6 +28,22 @@ def test_mixtral_grouped_and_batched_mm(impl: str) -> None:
     assert [r.name for r in cmp.report.regions] == ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_expert_parallel_sentinel_masks_are_routing_selections(impl: str) -> None:
+    """transformers' expert-parallel form of the experts (``_is_expert_parallel``; always on in
+    5.17's grouped_mm): slots whose id is >= E are masked (``masked_fill(ids >= E, 0)``) and the
+    ids clamped. A mask read off the expert ids is a routing selection, like ``where``: the layer
+    is rewritten and equals eager (every id a router picks is < E, so the masks select nothing)."""
+    model = build("mixtral", impl)
+    experts = [m for m in model.modules() if hasattr(m, "_is_expert_parallel")]
+    assert experts
+    for m in experts:
+        m._is_expert_parallel = True
+    cmp = compare_compiled(model, [input_ids()], input_grads=False)
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 2 and op_count(cmp.report) == 2, cmp.report
+
+
 def test_eager_experts_implementation_reports_the_graph_break() -> None:
     """HF's eager experts loop over `expert_hit` (a data-dependent tensor) splits the graph: nothing
     can be rewritten, the model still runs, and the report says why and what to change."""
