@@ -158,7 +158,7 @@ def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, can
 def _zeroed_by_routing_mask(n: fx.Node, of: Callable[[object], str]) -> bool:
     """``masked_fill(v, mask, 0)`` with a mask computed from routing (ids or weights)."""
     return (_name(n) in ("masked_fill", "masked_fill_") and len(n.args) == 3 and of(n.args[1]) in ("R", "W")
-            and not isinstance(n.args[2], fx.Node) and n.args[2] == 0)
+            and isinstance(n.args[2], int | float) and n.args[2] == 0)
 
 
 def _decides_on_weights(n: fx.Node) -> bool:
