@@ -13,11 +13,14 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.graph_index import static_shape, tensor_meta
 from moe_compile.passes.regions import ExpertLayout, MoERegion, RoutingWeights, WeightRole
+
+_STACK_AC_GRAPH = 1 << 20  # an activation-checkpoint region id no user region takes
 
 NodeMap = Callable[[fx.Node], fx.Node]
 
@@ -55,7 +58,13 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
             return None
         if role.stacked:
             return m(role.first)
-        return fn(torch.stack, ([m(n) for n in role.nodes],))
+        node = fn(torch.stack, ([m(n) for n in role.nodes],))
+        # a copy of E modules' weights that the matmuls' backward would keep alive from forward
+        # to backward; tagged for AOTAutograd's partitioner (the tag travels into the joint
+        # graph, as activation checkpointing's does) to stack them again in the backward instead
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = _STACK_AC_GRAPH
+        return node
 
     w_in = stacked(layout.up)
     assert w_in is not None
