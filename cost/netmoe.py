@@ -1,0 +1,160 @@
+"""NetMoE's sample placement as a cost model (ICLR 2025; papers/netmoe-notes-zh.md, Sec. 4).
+
+The tokens of one sample tend to go to the same few experts. If the combine returns a sample's
+tokens to a rank in the node that holds those experts (and the sample's per-sample values move with
+it), the next all-to-all stays inside the node. This module predicts the per-level traffic of a
+placement under the alpha-beta topology, and chooses the placement by NetMoE's two stages, each a
+balanced linear assignment (scipy's ``linear_sum_assignment``, the Hungarian method):
+
+  Stage 1 (inter-node): samples to nodes, S / N per node; the cost of sample s on node n is the
+      inter-node bytes its tokens send from there, plus moving the sample there if it lives
+      elsewhere.
+  Stage 2 (intra-node): inside each node, its samples to its ranks, S / R per rank; the cost of s
+      on rank r is the intra-node bytes its tokens send from r (to experts on the node's other
+      ranks), plus moving it to r inside the node.
+
+Each rank keeps the same number of samples (shapes stay static). The notes' model (Sec. 4,
+"transmission time"): an all-to-all is synchronous, so its time is the slowest rank's: per level,
+alpha per peer message plus the most bytes any rank sends over that level times beta. The
+assignment minimises the sum over samples of the bytes (what the Hungarian method can); the
+prediction reports the slowest-rank time before and after, and ``pays`` compares the time saved in
+the exchanges the placement serves with the time to move the samples.
+
+Shapes: S samples, E experts, R ranks, N nodes (R = N * ranks_per_node); counts_SE[s, e] = tokens of
+sample s routed to expert e (a token with K experts counts K times, once per copy sent).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from moe_compile.cost.topology import Topology
+
+
+@dataclass(frozen=True)
+class LevelBytes:
+    """Bytes one all-to-all sends under a placement: the slowest rank's and the total, per level."""
+
+    inter_max: float
+    inter_total: float
+    intra_max: float
+    intra_total: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A sample placement and what the model predicts for it."""
+
+    rank_of_sample: tuple[int, ...]  # the rank each sample lives on after the layer
+    before: LevelBytes  # the all-to-all's bytes with the samples where they are
+    after: LevelBytes  # with the samples at rank_of_sample
+    time_before_s: float  # predicted time of one all-to-all (slowest rank, both levels)
+    time_after_s: float
+    exchanges: float  # all-to-alls the placement serves per move
+    move_s: float  # predicted time to move the samples that change rank (slowest rank)
+    moved: int  # samples that change rank
+    solve_s: float  # wall time of the two assignments
+
+    @property
+    def pays(self) -> bool:
+        """Whether the all-to-all time saved over ``exchanges`` all-to-alls repays moving the samples."""
+        return self.exchanges * (self.time_before_s - self.time_after_s) > self.move_s
+
+
+def _two_levels(topo: Topology) -> tuple[int, int, float, float, float, float]:
+    if len(topo.levels) != 2:
+        raise ValueError(f"sample placement models a 2-level topology (nodes, ranks in a node); "
+                         f"{topo.name!r} has levels {list(topo.level_names)}")
+    inter, intra = topo.levels
+    return (inter.size, intra.size, inter.alpha_s, inter.beta_s_per_byte, intra.alpha_s, intra.beta_s_per_byte)
+
+
+def sample_traffic(counts_SE: np.ndarray, expert_rank_E: np.ndarray, num_nodes: int,
+                   ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inter_SN, intra_SR): tokens sample s sends over the inter-node links if it lives on node n,
+    and over intra-node links if it lives on rank r (to experts on the other ranks of r's node)."""
+    num_ranks = num_nodes * ranks_per_node
+    counts = np.asarray(counts_SE, dtype=np.float64)
+    rank_onehot_ER = np.eye(num_ranks)[np.asarray(expert_rank_E)]
+    to_rank_SR = counts @ rank_onehot_ER
+    to_node_SN = to_rank_SR.reshape(len(counts), num_nodes, ranks_per_node).sum(-1)
+    inter_SN = counts.sum(1, keepdims=True) - to_node_SN
+    node_of_rank = np.arange(num_ranks) // ranks_per_node
+    intra_SR = to_node_SN[:, node_of_rank] - to_rank_SR
+    return inter_SN, intra_SR
+
+
+def level_bytes(rank_S: np.ndarray, inter_SN: np.ndarray, intra_SR: np.ndarray, ranks_per_node: int,
+                token_bytes: float) -> LevelBytes:
+    """Bytes per level of one all-to-all with sample s on rank rank_S[s]."""
+    rank_S = np.asarray(rank_S)
+    idx = np.arange(len(rank_S))
+    inter_S = inter_SN[idx, rank_S // ranks_per_node] * token_bytes
+    intra_S = intra_SR[idx, rank_S] * token_bytes
+    num_ranks = intra_SR.shape[1]
+    inter_R = np.bincount(rank_S, inter_S, minlength=num_ranks)
+    intra_R = np.bincount(rank_S, intra_S, minlength=num_ranks)
+    return LevelBytes(float(inter_R.max()), float(inter_R.sum()), float(intra_R.max()), float(intra_R.sum()))
+
+
+def _balanced_assignment(cost_SC: np.ndarray, per_column: int) -> np.ndarray:
+    """Column of each row, every column taking ``per_column`` rows, minimising the summed cost."""
+    rows, cols = linear_sum_assignment(np.repeat(cost_SC, per_column, axis=1))
+    out = np.empty(cost_SC.shape[0], dtype=np.int64)
+    out[rows] = cols // per_column
+    return out
+
+
+def place_samples(counts_SE: np.ndarray, expert_rank_E: np.ndarray, rank_S: np.ndarray, topo: Topology,
+                  token_bytes: float, sample_bytes: float, exchanges: float = 2.0) -> Placement:
+    """NetMoE's two-stage placement of S samples (now on ranks ``rank_S``, S / R on each) for the
+    routing ``counts_SE`` on ``topo`` (two levels: nodes, ranks per node); ``token_bytes`` one routed
+    token copy, ``sample_bytes`` everything that moves with a sample (its residual stream, masks,
+    labels); ``exchanges``: how many all-to-alls with this routing the placement serves (2: this
+    layer's combine and the next layer's dispatch, whose tokens leave from where the sample lives),
+    against one move. Raises ValueError where the samples cannot be spread evenly."""
+    num_nodes, per_node, a_inter, b_inter, a_intra, b_intra = _two_levels(topo)
+    num_ranks = num_nodes * per_node
+    rank_S = np.asarray(rank_S, dtype=np.int64)
+    num_s = len(rank_S)
+    if num_s % num_ranks or np.bincount(rank_S, minlength=num_ranks).max() != num_s // num_ranks:
+        raise ValueError(f"sample placement keeps S / R samples on every rank: {num_s} samples on {num_ranks} "
+                         "ranks must be a multiple, spread evenly now")
+    start = time.perf_counter()
+    inter_SN, intra_SR = sample_traffic(counts_SE, expert_rank_E, num_nodes, per_node)
+    node_S = rank_S // per_node
+    # Stage 1: samples to nodes
+    move_inter_SN = np.where(np.arange(num_nodes)[None, :] == node_S[:, None], 0.0, sample_bytes * b_inter)
+    new_node_S = _balanced_assignment(exchanges * inter_SN * token_bytes * b_inter + move_inter_SN,
+                                      num_s // num_nodes)
+    # Stage 2: inside each node, its samples to its ranks
+    new_rank_S = np.empty(num_s, dtype=np.int64)
+    for n in range(num_nodes):
+        members = np.flatnonzero(new_node_S == n)
+        ranks = n * per_node + np.arange(per_node)
+        stays = rank_S[members, None] == ranks[None, :]
+        move = np.where(stays, 0.0, np.where(node_S[members, None] == n, sample_bytes * b_intra, 0.0))
+        cost = exchanges * intra_SR[np.ix_(members, ranks)] * token_bytes * b_intra + move
+        new_rank_S[members] = ranks[_balanced_assignment(cost, len(members) // per_node)]
+    solve_s = time.perf_counter() - start
+
+    def a2a_time(b: LevelBytes) -> float:
+        return ((num_nodes - 1) * a_inter + b.inter_max * b_inter) + ((per_node - 1) * a_intra + b.intra_max * b_intra)
+
+    before = level_bytes(rank_S, inter_SN, intra_SR, per_node, token_bytes)
+    after = level_bytes(new_rank_S, inter_SN, intra_SR, per_node, token_bytes)
+    moved = new_rank_S != rank_S
+    cross = moved & (new_rank_S // per_node != node_S)
+    # moving: the most bytes any rank sends away, per level
+    out_inter = np.bincount(rank_S[cross], minlength=num_ranks).max(initial=0) * sample_bytes
+    out_intra = np.bincount(rank_S[moved & ~cross], minlength=num_ranks).max(initial=0) * sample_bytes
+    move_s = out_inter * b_inter + out_intra * b_intra
+    return Placement(tuple(int(r) for r in new_rank_S), before, after, a2a_time(before), a2a_time(after),
+                     exchanges, float(move_s), int(moved.sum()), solve_s)
+
+
+__all__ = ["LevelBytes", "Placement", "level_bytes", "place_samples", "sample_traffic"]

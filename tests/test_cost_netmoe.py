@@ -1,0 +1,95 @@
+"""NetMoE's sample-placement cost model (cost/netmoe.py): the traffic of a placement against a direct
+count, the two-stage balanced assignment against brute force, and the decision on sample-affine vs
+uniform routing."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from moe_compile.cost.netmoe import level_bytes, place_samples, sample_traffic
+from moe_compile.cost.topology import Level, Topology
+
+
+def topo(nodes: int = 2, per_node: int = 2, inter_gbps: float = 0.4, intra_gbps: float = 8.0) -> Topology:
+    return Topology(levels=(Level("node", nodes, 2e-5, 8 / (inter_gbps * 1e9)),
+                            Level("local", per_node, 5e-6, 8 / (intra_gbps * 1e9))), name="test")
+
+
+def direct_bytes(rank_S: np.ndarray, counts_SE: np.ndarray, expert_rank_E: np.ndarray, per_node: int
+                 ) -> tuple[float, float]:
+    """Total inter- and intra-node tokens, counted token copy by token copy."""
+    inter = intra = 0.0
+    for s, r in enumerate(rank_S):
+        for e, c in enumerate(counts_SE[s]):
+            dst = expert_rank_E[e]
+            if dst // per_node != r // per_node:
+                inter += c
+            elif dst != r:
+                intra += c
+    return inter, intra
+
+
+def test_traffic_matches_a_direct_count() -> None:
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 5, size=(8, 8))
+    expert_rank = np.repeat(np.arange(4), 2)  # 8 experts, 2 per rank, 2 nodes x 2 ranks
+    inter_SN, intra_SR = sample_traffic(counts, expert_rank, 2, 2)
+    for rank_S in (np.repeat(np.arange(4), 2), rng.permutation(np.repeat(np.arange(4), 2))):
+        b = level_bytes(rank_S, inter_SN, intra_SR, 2, token_bytes=1.0)
+        assert (b.inter_total, b.intra_total) == direct_bytes(rank_S, counts, expert_rank, 2)
+
+
+def test_stage_one_is_the_best_balanced_node_assignment() -> None:
+    """With moving free and intra-node traffic ignored, stage 1's inter-node total equals the
+    minimum over every balanced assignment of samples to nodes (brute force)."""
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 6, size=(6, 6))
+    expert_rank = np.array([0, 1, 2, 3, 4, 5])  # 3 nodes x 2 ranks, one expert each
+    t = topo(nodes=3, per_node=2, intra_gbps=1e9)  # intra links (nearly) free
+    rank_S = np.array([0, 1, 2, 3, 4, 5])
+    p = place_samples(counts, expert_rank, rank_S, t, token_bytes=1.0, sample_bytes=0.0)
+    inter_SN, _ = sample_traffic(counts, expert_rank, 3, 2)
+    best = min(sum(inter_SN[s, n] for s, n in enumerate(assign))
+               for assign in itertools.product(range(3), repeat=6) if np.bincount(assign, minlength=3).max() == 2)
+    assert p.after.inter_total == pytest.approx(best)
+    assert np.bincount(p.rank_of_sample, minlength=6).tolist() == [1] * 6  # S / R samples on every rank
+
+
+def test_sample_affine_routing_moves_samples_to_their_experts() -> None:
+    """Each sample sends all its tokens to the experts of one node, and half the samples live on
+    the other node: placement brings every sample home, inter-node bytes drop to zero, it pays."""
+    per_sample_tokens = 64  # 32 tokens a sample, top-2
+    expert_rank = np.repeat(np.arange(4), 2)  # 8 experts on 2 nodes x 2 ranks
+    counts = np.zeros((8, 8))
+    home = np.array([0, 1, 2, 3, 0, 1, 2, 3])  # each sample's experts sit on this rank
+    for s, r in enumerate(home):
+        counts[s, 2 * r] = counts[s, 2 * r + 1] = per_sample_tokens // 2
+    rank_S = np.array([2, 3, 0, 1, 0, 1, 2, 3])  # samples 0-3 live on the wrong node
+    p = place_samples(counts, expert_rank, rank_S, topo(), token_bytes=4096.0, sample_bytes=32 * 4096.0)
+    assert p.before.inter_total == 4 * per_sample_tokens * 4096.0
+    assert p.after.inter_total == 0.0 and p.after.intra_total == 0.0
+    assert list(p.rank_of_sample) == list(home)
+    assert p.moved == 4 and p.time_after_s < p.time_before_s and p.pays
+
+
+def test_uniform_routing_declines() -> None:
+    """Every sample spreads its tokens evenly over all experts: no placement sends fewer bytes, and
+    moving the samples would only cost, so nothing moves (or the model says it does not pay)."""
+    counts = np.full((8, 8), 4.0)
+    expert_rank = np.repeat(np.arange(4), 2)
+    rank_S = np.repeat(np.arange(4), 2)
+    p = place_samples(counts, expert_rank, rank_S, topo(), token_bytes=4096.0, sample_bytes=32 * 4096.0)
+    assert p.after.inter_total == p.before.inter_total
+    assert p.moved == 0 and not p.pays
+
+
+def test_refuses_uneven_samples_and_other_topologies() -> None:
+    counts = np.ones((3, 4))
+    with pytest.raises(ValueError, match="multiple"):
+        place_samples(counts, np.arange(4), np.array([0, 1, 2]), topo(), 1.0, 1.0)
+    one_level = Topology(levels=(Level("local", 4, 5e-6, 1e-9),))
+    with pytest.raises(ValueError, match="2-level"):
+        place_samples(np.ones((4, 4)), np.arange(4), np.arange(4), one_level, 1.0, 1.0)
