@@ -21,7 +21,9 @@ prediction reports the slowest-rank time before and after, and ``pays`` compares
 the exchanges the placement serves with the time to move the samples.
 
 Shapes: S samples, E experts, R ranks, N nodes (R = N * ranks_per_node); counts_SE[s, e] = tokens of
-sample s routed to expert e (a token with K experts counts K times, once per copy sent).
+sample s routed to expert e (a token with K experts counts K times, once per copy sent); or
+token-level routing, deduplicated per destination as HierMoE's HD-d sends it
+(``traffic_from_routing``).
 """
 
 from __future__ import annotations
@@ -73,19 +75,62 @@ def _two_levels(topo: Topology) -> tuple[int, int, float, float, float, float]:
     return (inter.size, intra.size, inter.alpha_s, inter.beta_s_per_byte, intra.alpha_s, intra.beta_s_per_byte)
 
 
+@dataclass(frozen=True)
+class SampleTraffic:
+    """What each sample's tokens send per all-to-all: ``to_node_SN[s, n]`` units arriving on node n
+    and ``to_rank_SR[s, r]`` on rank r. A unit is a token copy per (token, expert) without
+    deduplication, or per (token, node) / (token, rank) with it (HierMoE's HD-d sends a token once
+    to each node, then once to each rank, that holds any of its experts), so to_node is not always
+    the sum of to_rank over the node's ranks."""
+
+    to_node_SN: np.ndarray
+    to_rank_SR: np.ndarray
+
+    def inter_SN(self) -> np.ndarray:
+        """Units sample s sends over inter-node links if it lives on node n."""
+        return self.to_node_SN.sum(1, keepdims=True) - self.to_node_SN
+
+    def intra_SR(self, ranks_per_node: int) -> np.ndarray:
+        """Units sample s sends over intra-node links if it lives on rank r (to the node's other ranks;
+        with deduplication the node-level copy that arrived from elsewhere is relayed the same way)."""
+        num_s, num_ranks = self.to_rank_SR.shape
+        per_node_SN = self.to_rank_SR.reshape(num_s, num_ranks // ranks_per_node, ranks_per_node).sum(-1)
+        node_of_rank = np.arange(num_ranks) // ranks_per_node
+        return per_node_SN[:, node_of_rank] - self.to_rank_SR
+
+
+def traffic_from_counts(counts_SE: np.ndarray, expert_rank_E: np.ndarray, num_ranks: int,
+                        ranks_per_node: int) -> SampleTraffic:
+    """Non-deduplicated traffic (one unit per token copy) from per-sample expert counts."""
+    counts = np.asarray(counts_SE, dtype=np.float64)
+    to_rank_SR = counts @ np.eye(num_ranks)[np.asarray(expert_rank_E)]
+    to_node_SN = to_rank_SR.reshape(len(counts), num_ranks // ranks_per_node, ranks_per_node).sum(-1)
+    return SampleTraffic(to_node_SN, to_rank_SR)
+
+
+def traffic_from_routing(topk_idx_TK: np.ndarray, sample_T: np.ndarray, num_samples: int,
+                         expert_rank_E: np.ndarray, num_ranks: int, ranks_per_node: int,
+                         dedup: bool) -> SampleTraffic:
+    """Traffic of token-level routing (token t of sample sample_T[t] picks experts topk_idx_TK[t]),
+    deduplicated per (token, node) and (token, rank) as HD-d sends it, or one unit per copy."""
+    idx = np.asarray(topk_idx_TK)
+    rank_TK = np.asarray(expert_rank_E)[idx]
+    num_t = idx.shape[0]
+    hit_TR = np.zeros((num_t, num_ranks))
+    np.add.at(hit_TR, (np.repeat(np.arange(num_t), idx.shape[1]), rank_TK.reshape(-1)), 1.0)
+    hit_TN = hit_TR.reshape(num_t, num_ranks // ranks_per_node, ranks_per_node).sum(-1)
+    if dedup:
+        hit_TR, hit_TN = (hit_TR > 0).astype(np.float64), (hit_TN > 0).astype(np.float64)
+    onehot_TS = np.eye(num_samples)[np.asarray(sample_T)]
+    return SampleTraffic(onehot_TS.T @ hit_TN, onehot_TS.T @ hit_TR)
+
+
 def sample_traffic(counts_SE: np.ndarray, expert_rank_E: np.ndarray, num_nodes: int,
                    ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """(inter_SN, intra_SR): tokens sample s sends over the inter-node links if it lives on node n,
-    and over intra-node links if it lives on rank r (to experts on the other ranks of r's node)."""
-    num_ranks = num_nodes * ranks_per_node
-    counts = np.asarray(counts_SE, dtype=np.float64)
-    rank_onehot_ER = np.eye(num_ranks)[np.asarray(expert_rank_E)]
-    to_rank_SR = counts @ rank_onehot_ER
-    to_node_SN = to_rank_SR.reshape(len(counts), num_nodes, ranks_per_node).sum(-1)
-    inter_SN = counts.sum(1, keepdims=True) - to_node_SN
-    node_of_rank = np.arange(num_ranks) // ranks_per_node
-    intra_SR = to_node_SN[:, node_of_rank] - to_rank_SR
-    return inter_SN, intra_SR
+    """(inter_SN, intra_SR) of ``traffic_from_counts``: tokens sample s sends over the inter-node
+    links if it lives on node n, and over intra-node links if it lives on rank r."""
+    t = traffic_from_counts(counts_SE, expert_rank_E, num_nodes * ranks_per_node, ranks_per_node)
+    return t.inter_SN(), t.intra_SR(ranks_per_node)
 
 
 def level_bytes(rank_S: np.ndarray, inter_SN: np.ndarray, intra_SR: np.ndarray, ranks_per_node: int,
@@ -109,11 +154,11 @@ def _balanced_assignment(cost_SC: np.ndarray, per_column: int) -> np.ndarray:
     return out
 
 
-def place_samples(counts_SE: np.ndarray, expert_rank_E: np.ndarray, rank_S: np.ndarray, topo: Topology,
-                  token_bytes: float, sample_bytes: float, exchanges: float = 2.0) -> Placement:
+def place_samples(traffic: SampleTraffic, rank_S: np.ndarray, topo: Topology, token_bytes: float,
+                  sample_bytes: float, exchanges: float = 2.0) -> Placement:
     """NetMoE's two-stage placement of S samples (now on ranks ``rank_S``, S / R on each) for the
-    routing ``counts_SE`` on ``topo`` (two levels: nodes, ranks per node); ``token_bytes`` one routed
-    token copy, ``sample_bytes`` everything that moves with a sample (its residual stream, masks,
+    routing's ``traffic`` on ``topo`` (two levels: nodes, ranks per node); ``token_bytes`` one unit
+    of traffic (a token's hidden vector and its routing slots), ``sample_bytes`` everything that moves with a sample (its residual stream, masks,
     labels); ``exchanges``: how many all-to-alls with this routing the placement serves (2: this
     layer's combine and the next layer's dispatch, whose tokens leave from where the sample lives),
     against one move. Raises ValueError where the samples cannot be spread evenly."""
@@ -125,7 +170,10 @@ def place_samples(counts_SE: np.ndarray, expert_rank_E: np.ndarray, rank_S: np.n
         raise ValueError(f"sample placement keeps S / R samples on every rank: {num_s} samples on {num_ranks} "
                          "ranks must be a multiple, spread evenly now")
     start = time.perf_counter()
-    inter_SN, intra_SR = sample_traffic(counts_SE, expert_rank_E, num_nodes, per_node)
+    if traffic.to_rank_SR.shape != (num_s, num_ranks):
+        raise ValueError(f"traffic is for {traffic.to_rank_SR.shape} (samples, ranks), the placement for "
+                         f"{(num_s, num_ranks)}")
+    inter_SN, intra_SR = traffic.inter_SN(), traffic.intra_SR(per_node)
     node_S = rank_S // per_node
     # Stage 1: samples to nodes
     move_inter_SN = np.where(np.arange(num_nodes)[None, :] == node_S[:, None], 0.0, sample_bytes * b_inter)
@@ -157,4 +205,5 @@ def place_samples(counts_SE: np.ndarray, expert_rank_E: np.ndarray, rank_S: np.n
                      exchanges, float(move_s), int(moved.sum()), solve_s)
 
 
-__all__ = ["LevelBytes", "Placement", "level_bytes", "place_samples", "sample_traffic"]
+__all__ = ["LevelBytes", "Placement", "SampleTraffic", "level_bytes", "place_samples", "sample_traffic",
+           "traffic_from_counts", "traffic_from_routing"]

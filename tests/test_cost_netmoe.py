@@ -9,7 +9,13 @@ import itertools
 import numpy as np
 import pytest
 
-from moe_compile.cost.netmoe import level_bytes, place_samples, sample_traffic
+from moe_compile.cost.netmoe import (
+    level_bytes,
+    place_samples,
+    sample_traffic,
+    traffic_from_counts,
+    traffic_from_routing,
+)
 from moe_compile.cost.topology import Level, Topology
 
 
@@ -50,7 +56,8 @@ def test_stage_one_is_the_best_balanced_node_assignment() -> None:
     expert_rank = np.array([0, 1, 2, 3, 4, 5])  # 3 nodes x 2 ranks, one expert each
     t = topo(nodes=3, per_node=2, intra_gbps=1e9)  # intra links (nearly) free
     rank_S = np.array([0, 1, 2, 3, 4, 5])
-    p = place_samples(counts, expert_rank, rank_S, t, token_bytes=1.0, sample_bytes=0.0)
+    traffic = traffic_from_counts(counts, expert_rank, 6, 2)
+    p = place_samples(traffic, rank_S, t, token_bytes=1.0, sample_bytes=0.0)
     inter_SN, _ = sample_traffic(counts, expert_rank, 3, 2)
     best = min(sum(inter_SN[s, n] for s, n in enumerate(assign))
                for assign in itertools.product(range(3), repeat=6) if np.bincount(assign, minlength=3).max() == 2)
@@ -68,7 +75,8 @@ def test_sample_affine_routing_moves_samples_to_their_experts() -> None:
     for s, r in enumerate(home):
         counts[s, 2 * r] = counts[s, 2 * r + 1] = per_sample_tokens // 2
     rank_S = np.array([2, 3, 0, 1, 0, 1, 2, 3])  # samples 0-3 live on the wrong node
-    p = place_samples(counts, expert_rank, rank_S, topo(), token_bytes=4096.0, sample_bytes=32 * 4096.0)
+    traffic = traffic_from_counts(counts, expert_rank, 4, 2)
+    p = place_samples(traffic, rank_S, topo(), token_bytes=4096.0, sample_bytes=32 * 4096.0)
     assert p.before.inter_total == 4 * per_sample_tokens * 4096.0
     assert p.after.inter_total == 0.0 and p.after.intra_total == 0.0
     assert list(p.rank_of_sample) == list(home)
@@ -81,7 +89,8 @@ def test_uniform_routing_declines() -> None:
     counts = np.full((8, 8), 4.0)
     expert_rank = np.repeat(np.arange(4), 2)
     rank_S = np.repeat(np.arange(4), 2)
-    p = place_samples(counts, expert_rank, rank_S, topo(), token_bytes=4096.0, sample_bytes=32 * 4096.0)
+    traffic = traffic_from_counts(counts, expert_rank, 4, 2)
+    p = place_samples(traffic, rank_S, topo(), token_bytes=4096.0, sample_bytes=32 * 4096.0)
     assert p.after.inter_total == p.before.inter_total
     assert p.moved == 0 and not p.pays
 
@@ -89,7 +98,30 @@ def test_uniform_routing_declines() -> None:
 def test_refuses_uneven_samples_and_other_topologies() -> None:
     counts = np.ones((3, 4))
     with pytest.raises(ValueError, match="multiple"):
-        place_samples(counts, np.arange(4), np.array([0, 1, 2]), topo(), 1.0, 1.0)
+        place_samples(traffic_from_counts(counts, np.arange(4), 4, 2), np.array([0, 1, 2]), topo(), 1.0, 1.0)
     one_level = Topology(levels=(Level("local", 4, 5e-6, 1e-9),))
     with pytest.raises(ValueError, match="2-level"):
-        place_samples(np.ones((4, 4)), np.arange(4), np.arange(4), one_level, 1.0, 1.0)
+        place_samples(traffic_from_counts(np.ones((4, 4)), np.arange(4), 4, 4), np.arange(4), one_level, 1.0, 1.0)
+
+
+def test_deduplicated_traffic_counts_a_token_once_per_destination() -> None:
+    """HD-d sends a token once to each node and once to each rank holding any of its experts:
+    token-level routing against a direct count of distinct destinations; without dedup it equals
+    the per-copy counts."""
+    rng = np.random.default_rng(2)
+    num_t, k, e = 40, 4, 8
+    idx = np.stack([rng.permutation(e)[:k] for _ in range(num_t)])
+    sample = np.repeat(np.arange(4), 10)
+    expert_rank = np.repeat(np.arange(4), 2)
+    dd = traffic_from_routing(idx, sample, 4, expert_rank, 4, 2, dedup=True)
+    for s in range(4):
+        toks = idx[sample == s]
+        for n in range(2):
+            assert dd.to_node_SN[s, n] == sum(bool(set(expert_rank[row] // 2) & {n}) for row in toks)
+        for r in range(4):
+            assert dd.to_rank_SR[s, r] == sum(r in set(expert_rank[row]) for row in toks)
+    counts = np.stack([np.bincount(idx[sample == s].reshape(-1), minlength=e) for s in range(4)])
+    plain = traffic_from_routing(idx, sample, 4, expert_rank, 4, 2, dedup=False)
+    ref = traffic_from_counts(counts, expert_rank, 4, 2)
+    assert np.array_equal(plain.to_rank_SR, ref.to_rank_SR) and np.array_equal(plain.to_node_SN, ref.to_node_SN)
+    assert (dd.inter_SN() <= plain.inter_SN()).all()
