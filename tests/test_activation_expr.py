@@ -10,11 +10,10 @@ If these fail, fix the op or the parser, not the tolerance.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from test_experts_op import OPCHECK_TESTS, ROUTINGS, make_case
+from test_experts_op import OPCHECK_TESTS, ROUTINGS, loop_reference, make_case
 from torch import Tensor
 
 from moe_compile.lowering import activation as act_expr
@@ -38,23 +37,6 @@ FORMULAS: dict[str, tuple[bool, Callable[[Tensor | None, Tensor], Tensor]]] = {
     RELU2: (False, lambda g, u: torch.relu(u) ** 2),
     ONE_MINUS: (True, lambda g, u: (1 - torch.sigmoid(g)) * u**3),  # type: ignore[arg-type]
 }
-
-
-def loop_reference(args: list[Any], h: Callable[[Tensor | None, Tensor], Tensor]) -> Tensor:
-    x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH = args
-    rows = []
-    for t in range(x_TH.shape[0]):
-        acc_H = torch.zeros_like(x_TH[t])
-        for k in range(topk_idx_TK.shape[1]):
-            e = int(topk_idx_TK[t, k])
-            up = w_up_EFH[e] @ x_TH[t] + (b_up_EF[e] if b_up_EF is not None else 0)
-            gate = None
-            if w_gate_EFH is not None:
-                gate = w_gate_EFH[e] @ x_TH[t] + (b_gate_EF[e] if b_gate_EF is not None else 0)
-            y = w_down_EHF[e] @ h(gate, up) + (b_down_EH[e] if b_down_EH is not None else 0)
-            acc_H = acc_H + topk_weights_TK[t, k] * y
-        rows.append(acc_H)
-    return torch.stack(rows)
 
 
 def test_spec_reads_back_exactly() -> None:

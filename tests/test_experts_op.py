@@ -47,22 +47,27 @@ _ACT: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def loop_reference(args: list[Any], activation: str) -> Tensor:
-    """for t, for k: w * FFN_e(x_t), written without sorting, grouping or scatter."""
+def loop_reference(args: list[Any], activation: str | Callable[[Tensor | None, Tensor], Tensor]) -> Tensor:
+    """for t, for k: w * FFN_e(x_t), written without sorting, grouping or scatter; ``activation`` a
+    named one, or h(gate, up) itself (gate None when the experts are not gated)."""
     x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH = args
-    act = _ACT[activation]
+    if isinstance(activation, str):
+        act = _ACT[activation]
+
+        def h_of(gate: Tensor | None, up: Tensor) -> Tensor:
+            return act(up) if gate is None else act(gate) * up
+    else:
+        h_of = activation
     rows = []
     for t in range(x_TH.shape[0]):
         acc_H = torch.zeros_like(x_TH[t])
         for k in range(topk_idx_TK.shape[1]):
             e = int(topk_idx_TK[t, k])
             up = w_up_EFH[e] @ x_TH[t] + (b_up_EF[e] if b_up_EF is not None else 0)
+            gate = None
             if w_gate_EFH is not None:
                 gate = w_gate_EFH[e] @ x_TH[t] + (b_gate_EF[e] if b_gate_EF is not None else 0)
-                h = act(gate) * up
-            else:
-                h = act(up)
-            y = w_down_EHF[e] @ h + (b_down_EH[e] if b_down_EH is not None else 0)
+            y = w_down_EHF[e] @ h_of(gate, up) + (b_down_EH[e] if b_down_EH is not None else 0)
             acc_H = acc_H + topk_weights_TK[t, k] * y
         rows.append(acc_H)
     return torch.stack(rows)
