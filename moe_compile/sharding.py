@@ -76,3 +76,32 @@ def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     for m in mods:
         module = getattr(module, m)
     return module, attr
+
+
+def prepare_ddp(model: nn.Module, report: ShardReport) -> list[str]:
+    """Make a model whose experts ``shard_experts`` split over the ranks safe to wrap in
+    DistributedDataParallel (or in a trainer that wraps it: transformers' Trainer, accelerate).
+    Call it before wrapping. Each rank holds different experts at the same places of
+    ``model.parameters()``, and the expert-parallel backward leaves on each owner the sum of every
+    rank's tokens, so DDP must not all-reduce the shards: their names go into DDP's ignore list, and
+    a gradient hook divides each shard's gradient by the world size, as DDP divides the rest (hooks
+    on the incoming gradient, so gradient accumulation stays right); the buffers that mark the
+    shards are rank-local and ignored too. Returns the ignored names.
+    Compile the model itself before wrapping (``model.compile(backend="hiermoe", ...)``, then DDP,
+    as with a Trainer). A model larger than one DDP bucket (25 MiB by default) also wants
+    ``torch._dynamo.config.optimize_ddp = False``: Dynamo otherwise splits the graph at the bucket
+    boundaries, and a layer cut in two cannot be found whole (tested here: one bucket, both
+    settings)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = dist.get_world_size()
+    names = [n for n, p in model.named_parameters() if report.owns(p)]
+    # and the buffers that mark the shards (rank-local; DDP would broadcast rank 0's)
+    names += [n for n, b in model.named_buffers() if lookup(b) is not None]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    for p in model.parameters():
+        if report.owns(p) and not getattr(p, "_hiermoe_ddp_hook", False):
+            p.register_hook(lambda g: g / world)
+            p._hiermoe_ddp_hook = True  # type: ignore[attr-defined]
+    return names

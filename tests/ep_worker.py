@@ -628,6 +628,38 @@ def case_shard() -> dict[str, Any]:
     return out
 
 
+def case_ddp_shard() -> dict[str, Any]:
+    """Sharded experts under DistributedDataParallel, as a trainer wraps them: prepare_ddp, then
+    model.compile(...) and DDP(model); AdamW steps against eager DDP of the unsharded model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    torch._dynamo.config.optimize_ddp = PARAMS.get("optimize_ddp", False)
+    model = tiny(PARAMS["kind"], 8)
+    eager = DDP(copy.deepcopy(model))
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+    report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+    ignored = moe_compile.prepare_ddp(model, report)
+    model.compile(backend="hiermoe", options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+    wrapped = DDP(model)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
+    opt_c = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=ADAM_EPS)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+    with collect_reports() as graphs:
+        for _ in range(PARAMS["steps"]):
+            batch = torch.randint(0, 32, (2, 9), generator=gen)
+            for label, module, opt in (("eager", eager, opt_e), ("compiled", wrapped, opt_c)):
+                loss = module(batch[:, :-1], batch[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses[label].append(float(loss))
+    return {"losses": losses, "ignored": ignored,
+            "rewritten": sum(len(g.regions) for g in graphs)}
+
+
 def case_errors() -> dict[str, Any]:
     """Setup errors raise ValueError at compile time, before any step collective, on every rank."""
     from torch.distributed.device_mesh import DeviceMesh

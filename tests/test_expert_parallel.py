@@ -253,6 +253,20 @@ def test_training_matches_eager_ddp_on_8_ranks() -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (rank, step, res)
 
 
+def test_sharded_experts_train_under_ddp_after_prepare_ddp() -> None:
+    """What a trainer does (model.compile, then DistributedDataParallel around it) with sharded
+    experts: prepare_ddp keeps DDP from averaging the rank-local shards (and from broadcasting their
+    marker buffers) and divides their gradients as DDP divides the rest; 3 AdamW steps equal eager
+    DDP of the unsharded model on every rank, with both layers expert-parallel."""
+    results = run_ranks(4, "ddp_shard", shape=[2, 2], kind="grouped_gemm", steps=3)
+    for rank, res in enumerate(results):
+        assert res["rewritten"] == 2, (rank, res)
+        assert {n.split(".")[-1] for n in res["ignored"]} == {"gate_up_proj", "down_proj", "gate_up_proj_shard",
+                                                              "down_proj_shard"}, res["ignored"]
+        for a, b in zip(res["losses"]["compiled"], res["losses"]["eager"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, res["losses"])
+
+
 def test_shard_experts_memory_equality_and_training() -> None:
     results = run_ranks(4, "shard", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2)
     for rank, res in enumerate(results):
