@@ -165,10 +165,7 @@ def keep_blk(x_TH: Tensor, num_k: int, num_e: int) -> int:
     """The re-index block ``hiermoe::experts_triton_keep`` is given (its kept buffers have
     num_blocks_bound(N, E, blk) * blk rows, so the block must be known when the graph is traced):
     ``kernel_config``'s choice for x's shape, the largest block where T is symbolic."""
-    num_t = x_TH.shape[0]
-    if INTERPRETED:
-        return 16
-    return gpu_blk(num_t * num_k if isinstance(num_t, int) else num_t, num_e)
+    return 16 if INTERPRETED else gpu_blk(x_TH.shape[0] * num_k, num_e)
 
 
 def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
@@ -332,6 +329,13 @@ def _autograd_backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
     x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down = ctx.saved_tensors
     grads = torch.ops.hiermoe.experts_triton_backward(
         grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation)
+    return _input_grads(grads, w_gate, b_up, b_gate, b_down)
+
+
+def _input_grads(grads: Grads, w_gate: Tensor | None, b_up: Tensor | None, b_gate: Tensor | None,
+                 b_down: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The backward op's eight gradients as autograd wants them for the op's inputs through
+    ``activation``: None for topk_idx, each absent optional input and the activation."""
     d_x, d_tw, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = grads
 
     def given(grad: Tensor, inp: Tensor | None) -> Tensor | None:
@@ -443,13 +447,7 @@ def _autograd_backward_keep(ctx: Any, grad_out: Tensor, *_unused: Tensor) -> tup
     x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, *kept = ctx.saved_tensors
     grads = torch.ops.hiermoe.experts_triton_backward_keep(
         grad_out, x, topk_idx, topk_weights, w_up, w_gate, w_down, b_up, b_gate, b_down, ctx.activation, *kept)
-    d_x, d_tw, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down = grads
-
-    def given(grad: Tensor, inp: Tensor | None) -> Tensor | None:
-        return None if inp is None else grad
-
-    return (d_x, None, d_tw, d_w_up, given(d_w_gate, w_gate), d_w_down, given(d_b_up, b_up),
-            given(d_b_gate, b_gate), given(d_b_down, b_down), None, None)
+    return (*_input_grads(grads, w_gate, b_up, b_gate, b_down), None)  # and none for blk
 
 
 experts_triton_keep.register_autograd(_autograd_backward_keep, setup_context=_setup_context_keep)

@@ -163,8 +163,7 @@ def _keeps(n: fx.Node) -> bool:
     mode = os.environ.get("HIERMOE_TRITON_KEEP", "1")
     if mode not in ("0", "1"):
         raise ValueError(f"HIERMOE_TRITON_KEEP must be 0 or 1, got {mode!r}")
-    x, idx = _fakes(n, "x", "topk_idx")
-    return mode == "1" and x is not None and idx is not None and _training(n)
+    return mode == "1" and all(t is not None for t in _fakes(n, "x", "topk_idx", "w_up")) and _training(n)
 
 
 def _to_keep_form(gm: fx.GraphModule, n: fx.Node) -> None:
@@ -187,10 +186,7 @@ def _composite_ok(n: fx.Node) -> bool:
     """Whether the expert op ``n`` can run as ``hiermoe::experts_composite`` (every matmul one
     grouped_mm, ``lowering.experts_composite.grouped_mm_ok``), judged on the fake values of its
     tokens and weights (``graph_index.fake_tensor``); False where one of them has none."""
-    names = ("x", "topk_idx", "topk_weights", "w_up", "w_gate", "w_down")
-    args = [n.args[i] if i < len(n.args) else n.kwargs.get(name) for i, name in enumerate(names)]
-    x, w_up, w_gate, w_down = (fake_tensor(a) if isinstance(a, fx.Node) else None for a in
-                               (args[0], args[3], args[4], args[5]))
-    if x is None or w_up is None or w_down is None or (args[4] is not None and w_gate is None):
+    x, w_up, w_gate, w_down = _fakes(n, "x", "w_up", "w_gate", "w_down")
+    if x is None or w_up is None or w_down is None or (_arg(n, _NAMES.index("w_gate")) is not None and w_gate is None):
         return False
     return lowering.grouped_mm_ok(x, w_up, w_gate, w_down)

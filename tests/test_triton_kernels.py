@@ -321,6 +321,16 @@ def test_opcheck() -> None:
     plain = [a.detach() if isinstance(a, Tensor) else a for a in args]
     torch.library.opcheck(torch.ops.hiermoe.experts_triton_backward.default,
                           (torch.randn(8, 16), *plain, "silu"))
+    # the training form: its kept buffers (unused blocks zeroed) and autograd through them, also
+    # non-gated and with no tokens
+    keep = torch.ops.hiermoe.experts_triton_keep.default
+    torch.library.opcheck(keep, (*args, "silu", 16))
+    lv_ng, build_ng = make_case(False, False, torch.float32, num_t=8, num_h=16, num_f=16, num_e=3)
+    non_gated = [a.requires_grad_() if isinstance(a, Tensor) and a.is_floating_point() else a
+                 for a in build_ng(lv_ng)]
+    torch.library.opcheck(keep, (*non_gated, "gelu", 16))
+    empty = [args[0][:0], args[1][:0], args[2][:0], *args[3:]]
+    torch.library.opcheck(keep, (*empty, "silu", 16))
 
 
 @interp
