@@ -125,14 +125,6 @@ def traffic_from_routing(topk_idx_TK: np.ndarray, sample_T: np.ndarray, num_samp
     return SampleTraffic(onehot_TS.T @ hit_TN, onehot_TS.T @ hit_TR)
 
 
-def sample_traffic(counts_SE: np.ndarray, expert_rank_E: np.ndarray, num_nodes: int,
-                   ranks_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """(inter_SN, intra_SR) of ``traffic_from_counts``: tokens sample s sends over the inter-node
-    links if it lives on node n, and over intra-node links if it lives on rank r."""
-    t = traffic_from_counts(counts_SE, expert_rank_E, num_nodes * ranks_per_node, ranks_per_node)
-    return t.inter_SN(), t.intra_SR(ranks_per_node)
-
-
 def level_bytes(rank_S: np.ndarray, inter_SN: np.ndarray, intra_SR: np.ndarray, ranks_per_node: int,
                 token_bytes: float) -> LevelBytes:
     """Bytes per level of one all-to-all with sample s on rank rank_S[s]."""
@@ -205,5 +197,5 @@ def place_samples(traffic: SampleTraffic, rank_S: np.ndarray, topo: Topology, to
                      exchanges, float(move_s), int(moved.sum()), solve_s)
 
 
-__all__ = ["LevelBytes", "Placement", "SampleTraffic", "level_bytes", "place_samples", "sample_traffic",
+__all__ = ["LevelBytes", "Placement", "SampleTraffic", "level_bytes", "place_samples",
            "traffic_from_counts", "traffic_from_routing"]

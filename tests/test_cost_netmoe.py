@@ -12,7 +12,6 @@ import pytest
 from moe_compile.cost.netmoe import (
     level_bytes,
     place_samples,
-    sample_traffic,
     traffic_from_counts,
     traffic_from_routing,
 )
@@ -42,7 +41,8 @@ def test_traffic_matches_a_direct_count() -> None:
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 5, size=(8, 8))
     expert_rank = np.repeat(np.arange(4), 2)  # 8 experts, 2 per rank, 2 nodes x 2 ranks
-    inter_SN, intra_SR = sample_traffic(counts, expert_rank, 2, 2)
+    traffic = traffic_from_counts(counts, expert_rank, 4, 2)
+    inter_SN, intra_SR = traffic.inter_SN(), traffic.intra_SR(2)
     for rank_S in (np.repeat(np.arange(4), 2), rng.permutation(np.repeat(np.arange(4), 2))):
         b = level_bytes(rank_S, inter_SN, intra_SR, 2, token_bytes=1.0)
         assert (b.inter_total, b.intra_total) == direct_bytes(rank_S, counts, expert_rank, 2)
@@ -58,7 +58,7 @@ def test_stage_one_is_the_best_balanced_node_assignment() -> None:
     rank_S = np.array([0, 1, 2, 3, 4, 5])
     traffic = traffic_from_counts(counts, expert_rank, 6, 2)
     p = place_samples(traffic, rank_S, t, token_bytes=1.0, sample_bytes=0.0)
-    inter_SN, _ = sample_traffic(counts, expert_rank, 3, 2)
+    inter_SN = traffic.inter_SN()
     best = min(sum(inter_SN[s, n] for s, n in enumerate(assign))
                for assign in itertools.product(range(3), repeat=6) if np.bincount(assign, minlength=3).max() == 2)
     assert p.after.inter_total == pytest.approx(best)
