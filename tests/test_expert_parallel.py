@@ -258,7 +258,7 @@ def test_sharded_experts_train_under_ddp_after_prepare_ddp() -> None:
     experts: prepare_ddp keeps DDP from averaging the rank-local shards (and from broadcasting their
     marker buffers) and divides their gradients as DDP divides the rest; 3 AdamW steps equal eager
     DDP of the unsharded model on every rank, with both layers expert-parallel."""
-    results = run_ranks(4, "ddp_shard", shape=[2, 2], kind="grouped_gemm", steps=3)
+    results = run_ranks(4, "ddp_shard", worker="shard_worker.py", shape=[2, 2], kind="grouped_gemm", steps=3)
     for rank, res in enumerate(results):
         assert res["rewritten"] == 2, (rank, res)
         assert {n.split(".")[-1] for n in res["ignored"]} == {"gate_up_proj", "down_proj", "gate_up_proj_shard",
@@ -268,7 +268,7 @@ def test_sharded_experts_train_under_ddp_after_prepare_ddp() -> None:
 
 
 def test_shard_experts_memory_equality_and_training() -> None:
-    results = run_ranks(4, "shard", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2)
+    results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2)
     for rank, res in enumerate(results):
         for kind, r in res.items():
             where = (rank, kind)

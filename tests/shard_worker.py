@@ -1,0 +1,108 @@
+"""One rank of the shard_experts tests (launched by tests/dist_utils.py with worker="shard_worker.py"):
+each rank keeps only its own experts, trained with DDP-style averaging by hand and inside
+DistributedDataParallel. Cases write this rank's results to $HIERMOE_TEST_OUT/rank<r>.json;
+tests/test_expert_parallel.py asserts on them."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ep_worker import ADAM_EPS, PARAMS, average_grads, main, make_mesh, rel_err, tiny  # noqa: E402
+
+import moe_compile  # noqa: E402
+from moe_compile.backend import collect_reports  # noqa: E402
+
+
+def case_shard() -> dict[str, Any]:
+    """shard_experts: per-rank expert memory, outputs/grads against eager, no expert-weight copy in
+    the compiled step, and AdamW steps equal to eager DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for kind in PARAMS["kinds"]:
+        torch._dynamo.reset()
+        model = tiny(kind, 8)
+        eager = DDP(copy.deepcopy(model))
+        ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+        before = sum(p.numel() for p in model.parameters())
+        shard_report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+        after = sum(p.numel() for p in model.parameters())
+        expert_numel = shard_report.full_bytes // 4
+        opts = {"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+        opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
+        opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(PARAMS["steps"]):
+            batch = torch.randint(0, 32, (2, 9), generator=gen)
+            if step == 0:
+                with collect_reports() as graphs:
+                    compiled(batch[:, :-1], batch[:, 1:])  # compiles; the code the step runs
+                after_code = "\n".join(g.after for g in graphs)
+            for label, module, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
+                loss = module(batch[:, :-1], batch[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if label == "compiled":
+                    average_grads(model, shard_report)
+                opt.step()
+                losses[label].append(float(loss))
+        # the sharded weights after training equal the eager DDP model's rows for this rank's experts
+        eager_params = dict(eager.module.named_parameters())
+        weight_err = 0.0
+        for s in shard_report.shards:
+            if s.local is not None:
+                ref = eager_params[s.name][s.first:s.first + s.num_local]
+                weight_err = max(weight_err, rel_err(s.local.detach(), ref.detach()))
+        out[kind] = {"full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
+                     "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
+                     "losses": losses, "weight_err": weight_err, "after_code": after_code,
+                     "text": str(shard_report)}
+    return out
+
+
+def case_ddp_shard() -> dict[str, Any]:
+    """Sharded experts under DistributedDataParallel, as a trainer wraps them: prepare_ddp, then
+    model.compile(...) and DDP(model); AdamW steps against eager DDP of the unsharded model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    torch._dynamo.config.optimize_ddp = PARAMS.get("optimize_ddp", False)
+    model = tiny(PARAMS["kind"], 8)
+    eager = DDP(copy.deepcopy(model))
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+    report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+    ignored = moe_compile.prepare_ddp(model, report)
+    model.compile(backend="hiermoe", options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+    wrapped = DDP(model)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
+    opt_c = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=ADAM_EPS)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+    with collect_reports() as graphs:
+        for _ in range(PARAMS["steps"]):
+            batch = torch.randint(0, 32, (2, 9), generator=gen)
+            for label, module, opt in (("eager", eager, opt_e), ("compiled", wrapped, opt_c)):
+                loss = module(batch[:, :-1], batch[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses[label].append(float(loss))
+    return {"losses": losses, "ignored": ignored,
+            "rewritten": sum(len(g.regions) for g in graphs)}
+
+
+if __name__ == "__main__":
+    main(globals())
