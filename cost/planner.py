@@ -11,6 +11,11 @@ Candidates and where their times come from (seconds of one layer's forward on on
     hd{d}              HierMoE HD-d dedup all-to-all, d = 1..D (hiermoe.py, Eq. 1-5)
     monta_{O1,O2,O3}   MoNTA's drop + inter-node A2A + intra-node AllGather options (monta.py, Alg. 3)
     hybridep           HybridEP's expert-domain AllGather + cross-domain A2A (hybridep.py, Alg. 1)
+    gather{j}          the expert gather the lowering runs (``lowering.strategies.gather``): the
+                       mesh blocks at level j all-gather their experts (HybridEP's AG term with
+                       domain sizes 1 above level j, the level sizes from j on), tokens cross
+                       levels 0..j-1 by HD-(j+1)'s deduplicating inter-level phases (hiermoe.py);
+                       gather0 is HEXA-MoE's data-centric mode
     hexa_{data,model}_centric   HEXA-MoE's execution modes (hexa.py, Section 4.3)
 
 Assumptions: the dispatch models give one direction; the combine is its mirror, so dispatch
@@ -23,6 +28,7 @@ those of uniform random routing of T tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from moe_compile.cost import hexa, hybridep, monta
-from moe_compile.cost.hiermoe import HDCostModel
+from moe_compile.cost.hiermoe import HDCostModel, phase_times_s
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
@@ -127,11 +133,33 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
     hep = hybridep.choose_partition(topology, sizes)
     predicted["hybridep"] = float(hep.time.total_s) + compute_s
     params["hybridep"] = {"domain_sizes": tuple(hep.partition.domain_sizes)}
+    # the executable expert gathers, one per domain level
+    for j in range(len(topology.levels)):
+        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j) + compute_s
+        params[f"gather{j}"] = {"domain_level": j, "domain_size": math.prod(topology.sizes[j:])}
     # HEXA-MoE: data- vs model-centric (its model includes the compute)
     hx = hexa.choose_execution(topology, workload)
     predicted["hexa_data_centric"] = float(hx.data_centric_s)
     predicted["hexa_model_centric"] = float(hx.model_centric_s)
     return predicted, params
+
+
+def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int) -> float:
+    """Communication seconds of one layer's forward under ``gather{level}``: the hierarchical
+    all-gather of the domain's expert weights (HybridEP's multi-level AG, ``hybridep.partition_time_s``
+    with domain sizes 1 above ``level`` and the level sizes from it on; not overlapped with
+    earlier work: the prefetch is not credited) plus the tokens' dispatch (with the routing
+    slots' bytes) and combine over Inter-level-1..``level`` (HierMoE Eq. 3's first ``level``
+    summands of HD-(level+1), ``phase_times_s``)."""
+    sizes = tuple(1 if i < level else s for i, s in enumerate(topology.sizes))
+    part = hybridep.DomainPartition.of(topology, sizes)
+    ag = hybridep.partition_time_s(topology, part, hybridep.StreamSizes.from_workload(workload, topology.world_size)).ag_s
+    if level == 0:
+        return float(ag)
+    tokens = 0.0
+    for w in (workload, replace(workload, slot_bytes=0)):  # dispatch, combine
+        tokens += sum(a + b for a, b in phase_times_s(level + 1, topology, w, stats)[:level])
+    return float(ag) + tokens
 
 
 _HD_MODELS: dict[tuple[str, Workload], HDCostModel] = {}

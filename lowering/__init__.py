@@ -6,6 +6,7 @@ kernels, same arguments and semantics) when the ``triton`` package is importable
 
 import torch
 
+from moe_compile.lowering.ep_gather import ep_expert_rows, ep_gather
 from moe_compile.lowering.ep_stages import ep_combine, ep_dispatch, ep_local_experts
 from moe_compile.lowering.expert_parallel import ep_experts, ep_experts_backward
 from moe_compile.lowering.experts import (
@@ -40,5 +41,5 @@ def triton_kernels_error(device: torch.device) -> str | None:
     return triton_experts.interpreter_error(device)
 
 
-__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
+__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_expert_rows", "ep_gather", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
            "experts_flops", "experts_reference", "grouped_mm_ok", "triton_keep_blk", "triton_kernels_error"]

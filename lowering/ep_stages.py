@@ -69,7 +69,7 @@ def collective(lay: runtime.EPLayer, what: str) -> Iterator[None]:
 
 
 def phase_names(d: int, lay: runtime.EPLayer) -> str:
-    return f"HD-{d}: " + ", ".join(p.name for p in lay.comm.phases(d))
+    return f"HD-{d}: " + ", ".join(p.name for p in lay.phases(d))
 
 
 def begin_forward(lay: runtime.EPLayer, x: Tensor, topk_idx: Tensor) -> int:
@@ -97,18 +97,18 @@ def _local_pairs(ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: 
     """(row r_P, slot column s_P, weight row of its expert wrow_P1, weight w_P1) of every valid
     slot; all must be local."""
     r_P, s_P = (ids_RS >= 0).nonzero(as_tuple=True)
-    e_P = ids_RS[r_P, s_P]
-    assert bool((lay.local_slot_E[e_P] >= 0).all()), "a row arrived at a rank that does not hold its expert"
-    return r_P, s_P, lay.rows(by_expert)[e_P][:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
+    row_P = lay.weight_rows(by_expert)[ids_RS[r_P, s_P]]
+    assert bool((row_P >= 0).all()), "a row arrived at a rank that does not hold its expert"
+    return r_P, s_P, row_P[:, None], w_RS[r_P, s_P][:, None].to(w_dtype)
 
 
 def _weight_rows(ids_RS: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
     """[R, S] the weight row of every slot's expert, -1 for no slot: the routing the Triton kernels
     take as it is (they skip ids outside [0, E)), so no row is copied per slot."""
     valid = ids_RS >= 0
-    e_RS = ids_RS.clamp(min=0)
-    assert bool((lay.local_slot_E[e_RS] >= 0)[valid].all()), "a row arrived at a rank that does not hold its expert"
-    return torch.where(valid, lay.rows(by_expert)[e_RS], -1)
+    row_RS = lay.weight_rows(by_expert)[ids_RS.clamp(min=0)]
+    assert bool((row_RS >= 0)[valid].all()), "a row arrived at a rank that does not hold its expert"
+    return torch.where(valid, row_RS, -1)
 
 
 def local_forward(rows_RH: Tensor, ids_RS: Tensor, w_RS: Tensor, lay: runtime.EPLayer, by_expert: bool,
@@ -170,7 +170,7 @@ def _route(packed: Tensor, device: torch.device) -> tuple[runtime.EPLayer, int, 
     d, version, actual = (int(v) for v in packed[:_HEADER].tolist())
     lay = runtime.layer(actual)
     check_version(lay, version)
-    return lay, d, hier_a2a.Route.unpack(packed, _HEADER, lay.comm.phases(d), actual, device)
+    return lay, d, hier_a2a.Route.unpack(packed, _HEADER, lay.phases(d), actual, device)
 
 
 def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
@@ -183,7 +183,7 @@ Job = tuple[torch.device, Generator[Any, None, Any], list[Any]]
 SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward")
 
 
-def _stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job], fake: Callable[..., Any]) -> Any:
+def stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job], fake: Callable[..., Any]) -> Any:
     """Register one communicating stage as three ops: ``hiermoe::<name>`` (start and wait at
     once, what the passes emit and autograd differentiates), ``<name>_start`` (same arguments,
     returns the worker's ticket, ``moe_compile.ep.worker``) and ``<name>_wait`` (the ticket, then
@@ -272,7 +272,7 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         assert actual == lay.layer_id, (actual, lay.layer_id)
         check_version(lay, version)
 
-    phases = lay.comm.phases(d)
+    phases = lay.phases(d)
     runtime.STEP_CLOCK.dispatched()
 
     def job() -> Generator[Any, None, tuple[Tensor, Tensor, Tensor, Tensor]]:
@@ -300,7 +300,7 @@ def _dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int
             torch.empty((route_len,), dtype=torch.long, device="cpu"))
 
 
-ep_dispatch = _stage_ops("ep_dispatch", _DISPATCH, _DISPATCH_OUT, _dispatch_job, _dispatch_fake)
+ep_dispatch = stage_ops("ep_dispatch", _DISPATCH, _DISPATCH_OUT, _dispatch_job, _dispatch_fake)
 
 
 _DISPATCH_BW = ("Tensor grad_rows, Tensor grad_w, Tensor route, SymInt[] x_shape, ScalarType x_dtype, "
@@ -331,7 +331,7 @@ def _dispatch_backward_fake(grad_rows: Tensor, grad_w: Tensor, route: Tensor, x_
     return grad_rows.new_empty(x_shape, dtype=x_dtype), grad_rows.new_empty(w_shape, dtype=w_dtype)
 
 
-_stage_ops("ep_dispatch_backward", _DISPATCH_BW, "(Tensor, Tensor)", _dispatch_backward_job, _dispatch_backward_fake)
+stage_ops("ep_dispatch_backward", _DISPATCH_BW, "(Tensor, Tensor)", _dispatch_backward_job, _dispatch_backward_fake)
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -468,7 +468,7 @@ def _combine_fake(partial: Tensor, route: Tensor, num_tokens: int) -> Tensor:
     return partial.new_empty((num_tokens, partial.shape[1]))
 
 
-ep_combine = _stage_ops("ep_combine", "Tensor partial, Tensor route, SymInt num_tokens", "Tensor", _combine_job,
+ep_combine = stage_ops("ep_combine", "Tensor partial, Tensor route, SymInt num_tokens", "Tensor", _combine_job,
                         _combine_fake)
 
 
@@ -492,7 +492,7 @@ def _combine_backward_fake(grad_y: Tensor, route: Tensor, num_rows: int) -> Tens
     return grad_y.new_empty((num_rows, grad_y.shape[1]))
 
 
-_stage_ops("ep_combine_backward", "Tensor grad_y, Tensor route, SymInt num_rows", "Tensor", _combine_backward_job,
+stage_ops("ep_combine_backward", "Tensor grad_y, Tensor route, SymInt num_rows", "Tensor", _combine_backward_job,
            _combine_backward_fake)
 
 

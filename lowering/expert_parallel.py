@@ -74,7 +74,7 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     lay = runtime.resolve(layer)
     d = begin_forward(lay, x, topk_idx)
     lay.saved_bytes = 0  # autograd keeps only the op's inputs
-    phases = lay.comm.phases(d)
+    phases = lay.phases(d)
     runtime.STEP_CLOCK.dispatched()
     t0 = time.perf_counter()
     with collective(lay, f"the forward dispatch all-to-alls ({_phases(d, lay)})"):
@@ -107,7 +107,7 @@ def ep_experts_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weig
     lay = runtime.layer(actual)  # the layer the forward ran on (the graph's, or another model's weights')
     hidden = x.shape[1]
     check_version(lay, version)
-    phases = lay.comm.phases(d)
+    phases = lay.phases(d)
     xg_TC = torch.cat([x, grad_out.to(x.dtype)], dim=1)
     t0 = time.perf_counter()
     with collective(lay, f"the backward dispatch all-to-alls ({_phases(d, lay)})"):

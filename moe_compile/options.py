@@ -65,6 +65,15 @@ class Options:
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
         HierMoE Section IV).
+    expert_gather: with a mesh, whether the planner may move experts instead of tokens
+        (``lowering.strategies.gather``: the ranks of a mesh block all-gather their experts,
+        tokens cross only the levels above it; HybridEP, HEXA-MoE's data-centric mode):
+        "auto" (default) = weighed against the all-to-alls per layer, False = never, an int j =
+        every layer gathers inside the blocks of mesh level j (0 = the whole mesh, no token
+        moves). Not with a fixed 'dimension' (that fixes a token all-to-all).
+    gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
+        (``passes.overlap``): it runs during the layers before it, and the weights of this
+        many further layers are in memory at once (default 1; 0 = where the layer starts).
     """
 
     inner_compiler: str = "inductor"
@@ -81,6 +90,8 @@ class Options:
     pipeline: str | int = "auto"
     tune_dimension: int = TUNE_ROUNDS
     expert_swap: SwapOptions | None = None
+    expert_gather: str | bool | int = "auto"
+    gather_prefetch: int = 1
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -142,10 +153,28 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"option 'tune_dimension' must be an int >= 0 (measurements of each close d; 0 = the "
                              f"cost model alone), got {rounds!r}")
+    if "expert_gather" in kw:
+        gather = kw["expert_gather"]
+        if gather is True or not (gather in ("auto", False) or isinstance(gather, int) and gather >= 0):
+            raise ValueError(f"option 'expert_gather' must be 'auto', False or a mesh level j >= 0 (0 = gather over "
+                             f"the whole mesh), got {gather!r}")
+        if isinstance(gather, int) and not isinstance(gather, bool) and dim is not None:
+            raise ValueError("option 'expert_gather' = j gathers experts, option 'dimension' fixes a token "
+                             "all-to-all: give one of them")
+        mesh = kw.get("mesh")
+        levels = getattr(getattr(mesh, "mesh", None), "ndim", None)
+        if isinstance(gather, int) and not isinstance(gather, bool) and levels is not None and gather >= levels:
+            raise ValueError(f"option 'expert_gather' = {gather}: the mesh has levels 0..{levels - 1}")
+    if "gather_prefetch" in kw:
+        ahead = kw["gather_prefetch"]
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"option 'gather_prefetch' must be an int >= 0 (layers ahead), got {ahead!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
-                                   or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw):
-        raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline' and 'tune_dimension' "
-                         "set how expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
+                                   or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw
+                                   or "expert_gather" in kw or "gather_prefetch" in kw):
+        raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
+                         "'expert_gather' and 'gather_prefetch' set how expert-parallel layers communicate; they "
+                         "need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
         if kw["expert_swap"] is not None and kw.get("mesh") is None:

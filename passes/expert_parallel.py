@@ -89,7 +89,8 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=settings.dimension, dedup=settings.dedup,
                           num_experts=num_experts, top_k=reg.top_k, hidden_size=reg.hidden_size,
                           ffn_size=r.layout.ffn_size, gated=r.layout.gated, dtype=getattr(torch, reg.dtype),
-                          device=x_meta.device, tensors=tuple(value[n] for n in weight_inputs))
+                          device=x_meta.device, tensors=tuple(value[n] for n in weight_inputs),
+                          domain=settings.domain)
         inputs[lay.layer_id] = tuple(placeholders.index(n) for n in weight_inputs)
         if expert_swap is not None:
             lay.swap_options = expert_swap
@@ -131,7 +132,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             by_expert = mode
         # Step 3
         with gm.graph.inserting_before(op):
-            if backward == "resend":
+            if backward == "resend" and settings.domain is None:
                 ep = gm.graph.call_function(torch.ops.hiermoe.ep_experts.default,
                                             (*args, lay.layer_id, bool(by_expert)))
                 y = gm.graph.call_function(operator.getitem, (ep, 0))

@@ -59,6 +59,11 @@ class LayerPlan:
         "hd2 (hd, d* per step, 4 chunks)"."""
         if self.strategy is None or self.settings is None:
             return self.plan.strategy
+        if self.settings.domain is not None:
+            j = self.settings.domain
+            return (f"{self.plan.strategy} ({self.strategy.name}, experts all-gathered "
+                    + ("over the whole mesh, no token moves" if j == 0 else
+                       f"inside each block of mesh levels {j}.., tokens across levels 0..{j - 1}") + ")")
         how = "d* per step" if self.settings.dimension is None else f"d={self.settings.dimension}"
         if self.settings.chunks > 1:
             how += f", {self.settings.chunks} chunks"
@@ -83,12 +88,13 @@ class LayerPlan:
 
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
-               agreed: str | None = None, chunks: str | int = 1) -> LayerPlan:
+               agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto") -> LayerPlan:
     """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None (uniform
     random routing: what every rank plans expert parallelism on, so that ranks with the same
     shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
     ``LayerPlan.choice``), which overrides this rank's; the predictions stay this rank's.
-    ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n) or n."""
+    ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n) or n.
+    ``gather``: options['expert_gather'] ("auto", False, or a domain level)."""
     agreed, _, agreed_chunks = (agreed or "").partition("@")
     agreed = agreed or None
     work = Workload(num_tokens=region.num_tokens, hidden_size=region.hidden_size, ffn_size=layout.ffn_size,
@@ -97,7 +103,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                     slot_bytes=SLOT_BYTES if mesh_levels is not None else 0)
     if mesh_levels is None:
         return LayerPlan(plan(topology, work, routing))
-    runnable = executable(mesh_levels, dimension, dedup)
+    runnable = executable(mesh_levels, dimension, dedup, gather)
     if topology is None:
         assert dimension is not None, "a mesh without topology and dimension is probed before planning"
         name = dispatch_strategy(dimension, True if dedup is None else dedup)
@@ -112,6 +118,8 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                           notes=(*decided.notes, f"{agreed}: agreed with the other ranks (this rank's own "
                                                  "token count predicts another candidate)"))
     strategy, settings = runnable[decided.strategy]
+    if settings.domain is not None:  # the gathers are not chunked
+        return LayerPlan(decided, strategy, settings)
     pipe = None if topology is None else _pipeline(topology, work, decided, settings)
     if isinstance(chunks, int):  # the user's n: the same option on every rank
         n = chunks
@@ -149,7 +157,8 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool) -> P
 
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,
               dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
-              known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1) -> dict[str, LayerPlan]:
+              known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1,
+              gather: str | bool | int = "auto") -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
@@ -164,7 +173,7 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
         routing = r.routing.cpu().numpy() if r.routing is not None and mesh_levels is None else None
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
                                         dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name),
-                                        chunks=chunks)
+                                        chunks=chunks, gather=gather)
     return out
 
 

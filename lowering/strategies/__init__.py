@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.lowering.strategies import hd, nodedup
+from moe_compile.lowering.strategies import gather, hd, nodedup
 from moe_compile.lowering.strategies.common import Settings
 
 
@@ -33,19 +33,25 @@ class Strategy:
     emit: Callable[[fx.Graph, list[Any], int, bool, str, Settings, int], fx.Node]
 
 
-_MODULES = (hd, nodedup)
+_MODULES = (hd, nodedup, gather)
 REGISTRY: dict[str, Strategy] = {m.NAME: Strategy(m.NAME, m.SUMMARY, m.COST_MODEL, m.candidates, m.emit)
                                  for m in _MODULES}
 
 
-def executable(num_levels: int, dimension: int | None, dedup: bool | None) -> dict[str, tuple[Strategy, Settings]]:
+def executable(num_levels: int, dimension: int | None, dedup: bool | None,
+               gather: str | bool | int = "auto") -> dict[str, tuple[Strategy, Settings]]:
     """Every candidate the registered strategies can run on a mesh of ``num_levels`` levels under
-    the user's constraints (a fixed dimension; dedup forced on or off; None: free), by candidate
-    name."""
+    the user's constraints (a fixed dimension; dedup forced on or off; None: free; options'
+    ``expert_gather``: "auto" = the gather candidates too, False = none, j = only the gather of
+    domain level j), by candidate name."""
     out: dict[str, tuple[Strategy, Settings]] = {}
     for strategy in REGISTRY.values():
         for name, settings in strategy.candidates(num_levels, dimension).items():
-            if dedup is None or settings.dedup == dedup:
+            gathers = settings.domain is not None
+            if gather is False and gathers or not isinstance(gather, bool) and isinstance(gather, int) and (
+                    not gathers or settings.domain != gather):
+                continue
+            if gathers or dedup is None or settings.dedup == dedup:
                 out[name] = (strategy, settings)
     return out
 

@@ -12,7 +12,7 @@ same model (same weight tensors) finds the layer it had and keeps its placement,
 compiled after a swap reads the experts where they now are.
 
 Counters (``counters()``, ``reset_counters()``) hold, for this rank, the bytes and messages sent
-per mesh level, per phase (dispatch / combine) and direction (forward / backward), payload (token
+per mesh level, per phase (dispatch / combine of tokens, gather of expert weights) and direction (forward / backward), payload (token
 rows) apart from metadata (split sizes, expert ids, weights).
 """
 
@@ -36,7 +36,7 @@ _lock = threading.Lock()
 # the stage ops mark each forward dispatch and the end of its backward
 STEP_CLOCK = StepClock()
 
-_PHASES = ("dispatch", "combine")
+_PHASES = ("dispatch", "combine", "gather")  # gather: expert weights (lowering.ep_gather)
 _DIRECTIONS = ("forward", "backward")
 # the most numbers (ranks^2 * (levels + 1)) choose_dimension gathers for exact statistics: 181
 # ranks on 3 levels; 1 MiB of int64 per layer and step on every rank
@@ -147,18 +147,54 @@ class EPLayer:
     # set while swaps the swapper started on this layer wait for their outcome (every rank's
     # success): called before anything reads the placement (see settle)
     settle_hook: Any = None
+    # expert gather (``lowering.ep_gather``; HybridEP's expert domains, HEXA-MoE's data-centric
+    # mode): the mesh level j whose blocks (the ranks sharing coordinates 0..j-1, ``MeshComm.intra[j]``)
+    # all-gather their experts, so that tokens cross only levels 0..j-1 (j = 0: the whole mesh,
+    # no token moves); None: experts stay where they are (all-to-all expert parallelism)
+    domain: int | None = None
+    # bytes of expert weights this rank received in its last forward's gathers
+    gathered_bytes: int = 0
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
     expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
+    # [E] local slot of every expert on the rank that holds it (the same table on every rank)
+    expert_slot_E: Any = field(init=False)
 
     def __post_init__(self) -> None:
         self.expert_row_E = torch.arange(self.num_experts, device=self.expert_pos_E.device)
+        per = len(self.local_experts)
+        self.expert_slot_E = torch.arange(self.num_experts, device=self.expert_pos_E.device) % max(per, 1)
         self._update_slots()
 
     def _update_slots(self) -> None:
         slot = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.expert_pos_E.device)
         slot[list(self.local_experts)] = torch.arange(len(self.local_experts), device=slot.device)
         self.local_slot_E = slot
+
+    def phases(self, d: int) -> list[Any]:
+        """The all-to-alls a row crosses: HD-d's (``MeshComm.phases``), or with an expert domain at
+        level j, Inter-level-1..j only (the row reaches the rank of its expert's domain block
+        that shares this rank's coordinates j.., which holds the gathered expert)."""
+        if self.domain is not None:
+            return self.comm.inter[: self.domain]
+        return self.comm.phases(d)
+
+    def domain_phase(self) -> Any:
+        """The ``comm.Phase`` of this rank's expert domain: the block whose experts it gathers."""
+        assert self.domain is not None, f"layer {self.name} gathers no experts"
+        return self.comm.intra[self.domain]
+
+    def weight_rows(self, by_expert: bool) -> Any:
+        """[E] the row of each expert in the weights the local experts stage reads, -1 for an expert
+        this rank does not hold: with an expert domain, its row in the domain's gathered weights
+        (the block's ranks in group order, each one's local slots); else ``rows`` where held."""
+        if self.domain is not None:
+            phase = self.domain_phase()
+            index_G = torch.full((self.comm.world,), -1, dtype=torch.long, device=self.expert_pos_E.device)
+            index_G[list(phase.peer_pos)] = torch.arange(len(phase.peer_pos), device=index_G.device)
+            peer_E = index_G[self.expert_pos_E]
+            return torch.where(peer_E >= 0, peer_E * len(self.local_experts) + self.expert_slot_E, -1)
+        return torch.where(self.local_slot_E >= 0, self.rows(by_expert), -1)
 
     def rows(self, by_expert: bool) -> Any:
         """[E] the row of each expert in the weight tensors the op receives: its id when they hold
@@ -184,6 +220,9 @@ class EPLayer:
             pos = self.expert_pos_E
             pa, pb = int(pos[a]), int(pos[b])
             pos[a], pos[b] = pb, pa
+            slot = self.expert_slot_E
+            sa, sb = int(slot[a]), int(slot[b])
+            slot[a], slot[b] = sb, sa
             local = list(self.local_experts)
             if a in local or b in local:
                 ia = local.index(a) if a in local else None
@@ -423,7 +462,8 @@ def layer_for(template: EPLayer, tensors: tuple[Any, ...]) -> EPLayer:
         expert_pos_E=torch.arange(template.num_experts, device=template.expert_pos_E.device) // per,
         local_experts=tuple(range(position * per, (position + 1) * per)), dedup=template.dedup,
         dimension=template.dimension, cost=template.cost, tensors=tensors, swap_blocker=template.swap_blocker,
-        slot_params=slot_params, swap_options=template.swap_options, tuner=DimensionTuner(template.tuner.rounds))
+        slot_params=slot_params, swap_options=template.swap_options, tuner=DimensionTuner(template.tuner.rounds),
+        domain=template.domain)
 
 
 def layers() -> list[EPLayer]:

@@ -66,13 +66,16 @@ def mesh_comm(mesh: Any) -> Any:
 
 def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: int | None, dedup: bool,
                 num_experts: int, top_k: int, hidden_size: int, ffn_size: int, gated: bool,
-                dtype: torch.dtype, device: torch.device, tensors: tuple[Any, ...] = ()) -> runtime.EPLayer:
+                dtype: torch.dtype, device: torch.device, tensors: tuple[Any, ...] = (),
+                domain: int | None = None) -> runtime.EPLayer:
     """The runtime state of one layer: contiguous placement (expert e on position e // (E/G),
     HierMoE Fig. 6), the local experts, and the lambdified HD-d model when d is chosen per step.
 
     ``tensors`` are the weight tensors the layer's graph reads: a recompile of the same model
     (the same tensors) gets the layer it had, with its current placement (expert swaps may have
-    moved experts since), and this compile's settings."""
+    moved experts since), and this compile's settings. ``domain``: the mesh level whose blocks
+    gather the layer's experts (``lowering.ep_gather``); its tokens then cross levels
+    0..domain-1 (the layer's fixed dimension is that many inter-level hops)."""
     world = math.prod(int(s) for s in mesh.mesh.shape)
     if num_experts % world:
         raise ValueError(f"layer {name}: {num_experts} experts do not split evenly over {world} ranks; "
@@ -82,7 +85,11 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
         raise ValueError(f"layer {name}: the model runs on {device.type} but the mesh is on {mesh.device_type}; "
                          f"build the mesh with init_device_mesh({device.type!r}, ...)")
     num_levels = mesh.mesh.ndim
-    if dimension is not None and not 1 <= dimension <= num_levels:
+    if domain is not None:
+        if not 0 <= domain < num_levels:
+            raise ValueError(f"layer {name}: expert domain level {domain} outside the mesh's levels 0..{num_levels - 1}")
+        dimension = domain
+    elif dimension is not None and not 1 <= dimension <= num_levels:
         raise ValueError(f"option 'dimension' must be in 1..{num_levels} (the mesh has {num_levels} levels), "
                          f"got {dimension}")
     if dimension is None and topology is None:
@@ -100,7 +107,7 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
             raise ValueError(f"layer {name}: recompiled with {num_experts} experts top-{top_k} but its weights were "
                              f"compiled before as {old.num_experts} experts top-{old.top_k}")
         old_topology = old.cost.topology if old.cost is not None else None
-        if (old.dedup, old.dimension, old_topology) == (dedup, dimension, topology):
+        if (old.dedup, old.dimension, old_topology, old.domain) == (dedup, dimension, topology, domain):
             return old
         if old.version:
             raise ValueError(f"layer {name}: its experts were swapped under the expert-parallel options it was first "
@@ -115,4 +122,7 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
     local = tuple(range(comm.position * per_rank, (comm.position + 1) * per_rank))
     return runtime.register_layer(tensors=tensors, name=name, num_experts=num_experts, top_k=top_k, comm=comm,
                                   expert_pos_E=expert_pos, local_experts=local, dedup=dedup, dimension=dimension,
-                                  cost=cost, swap_blocker=blocker)
+                                  cost=cost, domain=domain,
+                                  swap_blocker=blocker or (None if domain is None else
+                                                           "it gathers its experts (expert_gather): no token travels "
+                                                           "to them, so where they live does not matter"))

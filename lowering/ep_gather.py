@@ -1,0 +1,266 @@
+"""Moving experts instead of tokens: the expert weights of a domain all-gathered for one layer
+(HybridEP's expert domains, papers/hybridep.txt Section IV-A; HEXA-MoE's data-centric mode,
+papers/hexa-moe.txt Section 4.3, when the domain is the whole mesh).
+
+``hiermoe::ep_gather(weights, layer, by_expert)`` returns the layer's expert weights of every rank
+of this rank's domain (the block of the mesh at the layer's domain level j: the ranks sharing
+coordinates 0..j-1, ``EPLayer.domain``), rows in the order of the domain's mesh positions, each
+position's local slots (``EPLayer.weight_rows`` maps expert ids to these rows), then a stamp
+(int64 CPU [placement version, runtime layer id]) for backward. Its autograd is the adjoint:
+``hiermoe::ep_gather_backward`` reduce-scatters the gathered weights' gradients to their owners,
+so that a rank's expert gradients sum every domain rank's tokens, as under all-to-all expert
+parallelism (a shard's owner holds its full gradient; DDP-style averaging divides it).
+
+Both run hierarchically, slowest level first for the gather and fastest first for the reduce-
+scatter, each level one all-to-all on that level's group (``MeshComm.inter[l]``: ranks differing
+only in coordinate l): a rank sends its P expert bytes over the slowest link to the s_j - 1 peers
+of that level, not to every rank of the other nodes (HEXA-MoE's hierarchical AllGather, the
+``cost.hexa`` model; HybridEP Eq. 4 per level). Each level is a phase of one stage
+(``ep_stages.stage_ops``), so the gather splits into start and wait (``passes.overlap``) and runs
+on the lanes of ``moe_compile.ep.worker`` while earlier layers compute: the prefetch.
+
+``hiermoe::ep_expert_rows(topk_idx, layer)`` maps a data-centric layer's expert ids to rows of
+its gathered weights, and starts the layer's step (settling swaps, the step record explain reads).
+
+Legend: S ranks in the domain, per experts per rank, B bytes of one rank's expert weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_compile.ep import runtime
+from moe_compile.lowering.ep_stages import Job, check_device, check_version, collective, stage_ops
+
+
+def _domain(lay: runtime.EPLayer) -> tuple[int, list[int]]:
+    """(the domain level j, the mesh positions of this rank's domain, ascending)."""
+    j = lay.domain
+    assert j is not None, f"layer {lay.name} gathers no experts"
+    comm = lay.comm
+    block = int(np.prod(comm.sizes[j:]))
+    start = comm.position - comm.position % block
+    return j, list(range(start, start + block))
+
+
+def _local_rows(w: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
+    """[per, ...] this rank's experts' rows of ``w`` (all E when ``by_expert``, else its slots)."""
+    if not by_expert:
+        return w
+    return w.index_select(0, torch.tensor(lay.local_experts, dtype=torch.long, device=w.device))
+
+
+def _as_bytes(parts: Sequence[Tensor], rows: int) -> Tensor:
+    """[rows, n] uint8: each part reshaped to [rows, -1] and its bytes side by side."""
+    return torch.cat([p.contiguous().reshape(rows, -1).view(torch.uint8) for p in parts], dim=1)
+
+
+def _from_bytes(packed: Tensor, likes: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[Tensor]:
+    """The parts ``_as_bytes`` packed, each [rows, *shape] of its dtype (``likes``: dtype and the
+    shape of one row), each in storage of its own (an op's outputs may not alias)."""
+    out, offset = [], 0
+    for dtype, shape in likes:
+        n = int(np.prod(shape)) * dtype.itemsize
+        part = packed[:, offset:offset + n].clone(memory_format=torch.contiguous_format)
+        out.append(part.view(dtype).reshape(packed.shape[0], *shape))
+        offset += n
+    return out
+
+
+def _exchange(send: Tensor, group: Any) -> Tensor:
+    """[peers * n] every peer's ``send`` [n] in group-rank order (on gloo one round of direct sends,
+    ``runtime.exchange_with_all``; else all_gather_into_tensor)."""
+    peers = dist.get_world_size(group)
+    recv = send.new_empty(peers * send.numel())
+    if dist.get_backend(group) == "gloo":
+        dist.all_to_all_single(recv, send.repeat(peers), group=group)
+    else:
+        dist.all_gather_into_tensor(recv, send, group=group)
+    return recv
+
+
+def _count(lay: runtime.EPLayer, phase: Any, piece_bytes: int, direction: str) -> None:
+    for level in phase.peer_level:
+        if level >= 0:
+            runtime.record_traffic(lay.layer_id, level, "gather", direction, payload_bytes=piece_bytes,
+                                   payload_messages=1, meta_bytes=0, meta_messages=0)
+
+
+# -- gather ----------------------------------------------------------------------------------------
+
+def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
+    """The domain's expert weights (module docstring); reads this rank's rows at once (here, on
+    the caller's thread), moves them level by level on the lanes."""
+    lay = runtime.resolve(layer)
+    check_device(lay, weights[0])
+    lay.settle()
+    j, block = _domain(lay)
+    comm = lay.comm
+    local = [_local_rows(w, lay, by_expert) for w in weights]
+    per = local[0].shape[0]
+    likes = [(w.dtype, tuple(w.shape[1:])) for w in local]
+    have = _as_bytes(local, per).reshape(1, -1)  # [positions held, B]: mine
+    held = [comm.position]
+    phases = comm.inter[j:]
+    stamp = torch.tensor([lay.version, lay.layer_id], dtype=torch.long)
+
+    def job() -> Generator[Any, None, list[Tensor]]:
+        nonlocal have, held
+        t0 = time.perf_counter()
+        with collective(lay, "the all-gather of its expert weights"):
+            for level, phase in enumerate(phases, start=j):
+                yield phase.group
+                recv = _exchange(have.reshape(-1), phase.group).view(len(phase.peer_pos), *have.shape)
+                _count(lay, phase, have.numel(), "forward")
+                # each peer holds what I hold with its coordinate at this level: sort by position
+                positions = []
+                for peer in phase.peer_pos:
+                    c = comm.coords(peer)[level]
+                    positions += [_with_coord(comm, p, level, c) for p in held]
+                order = np.argsort(positions, kind="stable")
+                have = recv.reshape(-1, have.shape[1])[torch.from_numpy(order).to(recv.device)]
+                held = [positions[i] for i in order]
+        assert held == block, (held, block)
+        lay.add_comm_time("forward", time.perf_counter() - t0)
+        gathered = _from_bytes(have.reshape(len(block) * per, -1), likes)
+        lay.gathered_bytes = sum(t.numel() * t.element_size() for t in gathered)
+        return [*gathered, stamp]
+
+    return weights[0].device, job(), [p.group for p in phases]
+
+
+def _with_coord(comm: Any, pos: int, level: int, value: int) -> int:
+    co = list(comm.coords(pos))
+    co[level] = value
+    return int(np.ravel_multi_index(co, comm.sizes))
+
+
+def _gather_fake(weights: list[Tensor], layer: int, by_expert: bool) -> list[Tensor]:
+    lay = runtime.resolve(layer)
+    _, block = _domain(lay)
+    per = len(lay.local_experts)
+    return [*(w.new_empty((len(block) * per, *w.shape[1:])) for w in weights),
+            torch.empty((2,), dtype=torch.long, device="cpu")]
+
+
+ep_gather = stage_ops("ep_gather", "Tensor[] weights, int layer, bool by_expert", "Tensor[]", _gather_job,
+                      _gather_fake)
+
+
+# -- reduce-scatter (the gather's backward) --------------------------------------------------------
+
+def _gather_backward_job(grads: list[Tensor], weights: list[Tensor], stamp: Tensor, by_expert: bool) -> Job:
+    """Each weight's gradient: the gathered gradients summed over the domain's ranks onto this
+    rank's rows (fastest level first), placed at its experts' rows when ``by_expert`` (zeros
+    elsewhere: the owners hold them)."""
+    version, actual = (int(v) for v in stamp.tolist())
+    lay = runtime.layer(actual)
+    check_version(lay, version)
+    j, block = _domain(lay)
+    comm = lay.comm
+    per = len(lay.local_experts)
+    flat = [(g.dtype, (per * int(np.prod(g.shape[1:])),)) for g in grads]  # one position's rows, flat
+    have = _as_bytes([g.reshape(len(block), -1) for g in grads], len(block))  # [positions held, B]
+    held = list(block)
+    phases = list(reversed(comm.inter[j:]))
+
+    def job() -> Generator[Any, None, list[Tensor]]:
+        nonlocal have, held
+        t0 = time.perf_counter()
+        with collective(lay, "the reduce-scatter of its gathered expert weights' gradients"):
+            for i, phase in enumerate(phases):
+                level = len(comm.sizes) - 1 - i
+                yield phase.group
+                peers = [comm.coords(p)[level] for p in phase.peer_pos]
+                coord = [comm.coords(p)[level] for p in held]
+                # the rows of the positions each peer keeps, in group-rank order: equal splits
+                send = torch.cat([have[[k for k, c in enumerate(coord) if c == pc]] for pc in peers])
+                recv = torch.empty_like(send)
+                dist.all_to_all_single(recv, send, group=phase.group)
+                _count(lay, phase, send.numel() // len(peers), "backward")
+                mine = comm.coords(comm.position)[level]
+                held = [p for p, c in zip(held, coord, strict=True) if c == mine]
+                summed = [t.reshape(len(peers), len(held), -1).float().sum(0).to(t.dtype)
+                          for t in _from_bytes(recv.view(len(peers) * len(held), -1), flat)]
+                have = _as_bytes(summed, len(held))
+        assert held == [comm.position], (held, comm.position)
+        lay.add_comm_time("backward", time.perf_counter() - t0)
+        local = [t.reshape(per, *g.shape[1:]) for t, g in zip(_from_bytes(have, flat), grads, strict=True)]
+        if not by_expert:
+            return local
+        idx = torch.tensor(lay.local_experts, dtype=torch.long, device=local[0].device)
+        out = []
+        for t, w in zip(local, weights, strict=True):
+            full = torch.zeros_like(w)
+            full[idx] = t
+            out.append(full)
+        return out
+
+    return grads[0].device, job(), [p.group for p in phases]
+
+
+def _gather_backward_fake(grads: list[Tensor], weights: list[Tensor], stamp: Tensor, by_expert: bool
+                          ) -> list[Tensor]:
+    return [w.new_empty(w.shape) for w in weights]
+
+
+stage_ops("ep_gather_backward", "Tensor[] grads, Tensor[] weights, Tensor stamp, bool by_expert", "Tensor[]",
+          _gather_backward_job, _gather_backward_fake)
+
+
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: list[Tensor]) -> None:
+    weights, _, by_expert = inputs
+    ctx.mark_non_differentiable(output[-1])
+    ctx.save_for_backward(*weights, output[-1])
+    ctx.by_expert = by_expert
+    ctx.shapes = [tuple(o.shape) for o in output[:-1]]
+
+
+def _gather_backward(ctx: Any, grads: list[Tensor | None]) -> tuple[Any, ...]:
+    *weights, stamp = ctx.saved_tensors
+    full = [w.new_zeros(shape) if g is None else g.contiguous()
+            for g, w, shape in zip(grads[:-1], weights, ctx.shapes, strict=True)]
+    d_weights = torch.ops.hiermoe.ep_gather_backward(full, weights, stamp, ctx.by_expert)
+    return list(d_weights), None, None
+
+
+ep_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# -- the data-centric layer's routing --------------------------------------------------------------
+
+@torch.library.custom_op("hiermoe::ep_expert_rows", mutates_args=(), schema="(Tensor topk_idx, int layer) -> Tensor")
+def ep_expert_rows(topk_idx: Tensor, layer: int) -> Tensor:
+    """[T, K] the row of each slot's expert in the layer's gathered weights (``EPLayer.weight_rows``);
+    starts the layer's step: a data-centric layer moves no token, so nothing else does."""
+    lay = runtime.resolve(layer)
+    check_device(lay, topk_idx)
+    lay.settle()
+    lay.last_topk = topk_idx.detach()
+    lay.begin_step(0)
+    rows_E = lay.weight_rows(False).to(topk_idx.device)
+    return rows_E[topk_idx.long()].to(topk_idx.dtype)
+
+
+@ep_expert_rows.register_fake
+def _ep_expert_rows_fake(topk_idx: Tensor, layer: int) -> Tensor:
+    return torch.empty_like(topk_idx)
+
+
+def gathered_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weights: list[Tensor | None],
+                     activation: str, layer: int, by_expert: bool) -> Tensor:
+    """A data-centric layer as the gather strategy emits it, called eagerly (tests, benchmarks).
+    ``weights``: w_up, w_gate, w_down, b_up, b_gate, b_down."""
+    present = [w for w in weights if w is not None]
+    *gathered, _ = torch.ops.hiermoe.ep_gather(present, layer, by_expert)
+    it = iter(gathered)
+    full = [None if w is None else next(it) for w in weights]
+    rows = torch.ops.hiermoe.ep_expert_rows(topk_idx, layer)
+    return torch.ops.hiermoe.experts(x, rows, topk_weights, *full, activation)

@@ -1,0 +1,118 @@
+"""One rank of the expert-gather tests (launched by tests/dist_utils.py with worker="gather_worker.py"):
+layers that all-gather their experts inside a mesh block (``lowering.strategies.gather``) against
+the eager model. Cases write this rank's results to $HIERMOE_TEST_OUT/rank<r>.json;
+tests/test_expert_gather.py asserts on them."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ep_worker import (  # noqa: E402
+    ADAM_EPS,
+    PARAMS,
+    average_grads,
+    main,
+    make_mesh,
+    rel_err,
+    summed_grad_err,
+    tiny,
+    topology_for,
+)
+
+import moe_compile  # noqa: E402
+from moe_compile.backend import collect_reports  # noqa: E402
+from moe_compile.ep import runtime  # noqa: E402
+
+
+def _sent(kind: str) -> dict[str, dict[str, int]]:
+    """Payload bytes this rank sent per level and phase (forward and backward together)."""
+    c = runtime.counters()
+    return {lv: {ph: sum(c[lv][ph][dr][f"{kind}_bytes"] for dr in ("forward", "backward"))
+                 for ph in ("dispatch", "combine", "gather")} for lv in c}
+
+
+def case_gather() -> dict[str, Any]:
+    """Compiled tiny LM with every layer gathering its experts over the blocks of mesh level j
+    (0: the whole mesh; 1: each node), stacked experts and E expert modules: loss and gradients
+    summed over the ranks against eager; the bytes each level carried; the plan explain shows."""
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for kind in PARAMS["kinds"]:
+        for level in PARAMS["levels"]:
+            torch._dynamo.reset()
+            model = tiny(kind, 8)
+            ref = copy.deepcopy(model)
+            opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": level,
+                    "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
+            compiled = torch.compile(model, backend="hiermoe", options=opts)
+            ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
+            with collect_reports() as graphs:
+                runtime.reset_counters()
+                loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+                loss.backward()
+                loss_ref.backward()
+            code = "\n".join(g.after for g in graphs)
+            report = moe_compile.explain(copy.deepcopy(ref), ids, ids, options=opts)
+            out[f"{kind} {level}"] = {
+                "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+                "sent": _sent("payload"), "plans": [r.plan for r in report.regions], "text": str(report),
+                "gathers": code.count("hiermoe.ep_gather.default"), "dispatches": code.count("hiermoe.ep_dispatch"),
+                "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
+    return out
+
+
+def case_gather_shard() -> dict[str, Any]:
+    """Sharded experts (shard_experts) gathered for each layer, trained with AdamW against eager
+    DDP of the unsharded model: losses and, after training, each rank's shard against the eager
+    model's rows of its experts (the gradients reduce-scattered back to their owners)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for level in PARAMS["levels"]:
+        torch._dynamo.reset()
+        model = tiny(PARAMS["kind"], 8)
+        eager = DDP(copy.deepcopy(model))
+        ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+        shard_report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": level,
+                "inner_compiler": "aot_eager"}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
+        opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+        losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(PARAMS["steps"]):
+            batch = torch.randint(0, 32, (2, 9), generator=gen)
+            for label, module, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
+                loss = module(batch[:, :-1], batch[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if label == "compiled":
+                    average_grads(model, shard_report)
+                opt.step()
+                losses[label].append(float(loss))
+        eager_params = dict(eager.module.named_parameters())
+        weight_err = 0.0
+        for s in shard_report.shards:
+            if s.local is not None:
+                ref = eager_params[s.name][s.first:s.first + s.num_local]
+                weight_err = max(weight_err, rel_err(s.local.detach(), ref.detach()))
+        out[str(level)] = {"losses": losses, "weight_err": weight_err,
+                           "local_bytes": shard_report.local_bytes, "full_bytes": shard_report.full_bytes}
+    return out
+
+
+if __name__ == "__main__":
+    assert moe_compile is not None
+    main(globals())

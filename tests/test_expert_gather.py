@@ -1,0 +1,106 @@
+"""Expert gather (``lowering.strategies.gather``): layers that all-gather their experts inside a
+mesh block, on 4 real gloo ranks (2 x 2 mesh), against the eager model; the planner's prediction."""
+
+from __future__ import annotations
+
+import pytest
+from dist_utils import run_ranks
+
+from moe_compile.cost import planner
+from moe_compile.cost.topology import Level, Topology
+from moe_compile.cost.workload import Workload
+
+
+def test_gathered_layers_equal_eager_forward_and_backward() -> None:
+    """gather0 (data-centric: no token moves) and gather1 (each node gathers, tokens cross nodes),
+    stacked experts and E expert modules: the loss equals eager's, gradients summed over the
+    ranks equal eager's; the expert bytes travel on the levels the domain spans, tokens only
+    above it."""
+    results = run_ranks(4, "gather", worker="gather_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"],
+                        levels=[0, 1])
+    for rank, res in enumerate(results):
+        for key, r in res.items():
+            where = (rank, key)
+            level = int(key.split()[-1])
+            assert abs(r["loss"] - r["loss_ref"]) <= 1e-6 * abs(r["loss_ref"]), where
+            assert r["grad_err"] < 1e-5, where
+            assert all(p.startswith(f"gather{level} ") for p in r["plans"]), (where, r["plans"])
+            assert r["gathers"] == 2, where  # one gather per layer (every weight in one collective)
+            sent = r["sent"]
+            # 8 experts of 3 [32, 48] fp32 matrices: 36864 B per rank and layer
+            piece = 3 * 32 * 48 * 4 * 2
+            if level == 0:
+                assert r["dispatches"] == 0, where
+                assert all(sent[lv]["dispatch"] == sent[lv]["combine"] == 0 for lv in sent), where
+                # forward gathers 1 piece across sockets then 2 inside; backward reduce-scatters
+                # the mirror image: 2 layers each
+                assert sent["socket"]["gather"] == 2 * 2 * piece, where
+                assert sent["gpu"]["gather"] == 2 * 2 * 2 * piece, where
+                assert r["gathered_bytes"] == [4 * piece] * 2, where
+            else:
+                assert r["dispatches"] == 2, where
+                assert sent["gpu"]["dispatch"] == sent["gpu"]["combine"] == 0, where  # no token moves inside
+                assert sent["socket"]["gather"] == 0, where
+                assert sent["gpu"]["gather"] == 2 * 2 * piece, where
+                assert r["gathered_bytes"] == [2 * piece] * 2, where
+
+
+def test_gathered_shards_train_as_eager_ddp() -> None:
+    """shard_experts + gather: 3 AdamW steps equal eager DDP of the unsharded model, and each rank's
+    shard ends equal to the eager model's rows of its experts (the gradients were reduce-scattered
+    to their owners); each rank still holds a quarter of the expert bytes."""
+    results = run_ranks(4, "gather_shard", worker="gather_worker.py", shape=[2, 2], kind="grouped_gemm",
+                        levels=[0, 1], steps=3)
+    for rank, res in enumerate(results):
+        for level, r in res.items():
+            where = (rank, level)
+            for a, b in zip(r["losses"]["compiled"], r["losses"]["eager"], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (where, r["losses"])
+            assert r["weight_err"] < 1e-5, where
+            assert r["local_bytes"] * 4 == r["full_bytes"], where
+
+
+def _topology(inter_gbps: float) -> Topology:
+    return Topology((Level("node", 2, 1e-4, 8 / (inter_gbps * 1e9)), Level("gpu", 4, 2e-5, 8 / 100e9)),
+                    flops_per_s=(1e12,))
+
+
+@pytest.mark.parametrize("inter_gbps", [0.1, 1.0, 10.0])
+def test_gather_prediction_is_hybridep_all_gather_plus_inter_level_tokens(inter_gbps: float) -> None:
+    """gather0's communication is HybridEP's all-gather term with every level a domain (HEXA's
+    data-centric mode: the same number); gather1's is the all-gather inside the node plus the
+    inter-node phase of HD-2 both ways, which is HD-2's time less its intra-node phase."""
+    from moe_compile.cost import hexa, hybridep
+    from moe_compile.cost.hiermoe import phase_times_s
+    from moe_compile.cost.routing import hd_statistics
+
+    topo = _topology(inter_gbps)
+    work = Workload(num_tokens=512, hidden_size=256, ffn_size=512, num_experts=16, top_k=2, dtype_bytes=2,
+                    gated=True, slot_bytes=8)
+    stats = hd_statistics(planner.uniform_routing(work), work.num_experts, topo.sizes, copies=True)
+    piece = work.num_experts // topo.world_size * work.expert_bytes
+    expected_ag = (2 - 1) * (1e-4 + piece * 8 / (inter_gbps * 1e9)) + (4 - 1) * (2e-5 + 2 * piece * 8 / 100e9)
+    assert planner.gather_time_s(topo, work, stats, 0) == pytest.approx(expected_ag, rel=1e-9)
+    assert hexa.data_centric_time_s(topo, work) == pytest.approx(
+        expected_ag + planner.compute_s(topo, work), rel=1e-6)
+    ag1 = (4 - 1) * (2e-5 + piece * 8 / 100e9)
+    inter = sum(sum(phase_times_s(2, topo, w, stats)[0]) for w in (work, Workload(**{**work.__dict__, "slot_bytes": 0})))
+    assert planner.gather_time_s(topo, work, stats, 1) == pytest.approx(ag1 + inter, rel=1e-9)
+    assert hybridep.partition_time_s(topo, hybridep.DomainPartition.of(topo, (1, 4)),
+                                     hybridep.StreamSizes.from_workload(work, 8)).ag_s == pytest.approx(ag1)
+    predicted = planner.plan(topo, work, implemented=("hd1",)).predicted
+    for j in (0, 1):  # the layer's prediction adds the expert compute
+        assert predicted[f"gather{j}"] == pytest.approx(planner.gather_time_s(topo, work, stats, j)
+                                                        + planner.compute_s(topo, work), rel=1e-9)
+
+
+def test_planner_moves_experts_on_a_slow_link_with_small_experts() -> None:
+    """Where the tokens outweigh the experts and the inter-node link is slow, a gather wins;
+    where the experts are large and the link fast, the all-to-all does."""
+    runnable = ("hd1", "hd2", "flat_a2a", "hier_a2a", "gather0", "gather1")
+    small = Workload(num_tokens=8192, hidden_size=256, ffn_size=128, num_experts=16, top_k=4, dtype_bytes=2,
+                     gated=True, slot_bytes=8)
+    large = Workload(num_tokens=256, hidden_size=1024, ffn_size=4096, num_experts=16, top_k=2, dtype_bytes=2,
+                     gated=True, slot_bytes=8)
+    assert planner.plan(_topology(0.1), small, implemented=runnable).strategy.startswith("gather")
+    assert planner.plan(_topology(10.0), large, implemented=runnable).strategy.startswith("hd")
