@@ -61,10 +61,11 @@ def case_gather() -> dict[str, Any]:
                 loss.backward()
                 loss_ref.backward()
             code = "\n".join(g.after for g in graphs)
+            sent = _sent("payload")  # before explain's forward adds its own
             report = moe_compile.explain(copy.deepcopy(ref), ids, ids, options=opts)
             out[f"{kind} {level}"] = {
                 "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-                "sent": _sent("payload"), "plans": [r.plan for r in report.regions], "text": str(report),
+                "sent": sent, "plans": [r.plan for r in report.regions], "text": str(report),
                 "gathers": code.count("hiermoe.ep_gather.default"), "dispatches": code.count("hiermoe.ep_dispatch"),
                 "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
     return out
