@@ -19,12 +19,17 @@ same for every variant at the same step):
   hf_mixtral  transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
 
 Variants; one training step is zero_grad, forward + loss, backward, gradient averaging, AdamW step:
-  hiermoe d*   torch.compile(backend="hiermoe", options={"mesh", "topology"}): HD-d, d* per layer and step,
-               the staged ops (backward sends the forward's payload)
+  hiermoe d*   torch.compile(backend="hiermoe", options={"mesh", "topology"}): the planner's choice per
+               layer (HD-d with d* per layer and step, or an expert gather), the staged ops
+               (backward sends the forward's payload)
   hiermoe d* resend  the same with options["ep_backward"] = "resend": the fused op, whose backward
                dispatches [x | grad_y] again (1.5x the payload; the layout before the staged ops)
   hiermoe HDd  the same with options["dimension"] = d, for every d of the mesh, slowest level first
   flat A2A     options {"dimension": 1, "dedup": False}: one copy per (token, expert), as Megatron and HF
+  hiermoe a2a only   options {"expert_gather": False}: the planner's choice among the token all-to-alls
+  hiermoe gatherj    options {"expert_gather": j}: the ranks of each mesh block at level j all-gather
+               their experts (0: the whole mesh, HEXA's data-centric mode), tokens cross the levels
+               above; gradients reduce-scattered to the owners; "no prefetch" with gather_prefetch 0
   HF EP        transformers' own, as its docs set it up: DistributedConfig(fsdp_size=G, ep_size=G,
                ep_implementation="all_to_all") applied by ``maybe_distribute_model`` (AllToAllEP for
                the experts, FSDP2 for the rest; EP needs fsdp_size * tp_size to be a multiple of ep_size)
@@ -112,6 +117,10 @@ def variants(num_levels: int, model: str) -> list[Variant]:
     out += [Variant(f"hiermoe HD{d} inline", "hiermoe", (("dimension", d), ("pipeline", False), ("overlap", False)))
             for d in range(num_levels, 0, -1)]
     out.append(Variant("flat A2A", "hiermoe", (("dimension", 1), ("dedup", False))))
+    out.append(Variant("hiermoe a2a only", "hiermoe", (("expert_gather", False),)))
+    out += [Variant(f"hiermoe gather{j}", "hiermoe", (("expert_gather", j),)) for j in range(num_levels)]
+    out += [Variant(f"hiermoe gather{j} no prefetch", "hiermoe", (("expert_gather", j), ("gather_prefetch", 0)))
+            for j in range(num_levels)]
     if model == "hf_mixtral":
         out += [Variant("HF EP", "hf_ep"), Variant("HF EP+DDP", "hf_ep_ddp")]
     return out + [Variant("eager DDP", "eager")]

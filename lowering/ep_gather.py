@@ -107,6 +107,7 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
     per = local[0].shape[0]
     likes = [(w.dtype, tuple(w.shape[1:])) for w in local]
     have = _as_bytes(local, per).reshape(1, -1)  # [positions held, B]: mine
+    lay.gather_step_bytes, lay.gather_exposed_s = {}, 0.0  # a new forward's
     held = [comm.position]
     phases = comm.inter[j:]
     stamp = torch.tensor([lay.version, lay.layer_id], dtype=torch.long)
@@ -150,8 +151,12 @@ def _gather_fake(weights: list[Tensor], layer: int, by_expert: bool) -> list[Ten
             torch.empty((2,), dtype=torch.long, device="cpu")]
 
 
+def _gather_waited(seconds: float, weights: list[Tensor], layer: int, by_expert: bool) -> None:
+    runtime.resolve(layer).gather_exposed_s += seconds
+
+
 ep_gather = stage_ops("ep_gather", "Tensor[] weights, int layer, bool by_expert", "Tensor[]", _gather_job,
-                      _gather_fake)
+                      _gather_fake, on_wait=_gather_waited)
 
 
 # -- reduce-scatter (the gather's backward) --------------------------------------------------------

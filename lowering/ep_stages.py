@@ -180,27 +180,39 @@ def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
 # (device, the stage's phases as a generator: hier_a2a.*_steps wrapped, their process groups)
 Job = tuple[torch.device, Generator[Any, None, Any], list[Any]]
 # the stages whose collectives are split into start and wait (``passes.overlap``)
-SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward")
+SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward",
+                "ep_gather", "ep_gather_backward")  # the gathers: lowering.ep_gather
+GATHER_STAGES = ("ep_gather",)  # stages that passes.overlap may start layers ahead (prefetch)
 
 
-def stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job], fake: Callable[..., Any]) -> Any:
+def stage_ops(name: str, args: str, returns: str, make_job: Callable[..., Job], fake: Callable[..., Any],
+              on_wait: Callable[..., None] | None = None) -> Any:
     """Register one communicating stage as three ops: ``hiermoe::<name>`` (start and wait at
     once, what the passes emit and autograd differentiates), ``<name>_start`` (same arguments,
     returns the worker's ticket, ``moe_compile.ep.worker``) and ``<name>_wait`` (the ticket, then
     the same arguments again, so that everything the stage reads stays alive until it is done;
     returns what ``<name>`` returns). ``make_job`` does the caller-side part of the stage and
     returns a ``Job`` (the device, the stage's phases as a generator, their process groups);
-    ``fake`` is ``<name>``'s fake. Returns the op."""
+    ``fake`` is ``<name>``'s fake; ``on_wait(seconds, *arguments)``, if given, hears how long each
+    call waited for its collectives (all of them when not split). Returns the op."""
 
     def run(*a: Any) -> Any:
         device, steps, _ = make_job(*a)
-        return worker.run(device, lambda: hier_a2a.run_steps(steps))
+        t0 = time.perf_counter()
+        out = worker.run(device, lambda: hier_a2a.run_steps(steps))
+        if on_wait is not None:
+            on_wait(time.perf_counter() - t0, *a)
+        return out
 
     def start(*a: Any) -> Tensor:
         return worker.start_steps(*make_job(*a))
 
     def wait(ticket: Tensor, *a: Any) -> Any:
-        return worker.wait(ticket)
+        t0 = time.perf_counter()
+        out = worker.wait(ticket)
+        if on_wait is not None:
+            on_wait(time.perf_counter() - t0, *a)
+        return out
 
     def start_fake(*a: Any) -> Tensor:
         return torch.empty((1,), dtype=torch.long, device="cpu")

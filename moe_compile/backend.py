@@ -128,10 +128,11 @@ def _overlap(opts: Options, report: GraphReport) -> OverlapPass | None:
 
     def done(split: Split, code: str) -> None:
         report.scheduled.append((split.stages, split.moved, code))
+        report.gather_starts.extend(split.gather_starts)
         if opts.dump_dir:
             dump_scheduled(opts.dump_dir, report, code)
 
-    return OverlapPass(done)
+    return OverlapPass(done, opts.gather_prefetch)
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Options,

@@ -64,7 +64,13 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position,
             "placement": lay.placement(), "swaps": [asdict(r) for r in lay.swaps],
             "swap_decisions": dict(lay.swap_decisions), "swappable": lay.swap_blocker is None,
-            "saved_bytes": lay.saved_bytes}
+            "saved_bytes": lay.saved_bytes,
+            # a layer that gathers its experts (lowering.ep_gather): its domain, what its last step's
+            # gather received and sent per level, and how long its forward waited for the gather
+            "gather": None if lay.domain is None else {
+                "domain_level": lay.domain, "domain_size": len(lay.domain_phase().peer_pos),
+                "gathered_bytes": lay.gathered_bytes, "bytes_per_level": lay.last_step_bytes(gather=True),
+                "exposed_s": lay.gather_exposed_s}}
 
 
 def _bytes(n: int) -> str:
@@ -97,6 +103,8 @@ class GraphReport:
     # expert-parallel stages: (stages split into start/wait, nodes moved between them, its code);
     # filled when that graph compiles (the backward's at the first backward)
     scheduled: list[tuple[int, int, str]] = field(default_factory=list)
+    # where each expert gather of those graphs starts (passes.overlap's prefetch), "<start> after <node>"
+    gather_starts: list[str] = field(default_factory=list)
 
 
 PROBED_ADVICE = ("the mesh's links were probed briefly (3 all-to-all sizes per level) at the first compile; for accurate "
@@ -182,10 +190,17 @@ class Report:
                 assert p is not None
                 used = (f"{p['dimension']}" + (" (fixed)" if p["fixed"] else f" (d*, {p['statistics']} statistics)")
                         + ("" if p["dedup"] else " no dedup"))
+                g = p["gather"]
+                if g is not None:
+                    used = (f"experts gathered over {g['domain_size']} ranks (mesh levels {g['domain_level']}..), "
+                            + (f"tokens over {g['domain_level']} level(s)" if g["domain_level"] else "no token moves"))
                 pred = ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["predicted_s"].items()) or "-"
                 if p["tuned_s"]:
                     pred += "; measured-corrected " + ", ".join(f"{k} {v * 1e3:.3g}" for k, v in p["tuned_s"].items())
                 sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
+                if g is not None:
+                    sent += ("; expert weights " + ", ".join(f"{k} {v}" for k, v in g["bytes_per_level"].items())
+                             + f" ({_bytes(g['gathered_bytes'])} gathered, waited {g['exposed_s'] * 1e3:.3g} ms)")
                 local = p["local_experts"]
                 contiguous = local == list(range(local[0], local[0] + len(local)))
                 table.add_row(escape(r.name), used, pred, sent, _bytes(p["saved_bytes"]),
@@ -234,6 +249,8 @@ class Report:
                 console.print(f"graph {g.index}: collectives split into start/wait (passes.overlap): " + "; ".join(
                     f"{'forward' if i == 0 else 'backward' if i == 1 else f'graph {i}'} {n} stages, {m} nodes "
                     "run between a start and its wait" for i, (n, m, _) in enumerate(g.scheduled)))
+            if g.gather_starts:
+                console.print(f"graph {g.index}: expert gathers start " + "; ".join(map(escape, g.gather_starts)))
         for topology in sorted({g.topology for g in self.graphs} - {""}):
             console.print(f"topology {escape(topology)}")
             if topology.startswith("probed"):

@@ -11,7 +11,9 @@ Contract:
     does      replaces each such call ``out = stage(*args)`` by ``t = stage_start(*args)`` and
               ``out = stage_wait(t, *args)`` at the same place (the wait takes the arguments again
               so that the compiler keeps every buffer the stage reads alive until it is done),
-              moves each start up to where its arguments are ready, then moves before each wait
+              moves each start up to where its arguments are ready (an expert gather, whose
+              arguments are the graph's weights, at most ``prefetch`` layers ahead: not above
+              the wait of the gather ``prefetch`` gathers before it; 0: it stays), then moves before each wait
               every later node that neither depends on it (or on a later stage) nor comes after
               a node with side effects (a mutation, a seeded random op, anything not a plain
               operator): on the caller's thread it runs while the worker's lanes
@@ -29,7 +31,8 @@ Pseudo-code::
     for n in graph with target in SPLIT_STAGES:                      # Step 1: split
         t = stage_start(*n.args); w = stage_wait(t, *n.args); n -> w
     for t in starts: move t up to just below the last of: its         # Step 2: start early
-        arguments, the previous start, a node with side effects
+        arguments, the previous start (a gather: the previous gather's start and the wait
+        of the gather `prefetch` gathers before), a node with side effects
     for w in waits, in graph order:                                  # Step 3: overlap
         dependent = {w}
         for m after w until a node with side effects or the output:
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,7 +54,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
-from moe_compile.lowering.ep_stages import COLLECTIVE_OPS, SPLIT_STAGES
+from moe_compile.lowering.ep_stages import COLLECTIVE_OPS, GATHER_STAGES, SPLIT_STAGES
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Split:
 
     stages: int  # start/wait pairs made and kept (a stage with no work between them is joined again)
     moved: int  # nodes moved between a start and its wait
+    # where each expert gather starts: "<its start> after <the node before it>" (the prefetch)
+    gather_starts: list[str] = field(default_factory=list)
 
 
 def _stage_targets() -> dict[Any, tuple[Any, Any]]:
@@ -95,9 +100,10 @@ def _fake_ticket(n: fx.Node) -> Any:
     return None
 
 
-def split_stages(graph: fx.Graph) -> Split:
-    """Step 1 and 2 of the module docstring on ``graph`` (in place)."""
+def split_stages(graph: fx.Graph, prefetch: int = 1) -> Split:
+    """The module docstring's steps on ``graph`` (in place); ``prefetch``: options['gather_prefetch']."""
     targets = _stage_targets()
+    gather_waits = {getattr(torch.ops.hiermoe, f"{s}_wait").default for s in GATHER_STAGES}
     waits: list[fx.Node] = []
     # Step 1: split each stage where it is.
     for n in list(graph.nodes):
@@ -120,18 +126,31 @@ def split_stages(graph: fx.Graph) -> Split:
         waits.append(wait)
     # Step 2: each start as early as its arguments allow (not above a node with side effects,
     # nor above the previous start: the stages keep their order).
+    # A gather may pass other stages' starts (its collectives run on its own lane, and every rank
+    # moves it alike), not an earlier gather's start, nor the wait of the gather ``prefetch``
+    # before it (what bounds the gathered weights in memory at once).
     previous: fx.Node | None = None
+    previous_gather: fx.Node | None = None
+    gathers: list[fx.Node] = []
     for wait in waits:
         arg = wait.args[0]
         assert isinstance(arg, fx.Node)
         start = arg
         inputs = set(start.all_input_nodes)
-        m: fx.Node = start.prev
-        while m.op != "root" and m.op != "placeholder" and m not in inputs and m is not previous and _pure(m):
-            m = m.prev
-        if m is not start.prev:
-            m.append(start)
+        is_gather = wait.target in gather_waits
+        if is_gather:
+            stops = {previous_gather, gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None}
+            gathers.append(wait)
+        else:
+            stops = {previous}
+        if is_gather and prefetch:  # what it reads of the weights (views, a stack) comes along
+            for a in _pure_ancestors(start):
+                _hoist(a, set(a.all_input_nodes), stops, seeded=True)
+        if not (is_gather and not prefetch):
+            _hoist(start, inputs, stops, seeded=is_gather)
         previous = start
+        if is_gather:
+            previous_gather = start
     # Step 3: independent work before each wait.
     moved = 0
     for wait in waits:
@@ -157,6 +176,7 @@ def split_stages(graph: fx.Graph) -> Split:
     # would only hand it to a lane and back (a thread switch each way on cores the ranks share).
     originals = {wait_op: stage for stage, (_, wait_op) in targets.items()}
     kept = 0
+    joined: set[fx.Node] = set()
     for wait in waits:
         ticket = wait.args[0]
         assert isinstance(ticket, fx.Node)
@@ -172,7 +192,43 @@ def split_stages(graph: fx.Graph) -> Split:
         wait.replace_all_uses_with(stage)
         graph.erase_node(wait)
         graph.erase_node(start)
-    return Split(kept, moved)
+        joined.add(wait)
+    starts = [f"{w.args[0].name} after {w.args[0].prev.name}" for w in waits  # type: ignore[union-attr]
+              if w.target in gather_waits and w not in joined]
+    return Split(kept, moved, starts)
+
+
+def _hoist(n: fx.Node, inputs: set[fx.Node], stops: set[fx.Node | None], seeded: bool = False) -> None:
+    """Move ``n`` up past pure nodes, to just below the first of: one of ``inputs``, one of
+    ``stops``, a placeholder, a node with side effects. ``seeded``: also past random ops that
+    mutate nothing (``n`` draws no random numbers, so their order stays)."""
+    m: fx.Node = n.prev
+    while m.op != "root" and m.op != "placeholder" and m not in inputs and m not in stops and (
+            _pure(m) or seeded and _seeded(m)):
+        m = m.prev
+    if m is not n.prev:
+        m.append(n)
+
+
+def _seeded(n: fx.Node) -> bool:
+    """A random op that mutates nothing (dropout inside an attention kernel)."""
+    t = n.target
+    return (n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded in t.tags)
+
+
+def _pure_ancestors(n: fx.Node) -> list[fx.Node]:
+    """The pure nodes ``n`` reads through pure nodes (not stages), upstream first."""
+    seen: set[fx.Node] = set()
+    stack = list(n.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in seen or not _pure(a) or _communicates(a):
+            continue
+        seen.add(a)
+        stack.extend(a.all_input_nodes)
+    order = {node: i for i, node in enumerate(n.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
 
 
 def _nodes_between(a: fx.Node, b: fx.Node) -> list[fx.Node]:
@@ -198,11 +254,11 @@ class OverlapPass(CustomGraphPass):
     """``split_stages`` as Inductor's ``post_grad_custom_post_pass``. ``done(split, code)`` is
     called for every graph with stages."""
 
-    def __init__(self, done: Callable[[Split, str], None] | None = None) -> None:
-        self.done = done
+    def __init__(self, done: Callable[[Split, str], None] | None = None, prefetch: int = 1) -> None:
+        self.done, self.prefetch = done, prefetch
 
     def __call__(self, graph: fx.Graph) -> None:
-        split = split_stages(graph)
+        split = split_stages(graph, self.prefetch)
         if split.stages and self.done is not None:
             self.done(split, graph.python_code("self").src)
 

@@ -193,6 +193,8 @@ def compile_options(mesh: Any) -> dict[str, Any]:
     for key in ("dimension", "dedup", "topology", "ep_backward", "kernels", "pipeline"):
         if key in PARAMS:
             opts[key] = PARAMS[key]
+    if opts.get("dimension") is None:  # these cases test the token all-to-alls (gather_worker.py the gathers)
+        opts["expert_gather"] = PARAMS.get("expert_gather", False)
     return opts
 
 
@@ -427,7 +429,7 @@ def case_explain() -> dict[str, Any]:
         runtime.reset_counters()
         report = moe_compile.explain(model, ids, ids, options={
             "mesh": mesh, "topology": topology_for(mesh, node_gbps, 100.0), "inner_compiler": "aot_eager",
-            "tune_dimension": 3})  # reaches the layers; explain's one forward is not measured
+            "tune_dimension": 3, "expert_gather": False})  # reaches the layers; explain's one forward is not measured
         c = runtime.counters()
         sent = {lv: sum(c[lv][ph]["forward"]["payload_bytes"] for ph in ("dispatch", "combine")) for lv in c}
         layers = []
@@ -472,7 +474,8 @@ def case_plan() -> dict[str, Any]:
     mesh = make_mesh(PARAMS["shape"])
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    for hidden, label, node_gbps in ((4, "equal", 100.0), (64, "slow_node", 0.1), (64, "equal", 100.0)):
+    for hidden, label, node_gbps, gather in ((4, "equal", 100.0, False), (64, "slow_node", 0.1, False),
+                                             (64, "equal", 100.0, False), (64, "slow_node gather", 0.1, "auto")):
         torch._dynamo.reset()
         torch.manual_seed(0)
         layer = SAMPLES["grouped_gemm"].make(hidden_size=hidden, ffn_size=8, num_experts=8, top_k=2)
@@ -481,7 +484,7 @@ def case_plan() -> dict[str, Any]:
         links = {n: {"alpha_s": 2e-5, "bandwidth_gbps": node_gbps if i == 0 else 100.0}
                  for i, n in enumerate(mesh.mesh_dim_names)}
         options = {"mesh": mesh, "topology": Topology.from_mesh(mesh, links, flops_per_s=1e12),
-                   "inner_compiler": "aot_eager"}
+                   "inner_compiler": "aot_eager", "expert_gather": gather}
         report = moe_compile.explain(layer, x, options=options)
         xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
         compiled = torch.compile(layer, backend="hiermoe", options=options)

@@ -114,6 +114,41 @@ def case_gather_shard() -> dict[str, Any]:
     return out
 
 
+
+def case_prefetch() -> dict[str, Any]:
+    """The scheduled forward graph of a 3-layer data-centric model for each gather_prefetch: the
+    order of the gathers' starts and waits and the layers' expert ops; loss and gradients against
+    eager; what explain says about where the gathers start and how long the forward waited."""
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for ahead in PARAMS["prefetch"]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
+
+        model = TinyMoELM(TinyLMConfig(moe_kind="grouped_gemm", num_experts=8, num_layers=3))
+        ref = copy.deepcopy(model)
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": 0,
+                "gather_prefetch": ahead, "inner_compiler": "aot_eager"}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with collect_reports() as graphs:
+            loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+            loss.backward()
+            loss_ref.backward()
+        forward = graphs[0].scheduled[0][2]
+        events = []
+        for line in forward.splitlines():
+            for what in ("ep_gather_start", "ep_gather_wait", "hiermoe.experts.default"):
+                if f"torch.ops.hiermoe.{what.removeprefix('hiermoe.')}" in line or (
+                        what.startswith("ep_") and f"hiermoe.{what}.default" in line):
+                    events.append(what.removeprefix("hiermoe.").removesuffix(".default"))
+        out[str(ahead)] = {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+                           "events": events, "starts": graphs[0].gather_starts}
+    return out
+
+
 if __name__ == "__main__":
     assert moe_compile is not None
     main(globals())

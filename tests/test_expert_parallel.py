@@ -142,15 +142,19 @@ def test_planner_choice_decides_what_runs() -> None:
     """The plan pass chooses among what the registered strategies run, and the choice is what
     runs: at H = 4 (fp32, equal links) a deduplicated row's two routing slots cost more than
     dedup saves, so the flat one-copy-per-expert all-to-all runs; at H = 64 HD-d with d* per
-    step, predicted HD2 on a slow inter-node link and HD1 on equal links. Outputs and gradients
-    equal eager's. Each compile plans the layer once: the plan the ranks agreed on is reused."""
+    step, predicted HD2 on a slow inter-node link and HD1 on equal links (the token all-to-alls
+    only: expert_gather False). With the expert gathers allowed, on the slow link, the 12 KiB of
+    experts per rank cost less to gather than the tokens to send: a gather runs. Outputs and
+    gradients equal eager's. Each compile plans the layer once: the plan the ranks agreed on is
+    reused."""
     results = run_ranks(4, "plan", shape=[2, 2])
     for rank, res in enumerate(results):
         for case, r in res.items():
             where = (rank, case, r["plan"], r["predicted"])
             assert r["err"] < TOL, where
             assert r["plans_made"] == 1, where  # the agreement's plan is the one that runs
-            assert set(r["executable"]) == {"hd1", "hd2", "flat_a2a", "hier_a2a"}, where
+            gathers = {"gather0", "gather1"} if case.endswith("gather") else set()
+            assert set(r["executable"]) == {"hd1", "hd2", "flat_a2a", "hier_a2a"} | gathers, where
             chosen = r["plan"].split()[0]
             runnable = {k: v for k, v in r["predicted"].items() if k in r["executable"]}
             assert chosen == min(runnable, key=runnable.__getitem__), where  # the argmin, on every rank
@@ -161,6 +165,7 @@ def test_planner_choice_decides_what_runs() -> None:
         assert res["64 equal"]["plan"] == "hd1 (hd, d* per step)", res["64 equal"]["plan"]
         for case in ("64 slow_node", "64 equal"):
             assert (res[case]["dedup"], res[case]["dimension"]) == (True, None), case
+        assert res["64 slow_node gather"]["plan"].startswith("gather"), res["64 slow_node gather"]["plan"]
 
 
 def test_dimension_decided_off_the_critical_path() -> None:

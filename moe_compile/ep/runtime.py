@@ -58,8 +58,10 @@ def record_traffic(layer_id: int, level: int, phase: str, direction: str, *, pay
         c[2] += meta_bytes
         c[3] += meta_messages
         if 0 <= layer_id < len(_layers):
+            lay = _layers[layer_id]
             key = (level, phase, direction)
-            step = _layers[layer_id].step_bytes
+            # a gather may start a layer ahead, before the step's begin resets step_bytes
+            step = lay.gather_step_bytes if phase == "gather" else lay.step_bytes
             step[key] = step.get(key, 0) + payload_bytes
 
 
@@ -154,6 +156,10 @@ class EPLayer:
     domain: int | None = None
     # bytes of expert weights this rank received in its last forward's gathers
     gathered_bytes: int = 0
+    # payload bytes the last forward's gather (and its backward's reduce-scatter) sent, like
+    # step_bytes, and the seconds the forward waited for its gather (not hidden by a prefetch)
+    gather_step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)
+    gather_exposed_s: float = 0.0
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
     expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
@@ -360,12 +366,12 @@ class EPLayer:
         with _lock:
             self.step_comm_s[direction] = self.step_comm_s.get(direction, 0.0) + seconds
 
-    def last_step_bytes(self) -> dict[str, int]:
+    def last_step_bytes(self, gather: bool = False) -> dict[str, int]:
         """Payload bytes this rank sent per level in the last step (its forward and, once run, its
-        backward)."""
+        backward): tokens, or with ``gather`` expert weights (and their gradients)."""
         names = self.comm.level_names
         out = {n: 0 for n in names}
-        for (level, _, _), b in self.step_bytes.items():
+        for (level, _, _), b in (self.gather_step_bytes if gather else self.step_bytes).items():
             out[names[level]] += b
         return out
 

@@ -105,10 +105,15 @@ def scale_nodes(topology: Topology, nodes: int) -> Topology:
 
 def phase_bytes(topology: Topology, work: Workload, candidate: str, stats: Any) -> dict[str, float]:
     """Bytes one rank sends in a dispatch of an all-to-all candidate, per level's links (the
-    model's n of Eq. 2-5: phases over a level's link, padded to the busiest destination)."""
-    dedup = candidate.startswith("hd")
+    model's n of Eq. 2-5: phases over a level's link, padded to the busiest destination); for an
+    expert gather ``gather{j}``, its tokens' Inter-level-1..j phases plus the expert weights the
+    hierarchical all-gather sends over each level from j on (s_l - 1 peers, the pieces gathered
+    so far: HybridEP Eq. 4 per level)."""
+    gather = candidate.startswith("gather")
+    dedup = candidate.startswith("hd") or gather
     named = {"flat_a2a": 1, "hier_a2a": 2}
-    d = int(candidate[2:]) if dedup else named[candidate] if candidate in named else int(candidate[4:-4])
+    d = (int(candidate[6:]) + 1 if gather else int(candidate[2:]) if dedup else named[candidate]
+         if candidate in named else int(candidate[4:-4]))
     subs = hiermoe.symbol_values(topology, work)
     row = hiermoe.dedup_row_bytes if dedup else hiermoe.copy_row_bytes
     inter = hiermoe.p_inter_max_tokens if dedup else hiermoe.c_inter_max_copies
@@ -119,6 +124,12 @@ def phase_bytes(topology: Topology, work: Workload, candidate: str, stats: Any) 
     for i in range(1, d):  # Inter-level-i crosses level i's links
         n = hiermoe.n_inter_bytes(i, inter(i), row)
         out[topology.levels[i - 1].name] += float(sp.sympify(n).subs(subs).subs(values))
+    if gather:
+        piece = work.num_experts / topology.world_size * work.expert_bytes
+        for lv in topology.levels[d - 1:]:
+            out[lv.name] += (lv.size - 1) * piece
+            piece *= lv.size
+        return out
     n = hiermoe.n_intra_bytes(d - 1, intra(d - 1), row)  # Intra-level-(d-1): at the slowest link it crosses
     out[topology.levels[d - 1].name] += float(sp.sympify(n).subs(subs).subs(values))
     return out
@@ -147,7 +158,8 @@ def plan_table(shape: MoEShape, topology: Topology, tokens: int, dtype_bytes: in
         how = ""
         if name in runnable:
             strategy, settings = runnable[name]
-            how = f"{strategy.name}" + (", d* per step" if settings.dimension is None else "")
+            how = f"{strategy.name}" + (", d* per step" if settings.dimension is None else
+                                         f", domain level {settings.domain}" if settings.domain is not None else "")
         sent = phase_bytes(topology, work, name, stats) if name in runnable else {}
         mark = " <- chosen" if name == decided.strategy else ""
         table.add_row(name + mark, how or "predicted only", f"{t * 1e3:.3g}",
