@@ -27,8 +27,8 @@ Variants; one training step is zero_grad, forward + loss, backward, gradient ave
   hiermoe HDd  the same with options["dimension"] = d, for every d of the mesh, slowest level first
   flat A2A     options {"dimension": 1, "dedup": False}: one copy per (token, expert), as Megatron and HF
   hiermoe a2a only   options {"expert_gather": False}: the planner's choice among the token all-to-alls
-  hiermoe gatherj    options {"expert_gather": j}: the ranks of each mesh block at level j all-gather
-               their experts (0: the whole mesh, HEXA's data-centric mode), tokens cross the levels
+  hiermoe gatherj    options {"expert_gather": name of level j}: each mesh block at level j all-gathers
+               its ranks' experts (j = 0: the whole mesh, HEXA's data-centric mode), tokens cross the levels
                above; gradients reduce-scattered to the owners; "no prefetch" with gather_prefetch 0
   HF EP        transformers' own, as its docs set it up: DistributedConfig(fsdp_size=G, ep_size=G,
                ep_implementation="all_to_all") applied by ``maybe_distribute_model`` (AllToAllEP for
@@ -188,6 +188,8 @@ def prepare(v: Variant, base: nn.Module, model_kind: str, mesh: Any, topology: T
         if args.shard:
             owned = moe_compile.shard_experts(model, mesh, *example_inputs(model_kind, first_BS)).owns
         options = {"mesh": mesh, "topology": topology, "inner_compiler": args.inner_compiler, **dict(v.options)}
+        if isinstance(options.get("expert_gather"), int) and options["expert_gather"] is not False:
+            options["expert_gather"] = mesh.mesh_dim_names[options["expert_gather"]]  # the option takes names
         return Runner(v, torch.compile(model, backend="hiermoe", options=options), model, owned)
     if v.kind == "hf_ep":
         from transformers.distributed.configuration_utils import DistributedConfig

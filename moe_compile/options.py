@@ -68,9 +68,10 @@ class Options:
     expert_gather: with a mesh, whether the planner may move experts instead of tokens
         (``lowering.strategies.gather``: the ranks of a mesh block all-gather their experts,
         tokens cross only the levels above it; HybridEP, HEXA-MoE's data-centric mode):
-        "auto" (default) = weighed against the all-to-alls per layer, False = never, an int j =
-        every layer gathers inside the blocks of mesh level j (0 = the whole mesh, no token
-        moves). Not with a fixed 'dimension' (that fixes a token all-to-all).
+        "auto" (default) = weighed against the all-to-alls per layer, False = never, a mesh
+        level's name = every layer gathers inside the blocks that span that level and those
+        below it (the slowest level's name: the whole mesh, no token moves; on ("node", "gpu"),
+        "gpu": each node). Not with a fixed 'dimension' (that fixes a token all-to-all).
     gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
         (``passes.overlap``): it runs during the layers before it, and the weights of this
         many further layers are in memory at once (default 1; 0 = where the layer starts).
@@ -154,17 +155,19 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
             raise ValueError(f"option 'tune_dimension' must be an int >= 0 (measurements of each close d; 0 = the "
                              f"cost model alone), got {rounds!r}")
     if "expert_gather" in kw:
+        # a level's name, not its index: torch.compile compares option dicts with ==, and False == 0
         gather = kw["expert_gather"]
-        if gather is True or not (gather in ("auto", False) or isinstance(gather, int) and gather >= 0):
-            raise ValueError(f"option 'expert_gather' must be 'auto', False or a mesh level j >= 0 (0 = gather over "
-                             f"the whole mesh), got {gather!r}")
-        if isinstance(gather, int) and not isinstance(gather, bool) and dim is not None:
-            raise ValueError("option 'expert_gather' = j gathers experts, option 'dimension' fixes a token "
-                             "all-to-all: give one of them")
-        mesh = kw.get("mesh")
-        levels = getattr(getattr(mesh, "mesh", None), "ndim", None)
-        if isinstance(gather, int) and not isinstance(gather, bool) and levels is not None and gather >= levels:
-            raise ValueError(f"option 'expert_gather' = {gather}: the mesh has levels 0..{levels - 1}")
+        names = tuple(getattr(kw.get("mesh"), "mesh_dim_names", None) or ())
+        if gather is not False and gather != "auto":
+            if not isinstance(gather, str) or (names and gather not in names):
+                raise ValueError(f"option 'expert_gather' must be 'auto', False or the name of a mesh level (the "
+                                 f"slowest level the gather spans: {list(names) or 'the mesh dim names'}), "
+                                 f"got {gather!r}")
+            if dim is not None:
+                raise ValueError(f"option 'expert_gather' = {gather!r} gathers experts, option 'dimension' fixes a "
+                                 "token all-to-all: give one of them")
+            if names:
+                kw["expert_gather"] = names.index(gather)
     if "gather_prefetch" in kw:
         ahead = kw["gather_prefetch"]
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:

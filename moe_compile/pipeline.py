@@ -103,7 +103,7 @@ def _agreement(ctx: PassContext) -> Agree:
     mesh = opts.mesh
     settings = (f"mesh {tuple(mesh.mesh.shape)} {tuple(mesh.mesh_dim_names or ())} ranks {mesh.mesh.flatten().tolist()}; "
                 f"dimension {opts.dimension}; dedup {opts.dedup}; topology {opts.topology!r}; "
-                f"expert_swap {opts.expert_swap!r}; verify {opts.verify}")
+                f"expert_swap {opts.expert_swap!r}; verify {opts.verify}; expert_gather {opts.expert_gather!r}")
 
     def key(d: Decision, i: int) -> tuple[str, str]:
         """(what the experts compute, where the output and the routing weights are read)."""

@@ -51,7 +51,7 @@ def case_gather() -> dict[str, Any]:
             torch._dynamo.reset()
             model = tiny(kind, 8)
             ref = copy.deepcopy(model)
-            opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": level,
+            opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
                     "inner_compiler": PARAMS.get("inner_compiler", "aot_eager")}
             compiled = torch.compile(model, backend="hiermoe", options=opts)
             ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
@@ -86,7 +86,7 @@ def case_gather_shard() -> dict[str, Any]:
         eager = DDP(copy.deepcopy(model))
         ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
         shard_report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
-        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": level,
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
                 "inner_compiler": "aot_eager"}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -129,7 +129,7 @@ def case_prefetch() -> dict[str, Any]:
 
         model = TinyMoELM(TinyLMConfig(moe_kind="grouped_gemm", num_experts=8, num_layers=3))
         ref = copy.deepcopy(model)
-        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": 0,
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[0],
                 "gather_prefetch": ahead, "inner_compiler": "aot_eager"}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))

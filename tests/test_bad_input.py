@@ -69,8 +69,9 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
         ({"pipeline": 2}, r"'pipeline', 'tune_dimension', 'expert_gather' and 'gather_prefetch' set how "
                           r"expert-parallel layers communicate; they need options\['mesh'\]"),
-        ({"expert_gather": True}, r"'expert_gather' must be 'auto', False or a mesh level j >= 0"),
-        ({"expert_gather": 0, "dimension": 2}, r"give one of them"),
+        ({"expert_gather": True}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),
+        ({"expert_gather": 0}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),
+        ({"expert_gather": "node", "dimension": 2}, r"give one of them"),
         ({"gather_prefetch": -1}, r"'gather_prefetch' must be an int >= 0"),
         ({"expert_gather": False}, r"they need options\['mesh'\]"),
         ({"tune_dimension": -1}, r"'tune_dimension' must be an int >= 0"),

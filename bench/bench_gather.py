@@ -1,0 +1,462 @@
+"""One MoE layer's forward + backward under the hiermoe backend's expert-parallel strategies: token
+all-to-all against expert gathers, and what the planner picks, on the emulated 2-node cluster
+(issue 22; lowering/strategies/gather.py, cost/planner.py gather_time_s).
+
+    python bench/bench_gather.py                   # as root: the command behind bench/results/gather.*
+    python bench/bench_gather.py --quick           # 400mbit, the first shape, 3 reps: prints only
+    python bench/bench_gather.py --report bench/results/gather.json   # rewrite gather.md from the JSON
+
+Per node link rate (a fresh emulated cluster each, bench/clusters/two_node.toml with its node rate
+overridden; mesh node=2,gpu=2) and shape (moe_compile.samples grouped GEMM, fp32, H, F, E experts,
+top-K, T tokens per rank as [batch, T / batch, H], each rank its own, a seeded upstream gradient):
+the layer compiled with hiermoe (the links fitted at start as bench_e2e does, the compute rate
+measured; inner compiler aot_eager) once per variant, each a copy of the same layer:
+
+  a2a (HD d*)  options {"expert_gather": False}: the planner's choice among the token all-to-alls
+  gather1      {"expert_gather": "gpu"} (level 1; 1 where the option takes indices): each node's ranks
+               all-gather their experts, tokens cross nodes
+  gather0      {"expert_gather": "node"} (level 0; 0): the whole mesh gathers the experts, no token
+               moves (data-centric)
+  planner      {} (expert_gather "auto"): the planner chooses among all of them
+
+Untimed warmup steps (the first compiles and is the check: every variant's output and input
+gradient against the a2a variant's, rel. err < 1e-5), more untimed steps while a variant's layer
+still explores its all-to-all dimension (options' tune_dimension: the steps that measure each close
+d), then repetitions that each time one forward + backward of every variant in an order rotated per
+repetition, after a barrier; a step's time is its slowest rank's.
+
+Reported: the median per variant, the planner's pick (its plan's candidate) and whether the planner
+variant is the measured fastest or within 10 % of it; the planner's predicted times (forward: the
+candidates' communication + expert compute, ``RegionReport.predicted_s``) for the best token
+all-to-all, gather1 and gather0; the seconds each gather variant's forward waited for its gather
+(``EPLayer.gather_exposed_s``, slowest rank, median); per shape the measured and the predicted
+crossover rate (the lowest rate at which the all-to-all beats the best gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import functools
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
+# name=H:F:E:K:T (T tokens per rank)
+DEFAULT_SHAPES = "small experts=256:128:8:4:1024,large experts=256:1024:8:2:128"
+VARIANTS = ("a2a", "gather1", "gather0", "planner")
+LABELS = {"a2a": "a2a (HD d*)", "gather1": "gather1", "gather0": "gather0", "planner": "planner"}
+WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured fastest
+
+
+def worker(args: argparse.Namespace) -> None:
+    from bench_hier_a2a import calibrate_local
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile.backend import collect_reports, hiermoe_backend
+    from moe_compile.cost.topology import Topology
+    from moe_compile.ep import runtime
+    from moe_compile.samples import SAMPLES
+    from moe_compile.tools.calibrate import measure_compute
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64
+    if int(os.environ["RANK"]) != 0:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names, sizes = (("node", "gpu"), (2, world // 2)) if world > 2 else (("node",), (2,))
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    fitted, _ = calibrate_local(mesh, names, sizes, quick=args.quick)
+    if fitted is None:
+        raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run again")
+    flops, mem_bw = measure_compute(torch.device("cpu"))
+    rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
+    topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
+                        name="the emulated cluster's links, fitted at start; compute measured")
+    say(f"rate {args.rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
+                                          for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
+    # gather j needs mesh level j: a one-level mesh (--ranks-per-node 1) has no gather1
+    gathers: dict[str, dict[str, Any]] = {"a2a": {"expert_gather": False}}
+    gathers.update({f"gather{j}": {"expert_gather": _gather_level(mesh, j)} for j in (1, 0) if j < len(names)})
+    gathers["planner"] = {}
+    results = []
+    for shape in args.shapes:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = SAMPLES["grouped_gemm"].make(hidden_size=shape["hidden"], ffn_size=shape["ffn"],
+                                             num_experts=shape["experts"], top_k=shape["top_k"])
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(args.batch, shape["tokens"] // args.batch, shape["hidden"], generator=gen)
+        g = torch.randn(x.shape, generator=gen)
+        variants: dict[str, Any] = {}
+        for name, extra in gathers.items():
+            options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", **extra}
+            # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles.
+            # The backend as a callable of its own per variant, not backend="hiermoe" with options:
+            # Dynamo reuses a compile whose backend compares equal (torch._TorchCompileWrapper.__eq__
+            # compares the options dicts), and where the option takes level indices,
+            # {"expert_gather": 0} == {"expert_gather": False}: gather0 would run the a2a variant's
+            # graph (the copies' weights are graph inputs)
+            backend = functools.partial(hiermoe_backend, options=options)
+            variants[name] = torch.compile(copy.deepcopy(layer), backend=backend)
+
+        def step(fn: Any, x: torch.Tensor = x, g: torch.Tensor = g) -> tuple[torch.Tensor, torch.Tensor]:
+            xi = x.clone().requires_grad_()
+            y = fn(xi)
+            (gx,) = torch.autograd.grad(y, xi, g)
+            return y.detach(), gx
+
+        ref_y, ref_g = None, None
+        layer_of: dict[str, Any] = {}
+        plans: dict[str, str] = {}
+        predicted: dict[str, dict[str, float]] = {}
+        executable: dict[str, list[str]] = {}
+        pipelines: dict[str, str] = {}
+        errors: dict[str, float] = {}
+        warmups: dict[str, int] = {}
+        for name, fn in variants.items():
+            # collect_reports, not moe_compile.explain: explain resets Dynamo, which would drop the
+            # variants compiled before it; the regions are the same RegionReports explain returns
+            with collect_reports() as graphs:
+                y, gx = step(fn)
+            regions = [r for gr in graphs for r in gr.regions]
+            if len(regions) != 1:
+                raise RuntimeError(f"{shape['name']} at {args.rate}: {name} compiled {len(regions)} MoE layers, "
+                                   f"not 1 ({len(graphs)} graphs; left alone: "
+                                   f"{[(s.name, s.reason) for gr in graphs for s in gr.skipped]})")
+            (region,) = regions
+            ran = region.plan.split()[0]
+            if name != "planner" and (ran != name if name.startswith("gather") else ran.startswith("gather")):
+                raise RuntimeError(f"{shape['name']} at {args.rate}: the {name} variant runs {region.plan}")
+            layer_of[name] = runtime.layer(region.ep_layer) if region.ep_layer is not None else runtime.layers()[-1]
+            plans[name], predicted[name] = region.plan, dict(region.predicted_s)
+            executable[name], pipelines[name] = list(region.executable), region.pipeline
+            if ref_y is None:
+                ref_y, ref_g = y, gx
+            err = max(float((y - ref_y).norm() / ref_y.norm()), float((gx - ref_g).norm() / ref_g.norm()))
+            errors[name] = err
+            if err > 1e-5:
+                raise RuntimeError(f"{shape['name']} at {args.rate}: {name} ({region.plan}) differs from the a2a "
+                                   f"variant's output or input gradient (rel err {err:.1e})")
+            n = 1
+            for _ in range(args.warmup - 1):
+                step(fn)
+                n += 1
+            while n < args.warmup + args.tune_cap and _exploring(layer_of[name]):
+                step(fn)
+                n += 1
+            warmups[name] = n
+        order_names = list(variants)
+        times: dict[str, list[float]] = {n: [] for n in order_names}
+        exposed: dict[str, list[float]] = {n: [] for n in order_names}
+        dims: dict[str, list[int | None]] = {n: [] for n in order_names}
+        for rep in range(args.reps):
+            order = order_names[rep % len(order_names):] + order_names[:rep % len(order_names)]
+            for name in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(variants[name])
+                dt = time.perf_counter() - t0
+                lay = layer_of[name]
+                both = torch.tensor([dt, lay.gather_exposed_s if lay.domain is not None else 0.0],
+                                    dtype=torch.float64)
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                times[name].append(float(both[0]))
+                if lay.domain is not None:
+                    exposed[name].append(float(both[1]))
+                dims[name].append(lay.last_dimension if lay.domain is None else None)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        pick = plans["planner"].split()[0]
+        say(f"  {shape['name']}: " + "  ".join(f"{n} {med[n] * 1e3:.0f} ms" for n in order_names)
+            + f"  (planner ran {plans['planner']})", flush=True)
+        results.append({"shape": shape, "times_s": times, "median_s": med, "plans": plans, "pick": pick,
+                        "predicted_s": predicted, "executable": executable, "pipeline": pipelines,
+                        "first_step_rel_err": errors, "warmup_steps": warmups,
+                        "gather_exposed_s": {n: statistics.median(v) for n, v in exposed.items() if v},
+                        "dimensions": dims})
+        del variants
+    if rank == 0:
+        Path(os.environ["GATHER_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
+                                                              "configs": results}))
+    dist.destroy_process_group()
+
+
+def _gather_level(mesh: Any, j: int) -> int | str:
+    """options['expert_gather'] for the gather inside the blocks of mesh level j: the level's name
+    where the option takes names, else the index j (the option's first form)."""
+    from moe_compile.options import parse_options
+
+    name = mesh.mesh_dim_names[j]
+    try:
+        parse_options({"mesh": mesh, "expert_gather": name})
+    except ValueError:
+        return j
+    return str(name)
+
+
+def _exploring(lay: Any) -> bool:
+    """Whether the layer's next step still explores an all-to-all dimension (``ep.tuning``): those
+    steps run a d the model finds close to the best, to measure it; the same on every rank (the
+    tuner decides on what every rank received), max-reduced to be sure."""
+    from moe_compile.ep.tuning import EXPLORE_WITHIN
+
+    tuner, times = lay.tuner, list(lay.last_times_s)
+    more = False
+    if lay.domain is None and lay.dimension is None and tuner.rounds > 0 and times:
+        best = min(times)
+        more = any(tuner.tried.get(d, 0) < tuner.rounds for d, t in enumerate(times, 1) if t <= EXPLORE_WITHIN * best)
+    flag = torch.tensor([int(more)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
+
+
+def drive(args: argparse.Namespace, argv: list[str]) -> int:
+    from moe_compile.tools import cluster
+
+    spec = cluster.load_spec(args.cluster)
+    runs = []
+    start = time.perf_counter()
+    for rate in args.rates:
+        out = Path(tempfile.mkdtemp(prefix="gather_")) / "rank0.json"
+        rate_spec = spec.with_overrides(rate=rate, ranks_per_node=args.ranks_per_node)
+        code = cluster.run(rate_spec, [sys.executable, str(Path(__file__).resolve()), *argv, "--rate", rate],
+                           timeout_s=args.timeout, env={"GATHER_OUT": str(out)})
+        if code:
+            print(f"bench_gather: the ranks exited with {code} at {rate}", file=sys.stderr)
+            return code
+        run = json.loads(out.read_text())
+        run["cluster"] = rate_spec.describe()
+        runs.append(run)
+    payload = {"command": shlex.join(["python", "bench/bench_gather.py", *argv]), "args": vars(args) | {
+        "cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
+        "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0],
+        "machine": _machine()}
+    text = report(payload)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(payload, indent=1, default=str))
+        Path(f"{args.out}.md").write_text(text)
+    return 0
+
+
+def _machine() -> str:
+    from machine import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}"
+
+
+def _class(candidate: str) -> str:
+    """The variant that runs a planner candidate: gather0/gather1 themselves, any token all-to-all a2a."""
+    return candidate if candidate.startswith("gather") else "a2a"
+
+
+def _a2a_predicted(c: dict[str, Any]) -> tuple[str, float] | None:
+    """The planner's best token all-to-all and its predicted seconds: the fastest of the candidates
+    the a2a variant may run, from the planner variant's predictions (the same topology)."""
+    pred = c["predicted_s"]["planner"]
+    allowed = [k for k in c["executable"]["a2a"] if k in pred] or [k for k in pred if k.startswith("hd")]
+    if not allowed:
+        return None
+    best = min(allowed, key=pred.__getitem__)
+    return best, pred[best]
+
+
+def _fastest(med: dict[str, float]) -> str:
+    return min((n for n in med if n != "planner"), key=med.__getitem__)
+
+
+def _verdict(c: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the planner's pick is the measured fastest strategy or the planner variant ran within
+    10 % of it, and the words for the table."""
+    med = c["median_s"]
+    fastest = _fastest(med)
+    over = med["planner"] / med[fastest] - 1
+    if _class(c["pick"]) == fastest:
+        return True, f"yes (the fastest; {over * 100:+.0f} %)"
+    return over <= WITHIN - 1, f"{'yes' if over <= WITHIN - 1 else 'no'} ({over * 100:+.0f} %)"
+
+
+def _crossover(points: list[tuple[float, str, float, float]]) -> str:
+    """The lowest rate at which the all-to-all takes less than the best gather, from (bit/s, rate,
+    a2a seconds, best gather seconds) per rate; "none" if at no rate."""
+    for _, rate, a2a, gather in sorted(points):
+        if a2a < gather:
+            return rate
+    return "none"
+
+
+def report(payload: dict[str, Any]) -> str:
+    from moe_compile.tools.cluster_net import parse_rate
+
+    args = payload["args"]
+    machine = payload.get("machine") or _machine()
+    shapes = args["shapes"]
+    lines = ["# MoE layer forward + backward: token all-to-all against expert gathers, on the emulated cluster", "",
+             f"Command: `{payload['command']}` (as root, from the repository root; cluster `{args['cluster']}` "
+             "with its node rate set per run)", "",
+             f"Machine: {machine}; {2 * args['ranks_per_node']} gloo ranks, 1 torch thread each; {payload['date']}; "
+             f"wall time {payload['wall_s'] / 60:.1f} min; 1-min load average at the end "
+             f"{payload['load_avg_end']:.1f}.", "",
+             "Cluster: " + "; ".join(f"{r['rate']}: {r.get('cluster', '-')}" for r in payload["runs"]) + ".", "",
+             "Layer: moe_compile.samples grouped_gemm, fp32, shapes "
+             + "; ".join(f"{s['name']}: H={s['hidden']} F={s['ffn']} E={s['experts']} K={s['top_k']} "
+                         f"{s['tokens']} tokens per rank" for s in shapes)
+             + f" (as [{args['batch']}, T / {args['batch']}, H]). hiermoe over mesh node=2"
+             + (f",gpu={args['ranks_per_node']}" if args["ranks_per_node"] > 1 else "")
+             + ", inner compiler aot_eager; variants: a2a = expert_gather False (the planner's token all-to-all, "
+             "HD-d with d* per step), gather1 = expert_gather level 1 (experts all-gathered inside each node, tokens "
+             "across nodes), gather0 = expert_gather level 0 (the whole mesh gathers, no token moves), planner = the "
+             f"default \"auto\". {args['warmup']} untimed step(s) per variant, more while its dimension tuner "
+             f"explores (up to {args['tune_cap']}), then {args['reps']} repetitions each timing one forward + "
+             "backward of every variant (rotated order, barrier first, slowest rank's time); medians in ms.", "",
+             "Predicted: the planner's forward times (communication + expert compute, cost/planner.py; the "
+             "gathers' without prefetch) from the topology fitted at start; the measured step is forward + "
+             "backward, so compare ratios. Gather wait: the seconds the forward waited for its gather "
+             "(EPLayer.gather_exposed_s; a single layer has nothing to prefetch behind), slowest rank, median.", ""]
+    good = total = 0
+    crossings: dict[str, dict[str, list[tuple[float, str, float, float]]]] = {}
+    for run in payload["runs"]:
+        topo = run["topology"]
+        lines.append(f"## node link {run['rate']}")
+        lines.append("")
+        lines.append("Topology (fitted at start): " + ", ".join(
+            f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
+            for lv in topo["levels"]) + f"; compute {_first(topo, 'flops_per_s') / 1e9:.1f} GFLOP/s (measured).")
+        lines.append("")
+        lines.append("| shape | a2a ms | gather1 ms | gather0 ms | planner ms (its pick) | measured fastest |"
+                     " planner pick within 10 % of fastest? | predicted fw ms: a2a (best) / gather1 / gather0 |"
+                     " gather wait fw ms: gather1 / gather0 | a2a plan |")
+        lines.append("|" + "---|" * 10)
+        for c in run["configs"]:
+            med = c["median_s"]
+            pred = c["predicted_s"]["planner"]
+            fastest = _fastest(med)
+            ok, words = _verdict(c)
+            good, total = good + ok, total + 1
+            a2a_pred = _a2a_predicted(c)
+            gathers = [n for n in ("gather1", "gather0") if n in med]
+            pred_txt = (f"{a2a_pred[1] * 1e3:.3g} ({a2a_pred[0]})" if a2a_pred else "-") + " / " + " / ".join(
+                f"{pred[n] * 1e3:.3g}" if n in pred else "-" for n in ("gather1", "gather0"))
+            wait = c.get("gather_exposed_s", {})
+            wait_txt = " / ".join(f"{wait[n] * 1e3:.1f}" if n in wait else "-" for n in ("gather1", "gather0"))
+            lines.append(f"| {c['shape']['name']} | " + " | ".join(
+                f"{med[n] * 1e3:.0f}" if n in med else "-" for n in ("a2a", "gather1", "gather0"))
+                + f" | {med['planner'] * 1e3:.0f} ({c['pick']}) | {LABELS[fastest]} | {words} | {pred_txt} |"
+                f" {wait_txt} | {c['plans']['a2a']} |")
+            if gathers:
+                per = crossings.setdefault(c["shape"]["name"], {"measured": [], "predicted": []})
+                bits = parse_rate(run["rate"])
+                per["measured"].append((bits, run["rate"], med["a2a"], min(med[n] for n in gathers)))
+                pred_g = [pred[n] for n in gathers if n in pred]
+                if a2a_pred and pred_g:
+                    per["predicted"].append((bits, run["rate"], a2a_pred[1], min(pred_g)))
+        lines.append("")
+    lines.append("## Summary")
+    lines.append("")
+    lines.append(f"The planner's pick is the measured fastest strategy or within 10 % of it at {good} of {total} "
+                 "(rate, shape) points.")
+    lines.append("")
+    if crossings:
+        lines.append("Crossover (the lowest node rate at which the token all-to-all is faster than the best gather; "
+                     f"rates run: {', '.join(r['rate'] for r in payload['runs'])}):")
+        lines.append("")
+        lines.append("| shape | measured crossover | predicted crossover |")
+        lines.append("|---|---|---|")
+        for name, per in crossings.items():
+            lines.append(f"| {name} | {_crossover(per['measured'])} | "
+                         f"{_crossover(per['predicted']) if per['predicted'] else '-'} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _first(topo: dict[str, Any], key: str) -> float:
+    v = topo["compute"][key] if "compute" in topo else topo[key]
+    return float(v[0] if isinstance(v, list) else v)
+
+
+def parse_shapes(text: str) -> list[dict[str, Any]]:
+    """``[name=]H:F:E:K:T`` comma-separated (T tokens per rank)."""
+    out = []
+    for item in text.split(","):
+        name, _, dims = item.strip().rpartition("=")
+        try:
+            hidden, ffn, experts, top_k, tokens = (int(v) for v in dims.split(":"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {item!r} is not [name=]H:F:E:K:T") from None
+        out.append({"name": name or f"H={hidden} F={ffn} E={experts} K={top_k} T={tokens}", "hidden": hidden,
+                    "ffn": ffn, "experts": experts, "top_k": top_k, "tokens": tokens})
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="400mbit, the first shape, 3 reps, prints only")
+    p.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER)
+    p.add_argument("--rates", default=None,
+                   help="node link rates, tc syntax, comma-separated (default 100mbit,400mbit,2gbit)")
+    p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="ranks per node (default 2: mesh node=2,gpu=2; 1: mesh node=2, no gather1)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated [name=]H:F:E:K:T, T tokens per rank (default {DEFAULT_SHAPES!r})")
+    p.add_argument("--batch", type=int, default=4, help="the input is [batch, T / batch, H] (default 4)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7; 3 quick)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant, the first the check (default 1)")
+    p.add_argument("--tune-cap", type=int, default=12,
+                   help="at most this many more untimed steps while a variant's dimension tuner explores "
+                        "(default 12; 0: none)")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--out", default=None, help="results path without suffix (default bench/results/gather; "
+                                               "--quick: none)")
+    p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the .md from a results JSON")
+    args = p.parse_args(argv)
+    args.rates = (args.rates or ("400mbit" if args.quick else "100mbit,400mbit,2gbit")).split(",")
+    args.shapes = parse_shapes(args.shapes or DEFAULT_SHAPES)
+    if args.quick:
+        args.shapes = args.shapes[:1]
+    args.reps = args.reps or (3 if args.quick else 7)
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1 (the first step compiles and is the check)")
+    world = 2 * args.ranks_per_node
+    for s in args.shapes:
+        if s["experts"] % world or s["tokens"] % args.batch:
+            p.error(f"shape {s['name']}: E must split over the {world} ranks and T over --batch {args.batch}")
+    if args.out is None and not args.quick:
+        args.out = "bench/results/gather"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.report:
+        path = Path(args.report)
+        text = report(json.loads(path.read_text()))
+        path.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    return drive(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
