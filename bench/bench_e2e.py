@@ -355,6 +355,8 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
 
     # Step 4: interleaved timed repetitions; d* records the d of each of its layers in each step.
     times = torch.zeros(args.reps, len(runners), dtype=torch.float64)
+    # per step, the seconds each variant's forward waited for its expert gathers (lowering.ep_gather)
+    gather_wait = torch.zeros(args.reps, len(runners), dtype=torch.float64)
     dstar_d: list[list[int]] = []
     dstar_pred: list[list[list[float]]] = []
     dstar_tuned: list[list[list[float]]] = []  # the model's times corrected by measurement (ep.tuning)
@@ -368,6 +370,9 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
             t0 = time.perf_counter()
             train_step(r, model_kind, ids, world)
             times[rep, i] = time.perf_counter() - t0
+            if r.variant.kind == "hiermoe":
+                gather_wait[rep, i] = sum(runtime.layer(j).gather_exposed_s for j in r.ep_layers
+                                          if runtime.layer(j).domain is not None)
             if r.variant.name == "hiermoe d*":
                 lays = [runtime.layer(j) for j in r.ep_layers]
                 dstar_d.append([cast(int, lay.last_dimension) for lay in lays])
@@ -375,6 +380,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
                 dstar_tuned.append([list(lay.last_tuned_s) for lay in lays])
                 dstar_offsets = [{str(d): o for d, o in lay.tuner.offsets_s.items()} for lay in lays]
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(gather_wait, op=dist.ReduceOp.MAX)
     if rank != 0:
         return {}
     results = []
@@ -390,6 +396,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
             "payload_bytes_per_level": dict(zip(names, row[:len(names)])) if r.variant.kind == "hiermoe" else None,
             "meta_bytes": row[-1] if r.variant.kind == "hiermoe" else None,
             "grad_allreduce_bytes": grad_bytes[i] if r.averages else None,
+            "gather_wait_s": gather_wait[:, i].tolist() if r.variant.kind == "hiermoe" else None,
         })
     canonical = [v.name for v in variants(len(names), model_kind)]
     results.sort(key=lambda res: canonical.index(res["variant"]))

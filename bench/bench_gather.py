@@ -13,9 +13,9 @@ the layer compiled with hiermoe (the links fitted at start as bench_e2e does, th
 measured; inner compiler aot_eager) once per variant, each a copy of the same layer:
 
   a2a (HD d*)  options {"expert_gather": False}: the planner's choice among the token all-to-alls
-  gather1      {"expert_gather": "gpu"} (level 1; 1 where the option takes indices): each node's ranks
+  gather1      {"expert_gather": "gpu"} (level 1): each node's ranks
                all-gather their experts, tokens cross nodes
-  gather0      {"expert_gather": "node"} (level 0; 0): the whole mesh gathers the experts, no token
+  gather0      {"expert_gather": "node"} (level 0): the whole mesh gathers the experts, no token
                moves (data-centric)
   planner      {} (expert_gather "auto"): the planner chooses among all of them
 
@@ -57,7 +57,6 @@ sys.path.insert(0, str(HERE))
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 # name=H:F:E:K:T (T tokens per rank)
 DEFAULT_SHAPES = "small experts=256:128:8:4:1024,large experts=256:1024:8:2:128"
-VARIANTS = ("a2a", "gather1", "gather0", "planner")
 LABELS = {"a2a": "a2a (HD d*)", "gather1": "gather1", "gather0": "gather0", "planner": "planner"}
 WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured fastest
 
@@ -94,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
                                           for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
     # gather j needs mesh level j: a one-level mesh (--ranks-per-node 1) has no gather1
     gathers: dict[str, dict[str, Any]] = {"a2a": {"expert_gather": False}}
-    gathers.update({f"gather{j}": {"expert_gather": _gather_level(mesh, j)} for j in (1, 0) if j < len(names)})
+    gathers.update({f"gather{j}": {"expert_gather": names[j]} for j in (1, 0) if j < len(names)})
     gathers["planner"] = {}
     results = []
     for shape in args.shapes:
@@ -111,9 +110,8 @@ def worker(args: argparse.Namespace) -> None:
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles.
             # The backend as a callable of its own per variant, not backend="hiermoe" with options:
             # Dynamo reuses a compile whose backend compares equal (torch._TorchCompileWrapper.__eq__
-            # compares the options dicts), and where the option takes level indices,
-            # {"expert_gather": 0} == {"expert_gather": False}: gather0 would run the a2a variant's
-            # graph (the copies' weights are graph inputs)
+            # compares the options dicts with ==, so e.g. 0 and False would collide; the copies'
+            # weights are graph inputs, so one variant would run another's graph)
             backend = functools.partial(hiermoe_backend, options=options)
             variants[name] = torch.compile(copy.deepcopy(layer), backend=backend)
 
@@ -184,31 +182,23 @@ def worker(args: argparse.Namespace) -> None:
                 dims[name].append(lay.last_dimension if lay.domain is None else None)
         med = {n: statistics.median(v) for n, v in times.items()}
         pick = plans["planner"].split()[0]
+        # this rank's payload bytes per level in its last step (forward + backward): tokens, and the
+        # expert weights and their gradients of a gather
+        sent = {n: {"tokens": lay.last_step_bytes(),
+                    "experts": lay.last_step_bytes(gather=True) if lay.domain is not None else {},
+                    "gathered_bytes": lay.gathered_bytes} for n, lay in layer_of.items()}
         say(f"  {shape['name']}: " + "  ".join(f"{n} {med[n] * 1e3:.0f} ms" for n in order_names)
             + f"  (planner ran {plans['planner']})", flush=True)
         results.append({"shape": shape, "times_s": times, "median_s": med, "plans": plans, "pick": pick,
                         "predicted_s": predicted, "executable": executable, "pipeline": pipelines,
                         "first_step_rel_err": errors, "warmup_steps": warmups,
                         "gather_exposed_s": {n: statistics.median(v) for n, v in exposed.items() if v},
-                        "dimensions": dims})
+                        "dimensions": dims, "rank0_sent_bytes": sent})
         del variants
     if rank == 0:
         Path(os.environ["GATHER_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
                                                               "configs": results}))
     dist.destroy_process_group()
-
-
-def _gather_level(mesh: Any, j: int) -> int | str:
-    """options['expert_gather'] for the gather inside the blocks of mesh level j: the level's name
-    where the option takes names, else the index j (the option's first form)."""
-    from moe_compile.options import parse_options
-
-    name = mesh.mesh_dim_names[j]
-    try:
-        parse_options({"mesh": mesh, "expert_gather": name})
-    except ValueError:
-        return j
-    return str(name)
 
 
 def _exploring(lay: Any) -> bool:

@@ -248,6 +248,12 @@ def markdown(payload: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                   "count about 4).", "",
                   "| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|",
                   *("| " + " | ".join(row) + " |" for row in variant_rows(c, levels)), ""]
+        waits = [(r["variant"], r["gather_wait_s"]) for r in c["results"]
+                 if r.get("gather_wait_s") and any(r["gather_wait_s"])]
+        if waits:
+            lines += ["Expert gathers: the time each step's forward waited for them (the gather not hidden by "
+                      "the prefetch; slowest rank, median over the repetitions): "
+                      + ", ".join(f"{v} {statistics.median(w) * 1e3:.3g} ms" for v, w in waits) + ".", ""]
     e2e = e2e_dstar_rows(payload)
     lines += ["## d*: the planner's choice against the measured-fastest d", "",
               "This run: `hiermoe d*` chooses d per layer and step (HierMoE Eq. 6 / Alg. 1 on statistics all "

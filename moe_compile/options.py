@@ -75,6 +75,9 @@ class Options:
     gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
         (``passes.overlap``): it runs during the layers before it, and the weights of this
         many further layers are in memory at once (default 1; 0 = where the layer starts).
+    gather_keep_bytes: with a mesh, the most bytes of gathered expert weights a rank keeps from
+        forward to backward (the last layers first); the other layers free theirs after their
+        forward and gather them again in backward (default None: keep all; 0: keep none).
     """
 
     inner_compiler: str = "inductor"
@@ -93,6 +96,7 @@ class Options:
     expert_swap: SwapOptions | None = None
     expert_gather: str | bool | int = "auto"
     gather_prefetch: int = 1
+    gather_keep_bytes: int | None = None
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -168,16 +172,21 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
                                  "token all-to-all: give one of them")
             if names:
                 kw["expert_gather"] = names.index(gather)
+    if "gather_keep_bytes" in kw:
+        keep = kw["gather_keep_bytes"]
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+            raise ValueError(f"option 'gather_keep_bytes' must be None (keep every layer's gathered weights) or an "
+                             f"int >= 0 (bytes per rank), got {keep!r}")
     if "gather_prefetch" in kw:
         ahead = kw["gather_prefetch"]
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"option 'gather_prefetch' must be an int >= 0 (layers ahead), got {ahead!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
                                    or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw
-                                   or "expert_gather" in kw or "gather_prefetch" in kw):
+                                   or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw):
         raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
-                         "'expert_gather' and 'gather_prefetch' set how expert-parallel layers communicate; they "
-                         "need options['mesh'] (a DeviceMesh)")
+                         "'expert_gather', 'gather_prefetch' and 'gather_keep_bytes' set how expert-parallel layers "
+                         "communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
         if kw["expert_swap"] is not None and kw.get("mesh") is None:

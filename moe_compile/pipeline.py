@@ -189,7 +189,7 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, ctx.plans, mesh=opts.mesh, topology=ctx.topology,
                                example_inputs=ctx.example_inputs, expert_swap=opts.expert_swap,
                                tune_rounds=opts.tune_dimension,
-                               backward=opts.ep_backward)
+                               backward=opts.ep_backward, gather_keep_bytes=opts.gather_keep_bytes)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     ctx.layer_inputs.update(out.pop("layer_inputs"))

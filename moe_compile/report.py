@@ -70,7 +70,7 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "gather": None if lay.domain is None else {
                 "domain_level": lay.domain, "domain_size": len(lay.domain_phase().peer_pos),
                 "gathered_bytes": lay.gathered_bytes, "bytes_per_level": lay.last_step_bytes(gather=True),
-                "exposed_s": lay.gather_exposed_s}}
+                "exposed_s": lay.gather_exposed_s, "regathered": lay.regathered}}
 
 
 def _bytes(n: int) -> str:
@@ -200,7 +200,9 @@ class Report:
                 sent = ", ".join(f"{k} {v}" for k, v in p["bytes_per_level"].items())
                 if g is not None:
                     sent += ("; expert weights " + ", ".join(f"{k} {v}" for k, v in g["bytes_per_level"].items())
-                             + f" ({_bytes(g['gathered_bytes'])} gathered, waited {g['exposed_s'] * 1e3:.3g} ms)")
+                             + f" ({_bytes(g['gathered_bytes'])} gathered, "
+                             + ("gathered again in backward" if g["regathered"] else "kept for backward")
+                             + f", forward waited {g['exposed_s'] * 1e3:.3g} ms)")
                 local = p["local_experts"]
                 contiguous = local == list(range(local[0], local[0] + len(local)))
                 table.add_row(escape(r.name), used, pred, sent, _bytes(p["saved_bytes"]),

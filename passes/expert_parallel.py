@@ -36,20 +36,22 @@ Pseudo-code:
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
 from moe_compile.cost.topology import Topology
-from moe_compile.ep import shard
+from moe_compile.ep import runtime, shard
 from moe_compile.ep.setup import build_layer
 from moe_compile.ep.tuning import DimensionTuner
 from moe_compile.passes.canonicalize import Rewritten
-from moe_compile.passes.graph_index import tensor_meta
+from moe_compile.passes.graph_index import fake_tensor, tensor_meta
 from moe_compile.passes.plan import LayerPlan
 
 _WEIGHT_ARGS = range(3, 9)  # w_up, w_gate, w_down, b_up, b_gate, b_down in hiermoe::experts
@@ -59,15 +61,16 @@ _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 
 def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], plans: Mapping[str, LayerPlan], *,
                          mesh: Any, topology: Topology | None, example_inputs: Sequence[object] = (),
-                         expert_swap: Any = None, backward: str = "stages", tune_rounds: int = 0
-                         ) -> dict[str, Any]:
+                         expert_swap: Any = None, backward: str = "stages", tune_rounds: int = 0,
+                         gather_keep_bytes: int | None = None) -> dict[str, Any]:
     """``plans``: each layer's ``passes.plan.LayerPlan`` (its strategy and runtime settings).
     ``backward``: "stages" or "resend" (options['ep_backward']). Returns counters, under
     "layers" the runtime layer id of every layer by name, under
     "input_swaps" {input position: shard parameter} for the backend to feed, and under
     "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
     the ``moe_compile.options.SwapOptions`` of options["expert_swap"] (None: off);
-    ``tune_rounds`` options["tune_dimension"] (``moe_compile.ep.tuning``)."""
+    ``tune_rounds`` options["tune_dimension"] (``moe_compile.ep.tuning``); ``gather_keep_bytes``
+    options["gather_keep_bytes"] (``strategies.gather.plan_regathers``)."""
     ids: dict[str, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))
@@ -146,9 +149,12 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             raise ValueError(f"{shards[node].name} is sharded (moe_compile.shard_experts) but a part of the graph "
                              "that was not rewritten into the expert op reads it; see moe_compile.explain for the "
                              "layers left alone and why")
+    regathered = plan_regathers(gm.graph, gather_keep_bytes)
+    for lay_id in {v for v in ids.values()}:
+        runtime.layer(lay_id).regathered = lay_id in regathered
     gm.graph.lint()
     gm.recompile()
-    return {"expert_parallel": len(ids), "sharded_weights": len(swaps), "layers": ids,
+    return {"expert_parallel": len(ids), "regathered": len(regathered), "sharded_weights": len(swaps), "layers": ids,
             "input_swaps": swaps, "layer_inputs": inputs}
 
 
@@ -183,3 +189,37 @@ def _stack_root(n: fx.Node, num_experts: int) -> fx.Node | None:
         if isinstance(items, list | tuple) and len(items) == num_experts:
             return n
     return None
+
+
+# an activation-checkpoint region id no user region takes (passes.emit's is 1 << 20)
+_REGATHER_AC_GRAPH = (1 << 20) + 1
+
+
+def plan_regathers(graph: fx.Graph, budget_bytes: int | None) -> dict[int, int]:
+    """Which expert gathers (``strategies.gather``) keep their weights from forward to backward
+    and which gather them again in backward, within ``budget_bytes`` kept per rank
+    (options['gather_keep_bytes']; None: keep all). The last layers keep first: their backward
+    comes first, with no earlier backward work to hide a re-gather behind. A re-gathered gather
+    is tagged for AOTAutograd's partitioner to recompute it in backward (as activation
+    checkpointing does), so its weights are freed after the layer's forward; in backward
+    ``passes.overlap`` starts it ahead like the forward's. Returns {runtime layer id: gathered
+    bytes} of the re-gathered ones."""
+    gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.hiermoe.ep_gather.default]
+    kept, regathered = 0, {}
+    for node in reversed(gathers):
+        weights, layer_id, _ = node.args
+        lay = runtime.layer(int(layer_id))  # type: ignore[arg-type]
+        assert lay.domain is not None
+        rows = len(lay.domain_phase().peer_pos) * len(lay.local_experts)
+        size = 0
+        for w in weights:  # type: ignore[union-attr]
+            val = fake_tensor(w)
+            assert val is not None, f"layer {lay.name}: no shape for the gathered weight {w}"
+            size += rows * math.prod(int(d) for d in val.shape[1:]) * val.dtype.itemsize
+        if budget_bytes is None or kept + size <= budget_bytes:
+            kept += size
+            continue
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = _REGATHER_AC_GRAPH
+        regathered[lay.layer_id] = size
+    return regathered

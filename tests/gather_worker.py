@@ -61,11 +61,10 @@ def case_gather() -> dict[str, Any]:
                 loss.backward()
                 loss_ref.backward()
             code = "\n".join(g.after for g in graphs)
-            sent = _sent("payload")  # before explain's forward adds its own
-            report = moe_compile.explain(copy.deepcopy(ref), ids, ids, options=opts)
+            regions = [r for g in graphs for r in g.regions]
             out[f"{kind} {level}"] = {
                 "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-                "sent": sent, "plans": [r.plan for r in report.regions], "text": str(report),
+                "sent": _sent("payload"), "plans": [r.plan for r in regions],
                 "gathers": code.count("hiermoe.ep_gather.default"), "dispatches": code.count("hiermoe.ep_dispatch"),
                 "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
     return out
@@ -122,7 +121,8 @@ def case_prefetch() -> dict[str, Any]:
     rank = dist.get_rank()
     mesh = make_mesh(PARAMS["shape"])
     out: dict[str, Any] = {}
-    for ahead in PARAMS["prefetch"]:
+    # (prefetch, gather_keep_bytes): one layer's 144 KiB of gathered experts kept, the others regathered
+    for ahead, keep in [*((a, None) for a in PARAMS["prefetch"]), (1, 147456)]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
@@ -130,7 +130,7 @@ def case_prefetch() -> dict[str, Any]:
         model = TinyMoELM(TinyLMConfig(moe_kind="grouped_gemm", num_experts=8, num_layers=3))
         ref = copy.deepcopy(model)
         opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[0],
-                "gather_prefetch": ahead, "inner_compiler": "aot_eager"}
+                "gather_prefetch": ahead, "gather_keep_bytes": keep, "inner_compiler": "aot_eager"}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
         with collect_reports() as graphs:
@@ -144,8 +144,14 @@ def case_prefetch() -> dict[str, Any]:
                 if f"torch.ops.hiermoe.{what.removeprefix('hiermoe.')}" in line or (
                         what.startswith("ep_") and f"hiermoe.{what}.default" in line):
                     events.append(what.removeprefix("hiermoe.").removesuffix(".default"))
-        out[str(ahead)] = {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-                           "events": events, "starts": graphs[0].gather_starts}
+        backward = graphs[0].scheduled[1][2]
+        out[str(ahead) if keep is None else f"{ahead} keep {keep}"] = {
+            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+            "events": events, "starts": graphs[0].gather_starts,
+            "backward_gathers": backward.count("hiermoe.ep_gather_start.default"),
+            "backward_scatters": sum(backward.count(f"hiermoe.ep_gather_backward{v}.default(")
+                                     for v in ("", "_start")),
+            "regathered": [lay.regathered for lay in runtime.layers()][-3:]}
     return out
 
 

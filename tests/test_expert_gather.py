@@ -108,16 +108,23 @@ def test_planner_moves_experts_on_a_slow_link_with_small_experts() -> None:
 
 def test_gather_prefetch_starts_layers_ahead() -> None:
     """gather_prefetch = n: layer l+n's gather starts before layer l's experts run (right after
-    layer l+n-1's gather was waited for, not earlier); 0: each gather where its layer is. The
+    layer l+n-1's gather was waited for, not earlier); 0: each gather where its layer is. With
+    gather_keep_bytes one layer's worth, the last layer keeps its gathered weights and the two
+    before gather theirs again in backward (tagged for the partitioner's recompute). The
     results are those of eager whatever the schedule."""
-    results = run_ranks(4, "prefetch", worker="gather_worker.py", shape=[2, 2], prefetch=[0, 1, 2])
+    results = run_ranks(4, "prefetch", worker="gather_worker.py", shape=[2, 2], prefetch=[0, 2])
     g, w, x = "ep_gather_start", "ep_gather_wait", "experts"
     expected = {"0": [g, w, x, g, w, x, g, w, x],
                 "1": [g, w, g, x, w, g, x, w, x],
                 "2": [g, g, w, g, x, w, x, w, x]}
+    expected["1 keep 147456"] = expected["1"]
     for rank, res in enumerate(results):
         for ahead, r in res.items():
             assert r["events"] == expected[ahead], (rank, ahead, r["events"])
             assert abs(r["loss"] - r["loss_ref"]) <= 1e-6 * abs(r["loss_ref"]), (rank, ahead)
             assert r["grad_err"] < 1e-5, (rank, ahead)
-            assert len(r["starts"]) == 3, r["starts"]
+            assert r["backward_scatters"] == 3, (rank, ahead)  # every layer's reduce-scatter
+            regather = ahead.endswith("keep 147456")
+            assert r["regathered"] == ([True, True, False] if regather else [False] * 3), (rank, ahead, r)
+            assert r["backward_gathers"] == (2 if regather else 0), (rank, ahead, r)
+            assert len(r["starts"]) == 3 + r["backward_gathers"], r["starts"]

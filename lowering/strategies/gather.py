@@ -53,3 +53,4 @@ def emit(graph: fx.Graph, args: list[Any], layer_id: int, by_expert: bool, name:
                                  (x, rows, topk_weights, *full, activation), {}, name=f"{prefix}_experts")
     return emit_stages(graph, [x, topk_idx, topk_weights, *full, activation], layer_id, False, name, slots=top_k,
                        chunks=settings.chunks)
+

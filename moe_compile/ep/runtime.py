@@ -160,6 +160,8 @@ class EPLayer:
     # step_bytes, and the seconds the forward waited for its gather (not hidden by a prefetch)
     gather_step_bytes: dict[tuple[int, str, str], int] = field(default_factory=dict)
     gather_exposed_s: float = 0.0
+    # its gathered weights are gathered again in backward instead of kept (options['gather_keep_bytes'])
+    regathered: bool = False
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
     expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
