@@ -15,21 +15,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ep_worker import (  # noqa: E402
-    ADAM_EPS,
-    PARAMS,
-    average_grads,
-    main,
-    make_mesh,
-    rel_err,
-    summed_grad_err,
-    tiny,
-    topology_for,
-)
+from ep_worker import PARAMS, main, make_mesh, summed_grad_err, tiny, topology_for  # noqa: E402
+from shard_worker import train_against_ddp  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile.backend import collect_reports  # noqa: E402
 from moe_compile.ep import runtime  # noqa: E402
+from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM  # noqa: E402
 
 
 def _sent(kind: str) -> dict[str, dict[str, int]]:
@@ -88,30 +80,10 @@ def case_gather_shard() -> dict[str, Any]:
         opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
                 "inner_compiler": "aot_eager"}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
-        opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
-        opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-        losses: dict[str, list[float]] = {"eager": [], "compiled": []}
-        gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(PARAMS["steps"]):
-            batch = torch.randint(0, 32, (2, 9), generator=gen)
-            for label, module, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
-                loss = module(batch[:, :-1], batch[:, 1:])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if label == "compiled":
-                    average_grads(model, shard_report)
-                opt.step()
-                losses[label].append(float(loss))
-        eager_params = dict(eager.module.named_parameters())
-        weight_err = 0.0
-        for s in shard_report.shards:
-            if s.local is not None:
-                ref = eager_params[s.name][s.first:s.first + s.num_local]
-                weight_err = max(weight_err, rel_err(s.local.detach(), ref.detach()))
+        losses, weight_err, _ = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"])
         out[str(level)] = {"losses": losses, "weight_err": weight_err,
                            "local_bytes": shard_report.local_bytes, "full_bytes": shard_report.full_bytes}
     return out
-
 
 
 def case_prefetch() -> dict[str, Any]:
@@ -125,8 +97,6 @@ def case_prefetch() -> dict[str, Any]:
     for ahead, keep in [*((a, None) for a in PARAMS["prefetch"]), (1, 147456)]:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
-
         model = TinyMoELM(TinyLMConfig(moe_kind="grouped_gemm", num_experts=8, num_layers=3))
         ref = copy.deepcopy(model)
         opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[0],

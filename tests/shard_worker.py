@@ -21,6 +21,42 @@ import moe_compile  # noqa: E402
 from moe_compile.backend import collect_reports  # noqa: E402
 
 
+def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_report: Any, steps: int
+                      ) -> tuple[dict[str, list[float]], float, str]:
+    """``steps`` AdamW steps of the sharded ``model`` (through ``compiled``, gradients averaged by
+    hand) and of ``eager`` (DDP of the unsharded model), each rank on its own batches. Returns the
+    losses of both, the largest relative error between this rank's shards after training and the
+    eager model's rows of its experts, and the code of the compiled first step."""
+    rank = dist.get_rank()
+    losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
+    opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+    gen = torch.Generator().manual_seed(100 + rank)
+    after_code = ""
+    for step in range(steps):
+        batch = torch.randint(0, 32, (2, 9), generator=gen)
+        if step == 0:
+            with collect_reports() as graphs:
+                compiled(batch[:, :-1], batch[:, 1:])  # compiles; the code the step runs
+            after_code = "\n".join(g.after for g in graphs)
+        for label, module, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
+            loss = module(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if label == "compiled":
+                average_grads(model, shard_report)
+            opt.step()
+            losses[label].append(float(loss))
+    # the sharded weights after training equal the eager DDP model's rows for this rank's experts
+    eager_params = dict(eager.module.named_parameters())
+    weight_err = 0.0
+    for s in shard_report.shards:
+        if s.local is not None:
+            ref = eager_params[s.name][s.first:s.first + s.num_local]
+            weight_err = max(weight_err, rel_err(s.local.detach(), ref.detach()))
+    return losses, weight_err, after_code
+
+
 def case_shard() -> dict[str, Any]:
     """shard_experts: per-rank expert memory, outputs/grads against eager, no expert-weight copy in
     the compiled step, and AdamW steps equal to eager DDP."""
@@ -40,31 +76,7 @@ def case_shard() -> dict[str, Any]:
         expert_numel = shard_report.full_bytes // 4
         opts = {"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
-        losses: dict[str, list[float]] = {"eager": [], "compiled": []}
-        opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
-        opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-        gen = torch.Generator().manual_seed(100 + rank)
-        for step in range(PARAMS["steps"]):
-            batch = torch.randint(0, 32, (2, 9), generator=gen)
-            if step == 0:
-                with collect_reports() as graphs:
-                    compiled(batch[:, :-1], batch[:, 1:])  # compiles; the code the step runs
-                after_code = "\n".join(g.after for g in graphs)
-            for label, module, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
-                loss = module(batch[:, :-1], batch[:, 1:])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if label == "compiled":
-                    average_grads(model, shard_report)
-                opt.step()
-                losses[label].append(float(loss))
-        # the sharded weights after training equal the eager DDP model's rows for this rank's experts
-        eager_params = dict(eager.module.named_parameters())
-        weight_err = 0.0
-        for s in shard_report.shards:
-            if s.local is not None:
-                ref = eager_params[s.name][s.first:s.first + s.num_local]
-                weight_err = max(weight_err, rel_err(s.local.detach(), ref.detach()))
+        losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"])
         out[kind] = {"full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
                      "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
                      "losses": losses, "weight_err": weight_err, "after_code": after_code,
