@@ -153,6 +153,39 @@ def expected_node_rows(topk_idx_TK: Tensor, num_experts: int, sizes: tuple[int, 
 # ---- one rank -----------------------------------------------------------------------------------
 
 
+def cluster_rank(quick: bool, rate: str) -> tuple[int, int, Any, tuple[str, ...], Topology, Any]:
+    """One rank of a benchmark run on the emulated cluster (torchrun's environment): one torch
+    thread, stdout only on rank 0, the gloo group, the mesh (node=2, gpu=world/2), the links fitted
+    at start (``calibrate_local``) and the compute rate measured, the lowest over the ranks, so that
+    every rank plans on the same numbers. Returns (rank, world, mesh, level names, topology, a
+    print that only rank 0's does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile.tools.calibrate import measure_compute
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64
+    if int(os.environ["RANK"]) != 0:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names, sizes = (("node", "gpu"), (2, world // 2)) if world > 2 else (("node",), (2,))
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    fitted, _ = calibrate_local(mesh, names, sizes, quick=quick)
+    if fitted is None:
+        raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run again")
+    flops, mem_bw = measure_compute(torch.device("cpu"))
+    rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
+    topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
+                        name="the emulated cluster's links, fitted at start; compute measured")
+    say(f"rate {rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
+                                     for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
+    return rank, world, mesh, names, topology, say
+
+
 def calibrate_local(mesh: Any, names: tuple[str, ...], sizes: tuple[int, ...], quick: bool
                     ) -> tuple[Topology | None, list[dict[str, Any]]]:
     """alpha/beta per mesh level from timed subgroup all-to-alls (moe_compile.tools.calibrate's measure

@@ -43,35 +43,13 @@ DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 
 
 def worker(args: argparse.Namespace) -> None:
-    from bench_hier_a2a import calibrate_local
-    from torch.distributed.device_mesh import init_device_mesh
+    from bench_hier_a2a import cluster_rank
 
     from moe_compile.backend import collect_reports
-    from moe_compile.cost.topology import Topology
     from moe_compile.ep import runtime
     from moe_compile.samples import SAMPLES
-    from moe_compile.tools.calibrate import measure_compute
 
-    torch.set_num_threads(1)
-    torch._dynamo.config.recompile_limit = 64
-    if int(os.environ["RANK"]) != 0:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, 1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    names, sizes = (("node", "gpu"), (2, world // 2)) if world > 2 else (("node",), (2,))
-    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    fitted, _ = calibrate_local(mesh, names, sizes, quick=args.quick)
-    if fitted is None:
-        raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run again")
-    flops, mem_bw = measure_compute(torch.device("cpu"))
-    rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
-    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
-    topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
-                        name="the emulated cluster's links, fitted at start; compute measured")
-    say(f"rate {args.rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
-                                          for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
+    rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
     results = []
     for top_k in args.top_k:
         torch._dynamo.reset()
