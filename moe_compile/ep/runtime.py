@@ -18,6 +18,7 @@ rows) apart from metadata (split sizes, expert ids, weights).
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,21 +188,16 @@ class EPLayer:
             return self.comm.inter[: self.domain]
         return self.comm.phases(d)
 
-    def domain_phase(self) -> Any:
-        """The ``comm.Phase`` of this rank's expert domain: the block whose experts it gathers."""
-        assert self.domain is not None, f"layer {self.name} gathers no experts"
-        return self.comm.intra[self.domain]
-
     def weight_rows(self, by_expert: bool) -> Any:
         """[E] the row of each expert in the weights the local experts stage reads, -1 for an expert
         this rank does not hold: with an expert domain, its row in the domain's gathered weights
-        (the block's ranks in group order, each one's local slots); else ``rows`` where held."""
-        if self.domain is not None:
-            phase = self.domain_phase()
-            index_G = torch.full((self.comm.world,), -1, dtype=torch.long, device=self.expert_pos_E.device)
-            index_G[list(phase.peer_pos)] = torch.arange(len(phase.peer_pos), device=index_G.device)
-            peer_E = index_G[self.expert_pos_E]
-            return torch.where(peer_E >= 0, peer_E * len(self.local_experts) + self.expert_slot_E, -1)
+        (the block's mesh positions ascending, each one's local slots); else ``rows`` where held."""
+        if self.domain is not None:  # the domain's positions ascending (lowering.ep_gather's order)
+            block = math.prod(self.comm.sizes[self.domain:])
+            start = self.comm.position - self.comm.position % block
+            peer_E = self.expert_pos_E - start
+            inside = (peer_E >= 0) & (peer_E < block)
+            return torch.where(inside, peer_E * len(self.local_experts) + self.expert_slot_E, -1)
         return torch.where(self.local_slot_E >= 0, self.rows(by_expert), -1)
 
     def rows(self, by_expert: bool) -> Any:
