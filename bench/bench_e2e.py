@@ -137,6 +137,7 @@ class Runner:
     averages: bool = True  # False: the variant reduces its own gradients (FSDP2)
     opt: torch.optim.Optimizer | None = None
     ep_layers: list[int] = field(default_factory=list)  # runtime.EPLayer ids of its compiled layers
+    plans: list[str] = field(default_factory=list)  # the candidate each layer runs (explain's plan)
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -324,6 +325,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
         if r.variant.kind == "hiermoe":
             regions = [reg for g in graphs for reg in g.regions]
             r.ep_layers = [reg.ep_layer for reg in regions if reg.ep_layer is not None]
+            r.plans = [reg.plan.split()[0] for reg in regions if reg.ep_layer is not None]
             rewritten[r.variant.name] = len(r.ep_layers)
             if len(r.ep_layers) != args.layers:
                 raise RuntimeError(f"{model_kind} K={top_k} {r.variant.name}: {len(r.ep_layers)} of {args.layers} "
@@ -343,15 +345,22 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     # Step 3: bytes per mesh level of one untimed step (payload; metadata apart), summed over ranks.
     traffic = torch.zeros(len(runners), len(names) + 1, dtype=torch.int64)  # levels..., meta
     grad_bytes: list[int] = []  # all-reduced by each rank (the same on every rank)
+    # what the expert-parallel layers keep from forward to backward on a rank (the dispatched rows,
+    # the gathered expert weights not gathered again), the largest over the ranks
+    kept = torch.zeros(len(runners), dtype=torch.int64)
     for i, r in enumerate(runners):
         runtime.reset_counters()
         grad_bytes.append(train_step(r, model_kind, batches[2], world)[1])
+        for j in r.ep_layers:
+            lay = runtime.layer(j)
+            kept[i] += lay.saved_bytes + (lay.gathered_bytes if lay.domain is not None and not lay.regathered else 0)
         c = runtime.counters()
         for lv, n in enumerate(names):
             if n in c:
                 traffic[i, lv] = sum(d["payload_bytes"] for ph in c[n].values() for d in ph.values())
                 traffic[i, -1] += sum(d["meta_bytes"] for ph in c[n].values() for d in ph.values())
     dist.all_reduce(traffic)
+    dist.all_reduce(kept, op=dist.ReduceOp.MAX)
 
     # Step 4: interleaved timed repetitions; d* records the d of each of its layers in each step.
     times = torch.zeros(args.reps, len(runners), dtype=torch.float64)
@@ -397,6 +406,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
             "meta_bytes": row[-1] if r.variant.kind == "hiermoe" else None,
             "grad_allreduce_bytes": grad_bytes[i] if r.averages else None,
             "gather_wait_s": gather_wait[:, i].tolist() if r.variant.kind == "hiermoe" else None,
+            "plans": r.plans, "kept_bytes": int(kept[i]) if r.variant.kind == "hiermoe" else None,
         })
     canonical = [v.name for v in variants(len(names), model_kind)]
     results.sort(key=lambda res: canonical.index(res["variant"]))

@@ -72,12 +72,16 @@ def variant_rows(config: dict[str, Any], levels: list[str]) -> list[list[str]]:
         t = r["times_s"]
         name = r["variant"]
         d = (dstar_text if name == "hiermoe d*" else str(r["options"].get("dimension", "-")))
+        plans = r.get("plans") or []
+        if any(p.startswith("gather") for p in plans):  # what the layers ran: an expert gather, no d
+            d = ", ".join(f"{p} x{plans.count(p)}" for p in sorted(set(plans)))
         per_level = r["payload_bytes_per_level"] or {}
         rows.append([shown_name(config, name), _ms(r["median_s"]), f"{_ms(min(t))} / {_ms(max(t))}",
                      f"{flat['median_s'] / r['median_s']:.2f}x" if flat else "-",
                      f"{eager['median_s'] / r['median_s']:.2f}x" if eager else "-", d,
                      *(_mib(per_level.get(n)) if r["payload_bytes_per_level"] else "-" for n in levels),
-                     _mib(r["meta_bytes"]), _mib(r["grad_allreduce_bytes"]), f"{r['first_loss_max_rel_err']:.1e}",
+                     _mib(r["meta_bytes"]), _mib(r["grad_allreduce_bytes"]), _mib(r.get("kept_bytes")),
+                     f"{r['first_loss_max_rel_err']:.1e}",
                      f"{r['warmup_first_step_s']:.1f}"])
     return rows
 
@@ -158,7 +162,7 @@ def hf_status(payload: dict[str, Any]) -> list[str]:
 def print_tables(payload: dict[str, Any]) -> None:
     levels = list(payload["mesh"])
     headers = ["variant", "median ms", "min / max ms", "vs flat", "vs eager", "d", *(f"{n} MiB" for n in levels),
-               "meta MiB", "grad AR MiB", "loss err", "1st step s"]
+               "meta MiB", "grad AR MiB", "kept MiB", "loss err", "1st step s"]
     for c in payload["configs"]:
         table = Table(title=f"e2e {c['model']} K={c['top_k']}")
         for h in headers:
@@ -199,7 +203,8 @@ def markdown(payload: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 + ", ".join(f"{f['level']} {f['r2']:.3f}" for f in payload["calibration"]) + ")"
                 + (f", written to `{payload['topology_saved']}`" if payload.get("topology_saved") else ""))
     headers = ["variant", "median ms", "min / max ms", "speedup vs flat A2A", "speedup vs eager DDP", "d",
-               *(f"{n} MiB/step" for n in levels), "meta MiB", "grad all-reduce MiB/rank", "1st-step loss rel err",
+               *(f"{n} MiB/step" for n in levels), "meta MiB", "grad all-reduce MiB/rank",
+               "kept for backward MiB/rank", "1st-step loss rel err",
                "1st step s"]
     lines = [
         "# End-to-end training step on the emulated cluster", "",
@@ -235,7 +240,7 @@ def markdown(payload: dict[str, Any], summary: list[dict[str, Any]]) -> str:
         f"bytes, then {payload['reps']} repetitions each timing one step of every variant in an order rotated "
         "per repetition, each after a barrier; a step's time is its slowest rank's. Speedups are "
         "median(reference) / median(variant), above 1 = faster. Bytes: moe_compile.counters() of one step, "
-        "token payload per mesh level (dispatch + combine, forward + backward), summed over ranks; metadata "
+        "payload per mesh level (tokens: dispatch + combine; expert weights: gathers and their reduce-scatters; forward + backward), summed over ranks; metadata "
         "apart; transformers' all-to-alls are not counted (\"-\"). \"1st-step loss rel err\": every variant's "
         "first step ran on the same batch as eager DDP's, max over ranks of |loss - loss_eager| / loss_eager "
         f"(the run stops above {payload['loss_rtol']:g}). \"1st step s\": that step, compilation included.", "",
