@@ -29,7 +29,8 @@ Variants; one training step is zero_grad, forward + loss, backward, gradient ave
   hiermoe a2a only   options {"expert_gather": False}: the planner's choice among the token all-to-alls
   hiermoe gatherj    options {"expert_gather": name of level j}: each mesh block at level j all-gathers
                its ranks' experts (j = 0: the whole mesh, HEXA's data-centric mode), tokens cross the levels
-               above; gradients reduce-scattered to the owners; "no prefetch" with gather_prefetch 0
+               above; gradients reduce-scattered to the owners; "no prefetch" with gather_prefetch 0,
+               "regather" with gather_keep_bytes 0 (gathered again in backward, none kept)
   HF EP        transformers' own, as its docs set it up: DistributedConfig(fsdp_size=G, ep_size=G,
                ep_implementation="all_to_all") applied by ``maybe_distribute_model`` (AllToAllEP for
                the experts, FSDP2 for the rest; EP needs fsdp_size * tp_size to be a multiple of ep_size)
@@ -120,6 +121,8 @@ def variants(num_levels: int, model: str) -> list[Variant]:
     out.append(Variant("hiermoe a2a only", "hiermoe", (("expert_gather", False),)))
     out += [Variant(f"hiermoe gather{j}", "hiermoe", (("expert_gather", j),)) for j in range(num_levels)]
     out += [Variant(f"hiermoe gather{j} no prefetch", "hiermoe", (("expert_gather", j), ("gather_prefetch", 0)))
+            for j in range(num_levels)]
+    out += [Variant(f"hiermoe gather{j} regather", "hiermoe", (("expert_gather", j), ("gather_keep_bytes", 0)))
             for j in range(num_levels)]
     if model == "hf_mixtral":
         out += [Variant("HF EP", "hf_ep"), Variant("HF EP+DDP", "hf_ep_ddp")]
