@@ -62,7 +62,7 @@ WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured f
 
 
 def worker(args: argparse.Namespace) -> None:
-    from bench_hier_a2a import cluster_rank
+    from bench_hier_a2a import cluster_rank, forward_backward
 
     from moe_compile.backend import collect_reports, hiermoe_backend
     from moe_compile.ep import runtime
@@ -93,11 +93,7 @@ def worker(args: argparse.Namespace) -> None:
             backend = functools.partial(hiermoe_backend, options=options)
             variants[name] = torch.compile(copy.deepcopy(layer), backend=backend)
 
-        def step(fn: Any, x: torch.Tensor = x, g: torch.Tensor = g) -> tuple[torch.Tensor, torch.Tensor]:
-            xi = x.clone().requires_grad_()
-            y = fn(xi)
-            (gx,) = torch.autograd.grad(y, xi, g)
-            return y.detach(), gx
+        step = functools.partial(forward_backward, x=x, g=g)
 
         ref_y, ref_g = None, None
         layer_of: dict[str, Any] = {}

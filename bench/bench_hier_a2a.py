@@ -186,6 +186,14 @@ def cluster_rank(quick: bool, rate: str) -> tuple[int, int, Any, tuple[str, ...]
     return rank, world, mesh, names, topology, say
 
 
+def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + backward of a layer: (its output, the input's gradient for upstream ``g``)."""
+    xi = x.clone().requires_grad_()
+    y = fn(xi)
+    (gx,) = torch.autograd.grad(y, xi, g)
+    return y.detach(), gx
+
+
 def calibrate_local(mesh: Any, names: tuple[str, ...], sizes: tuple[int, ...], quick: bool
                     ) -> tuple[Topology | None, list[dict[str, Any]]]:
     """alpha/beta per mesh level from timed subgroup all-to-alls (moe_compile.tools.calibrate's measure

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -43,7 +44,7 @@ DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 
 
 def worker(args: argparse.Namespace) -> None:
-    from bench_hier_a2a import cluster_rank
+    from bench_hier_a2a import cluster_rank, forward_backward
 
     from moe_compile.backend import collect_reports
     from moe_compile.ep import runtime
@@ -63,15 +64,12 @@ def worker(args: argparse.Namespace) -> None:
         plans: dict[str, str] = {}
         predicted: dict[str, str] = {}
         for n in [*args.chunks, "auto"]:
-            options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n}
+            options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n,
+                       "expert_gather": False}  # the chunked token all-to-alls, not an expert gather
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
             variants[str(n)] = torch.compile(copy.deepcopy(layer), backend="hiermoe", options=options)
 
-        def step(fn: Any, x: torch.Tensor = x, g: torch.Tensor = g) -> tuple[torch.Tensor, torch.Tensor]:
-            xi = x.clone().requires_grad_()
-            y = fn(xi)
-            (gx,) = torch.autograd.grad(y, xi, g)
-            return y.detach(), gx
+        step = functools.partial(forward_backward, x=x, g=g)
 
         ref_y, ref_g = None, None
         layer_of: dict[str, Any] = {}

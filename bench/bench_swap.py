@@ -142,7 +142,9 @@ class Runner:
         # the three variants' options distinct: Dynamo reuses one compiled graph for two instances of
         # the same model class compiled with equal options, and the second would then run on the
         # first's expert-parallel layers and shards (checked after the warm-up).
-        self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager"}
+        # expert_gather False: the token all-to-alls, whose experts a swap moves (a gathering layer
+        # does not swap)
+        self.options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "expert_gather": False}
         if policy is not None:
             self.options["expert_swap"] = {"every": 1, "policy": policy, "overlap": args.overlap,
                                            "threshold": args.threshold, "payback": args.payback,

@@ -84,7 +84,7 @@ def _rank(rank: int, port: int, steps: int, width: int | None) -> None:
         report = moe_compile.explain(model, batches[0][:, :-1], batches[0][:, 1:], options=options)
         if rank == 0:
             print(report, flush=True)
-        hd = _payload_per_level(model, options, batches[0])
+        hd = _payload_per_level(model, {**options, "expert_gather": False}, batches[0])  # tokens, not experts
         flat = _payload_per_level(model, {**options, "dimension": 1, "dedup": False}, batches[0])
         if rank == 0:
             table = Table(title="token payload of one training step, all ranks (forward + backward)")
