@@ -33,12 +33,20 @@ def _sent(kind: str) -> dict[str, dict[str, int]]:
 
 def case_gather() -> dict[str, Any]:
     """Compiled tiny LM with every layer gathering its experts over the blocks of mesh level j
-    (0: the whole mesh; 1: each node), stacked experts and E expert modules: loss and gradients
-    summed over the ranks against eager; the bytes each level carried; the plan explain shows."""
+    (0: the whole mesh; 1: each node), stacked experts and E expert modules (``permuted_kind`` on
+    a mesh whose positions hold the ranks in another order): loss and gradients summed over the
+    ranks against eager; the bytes each level carried; the plans."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     rank = dist.get_rank()
-    mesh = make_mesh(PARAMS["shape"])
+    standard = make_mesh(PARAMS["shape"])
+    # the same shape with the ranks in another order (mesh positions != ranks): a domain's rows
+    # follow its mesh positions, whatever the ranks' numbers
+    permuted = DeviceMesh("cpu", torch.arange(dist.get_world_size()).reshape(PARAMS["shape"][::-1]).t(),
+                          mesh_dim_names=standard.mesh_dim_names)
     out: dict[str, Any] = {}
     for kind in PARAMS["kinds"]:
+        mesh = permuted if kind == PARAMS.get("permuted_kind") else standard
         for level in PARAMS["levels"]:
             torch._dynamo.reset()
             model = tiny(kind, 8)
