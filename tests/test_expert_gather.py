@@ -13,11 +13,11 @@ from moe_compile.cost.workload import Workload
 
 def test_gathered_layers_equal_eager_forward_and_backward() -> None:
     """gather0 (data-centric: no token moves) and gather1 (each node gathers, tokens cross nodes),
-    stacked experts and E expert modules (these on a mesh whose positions hold the ranks
-    [[0, 2], [1, 3]]): the loss equals eager's, gradients summed over the ranks equal eager's; the expert bytes travel on the levels the domain spans, tokens only
+    stacked experts (compiled by Inductor) and E expert modules (aot_eager, on a mesh whose
+    positions hold the ranks [[0, 2], [1, 3]]): the loss equals eager's, gradients summed over the ranks equal eager's; the expert bytes travel on the levels the domain spans, tokens only
     above it."""
     results = run_ranks(4, "gather", worker="gather_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"],
-                        levels=[0, 1], permuted_kind="expert_loop")
+                        levels=[0, 1], permuted_kind="expert_loop", inductor_kind="grouped_gemm")
     for rank, res in enumerate(results):
         for key, r in res.items():
             where = (rank, key)
