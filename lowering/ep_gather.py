@@ -27,6 +27,7 @@ Legend: S ranks in the domain, per experts per rank, B bytes of one rank's exper
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -106,7 +107,13 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
     local = [_local_rows(w, lay, by_expert) for w in weights]
     per = local[0].shape[0]
     likes = [(w.dtype, tuple(w.shape[1:])) for w in local]
-    have = _as_bytes(local, per).reshape(1, -1)  # [positions held, B]: mine
+    sr = lay.compress_ratio is not None
+    if sr:  # HybridEP's SR compression: the residuals' top-k travel, not the weights
+        shared = _shared_experts(lay, local)
+        sent, sent_likes = _sr_encode(local, shared, lay.compress_ratio), _sr_likes(likes, lay.compress_ratio)
+    else:
+        sent, sent_likes = local, likes
+    have = _as_bytes(sent, per).reshape(1, -1)  # [positions held, B]: mine
     lay.gather_step_bytes, lay.gather_exposed_s = {}, 0.0  # a new forward's
     held = [comm.position]
     phases = comm.inter[j:]
@@ -130,11 +137,93 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
                 held = [positions[i] for i in order]
         assert held == block, (held, block)
         lay.add_comm_time("forward", time.perf_counter() - t0)
-        gathered = _from_bytes(have.reshape(len(block) * per, -1), likes)
+        gathered = _from_bytes(have.reshape(len(block) * per, -1), sent_likes)
+        if sr:
+            gathered = _sr_decode(gathered, shared, likes)
+            me = (comm.position - block[0]) * per  # this rank's own experts: exact
+            for t, w in zip(gathered, local, strict=True):
+                t[me:me + per] = w.detach()
         lay.gathered_bytes = sum(t.numel() * t.element_size() for t in gathered)
         return [*gathered, stamp]
 
     return weights[0].device, job(), [p.group for p in phases]
+
+
+# -- SR compression (HybridEP Section IV-B) -------------------------------------------------------
+
+def _shared_experts(lay: runtime.EPLayer, local: list[Tensor]) -> list[Tensor]:
+    """The layer's shared expert per weight tensor: the mean of every expert of the mesh, first
+    made here (one all-reduce of each rank's local sums, on the caller's thread at the same point
+    on every rank), then as the last backward left it (``_update_shared``: HybridEP's
+    synchronisation in backward, asynchronous, collected here)."""
+    pending, lay.shared_pending = lay.shared_pending, None
+    if pending is not None:
+        work, summed = pending
+        work.wait()
+        lay.shared = _unpack_shared(summed, local, lay.num_experts)
+    if lay.shared is None:
+        summed = _local_sums(local)
+        dist.all_reduce(summed, group=lay.comm.stats_group)
+        lay.shared = _unpack_shared(summed, local, lay.num_experts)
+    return lay.shared
+
+
+def _local_sums(weights: list[Tensor]) -> Tensor:
+    """float64 CPU: each weight's sum over this rank's experts, flattened and concatenated."""
+    return torch.cat([w.detach().double().sum(0).reshape(-1).cpu() for w in weights])
+
+
+def _unpack_shared(summed: Tensor, like: list[Tensor], num_experts: int) -> list[Tensor]:
+    out, offset = [], 0
+    for w in like:
+        n = math.prod(w.shape[1:])
+        out.append((summed[offset:offset + n] / num_experts).to(w.dtype).reshape(w.shape[1:]).to(w.device))
+        offset += n
+    return out
+
+
+def _update_shared(lay: runtime.EPLayer, weights: list[Tensor], by_expert: bool) -> None:
+    """Start the all-reduce of the shared experts from these weights (the backward's: HybridEP
+    synchronises the shared expert in backward, asynchronously); the next forward collects it."""
+    if lay.compress_ratio is None:
+        return
+    summed = _local_sums([_local_rows(w, lay, by_expert) for w in weights])
+    lay.shared_pending = (dist.all_reduce(summed, group=lay.comm.stats_group, async_op=True), summed)
+
+
+def _top_k(num: int, ratio: float) -> int:
+    return max(1, math.ceil(num / ratio))
+
+
+def _sr_encode(local: list[Tensor], shared: list[Tensor], ratio: float) -> list[Tensor]:
+    """Per weight: the residual against the shared expert, its top-k entries by magnitude per
+    expert (k = n / ratio) as values [per, k] and int32 indices [per, k] (HybridEP's SREncode)."""
+    out = []
+    for w, sh in zip(local, shared, strict=True):
+        res = (w.detach() - sh).reshape(w.shape[0], -1)
+        idx = res.abs().topk(_top_k(res.shape[1], ratio), dim=1).indices
+        out += [res.gather(1, idx), idx.int()]
+    return out
+
+
+def _sr_likes(likes: list[tuple[torch.dtype, tuple[int, ...]]], ratio: float
+              ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    out = []
+    for dtype, shape in likes:
+        k = _top_k(math.prod(shape), ratio)
+        out += [(dtype, (k,)), (torch.int32, (k,))]
+    return out
+
+
+def _sr_decode(parts: list[Tensor], shared: list[Tensor], likes: list[tuple[torch.dtype, tuple[int, ...]]]
+               ) -> list[Tensor]:
+    """The experts back from (values, indices) pairs: shared + the sparse residual (SRDecode)."""
+    out = []
+    for (vals, idx), sh, (_, shape) in zip(zip(parts[::2], parts[1::2], strict=True), shared, likes, strict=True):
+        res = torch.zeros(vals.shape[0], math.prod(shape), dtype=vals.dtype, device=vals.device)
+        res.scatter_(1, idx.long(), vals)
+        out.append((res + sh.reshape(1, -1)).reshape(vals.shape[0], *shape))
+    return out
 
 
 def _with_coord(comm: Any, pos: int, level: int, value: int) -> int:
@@ -168,6 +257,7 @@ def _gather_backward_job(grads: list[Tensor], weights: list[Tensor], stamp: Tens
     version, actual = (int(v) for v in stamp.tolist())
     lay = runtime.layer(actual)
     check_version(lay, version)
+    _update_shared(lay, weights, by_expert)
     j, block = _domain(lay)
     comm = lay.comm
     per = len(lay.local_experts)

@@ -78,6 +78,11 @@ class Options:
     gather_keep_bytes: with a mesh, the most bytes of gathered expert weights a rank keeps from
         forward to backward (the last layers first); the other layers free theirs after their
         forward and gather them again in backward (default None: keep all; 0: keep none).
+    gather_compress: with a mesh, HybridEP's SR compression of the gathered experts, LOSSY (off
+        by default): a ratio r >= 1; each expert travels as the top n/r entries of its residual
+        against the layer's shared expert (the mean of all experts, all-reduced in backward),
+        values and int32 indices, and is rebuilt as shared + residual. A rank's own experts stay
+        exact; gradients pass the compression unchanged (straight through) to their owners.
     """
 
     inner_compiler: str = "inductor"
@@ -97,6 +102,7 @@ class Options:
     expert_gather: str | bool | int = "auto"
     gather_prefetch: int = 1
     gather_keep_bytes: int | None = None
+    gather_compress: float | None = None
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -177,16 +183,22 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
             raise ValueError(f"option 'gather_keep_bytes' must be None (keep every layer's gathered weights) or an "
                              f"int >= 0 (bytes per rank), got {keep!r}")
+    if "gather_compress" in kw:
+        ratio = kw["gather_compress"]
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float) or ratio < 1):
+            raise ValueError(f"option 'gather_compress' must be None (off) or a compression ratio >= 1 (HybridEP's SR "
+                             f"compression, lossy), got {ratio!r}")
     if "gather_prefetch" in kw:
         ahead = kw["gather_prefetch"]
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"option 'gather_prefetch' must be an int >= 0 (layers ahead), got {ahead!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
                                    or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw
-                                   or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw):
+                                   or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw
+                                   or "gather_compress" in kw):
         raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
-                         "'expert_gather', 'gather_prefetch' and 'gather_keep_bytes' set how expert-parallel layers "
-                         "communicate; they need options['mesh'] (a DeviceMesh)")
+                         "'expert_gather', 'gather_prefetch', 'gather_keep_bytes' and 'gather_compress' set how "
+                         "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])
         if kw["expert_swap"] is not None and kw.get("mesh") is None:

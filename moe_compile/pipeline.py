@@ -103,7 +103,8 @@ def _agreement(ctx: PassContext) -> Agree:
     mesh = opts.mesh
     settings = (f"mesh {tuple(mesh.mesh.shape)} {tuple(mesh.mesh_dim_names or ())} ranks {mesh.mesh.flatten().tolist()}; "
                 f"dimension {opts.dimension}; dedup {opts.dedup}; topology {opts.topology!r}; "
-                f"expert_swap {opts.expert_swap!r}; verify {opts.verify}; expert_gather {opts.expert_gather!r}")
+                f"expert_swap {opts.expert_swap!r}; verify {opts.verify}; expert_gather {opts.expert_gather!r}; "
+                f"gather_compress {opts.gather_compress!r}")
 
     def key(d: Decision, i: int) -> tuple[str, str]:
         """(what the experts compute, where the output and the routing weights are read)."""
@@ -189,7 +190,8 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     out = expert_parallel_pass(ctx.gm, ctx.canonical.rewritten, ctx.plans, mesh=opts.mesh, topology=ctx.topology,
                                example_inputs=ctx.example_inputs, expert_swap=opts.expert_swap,
                                tune_rounds=opts.tune_dimension,
-                               backward=opts.ep_backward, gather_keep_bytes=opts.gather_keep_bytes)
+                               backward=opts.ep_backward, gather_keep_bytes=opts.gather_keep_bytes,
+                               gather_compress=opts.gather_compress)
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     ctx.layer_inputs.update(out.pop("layer_inputs"))

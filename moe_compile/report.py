@@ -70,7 +70,7 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "gather": None if lay.domain is None else {
                 "domain_level": lay.domain, "domain_size": math.prod(lay.comm.sizes[lay.domain:]),
                 "gathered_bytes": lay.gathered_bytes, "bytes_per_level": lay.last_step_bytes(gather=True),
-                "exposed_s": lay.gather_exposed_s, "regathered": lay.regathered}}
+                "exposed_s": lay.gather_exposed_s, "regathered": lay.regathered, "compress_ratio": lay.compress_ratio}}
 
 
 def _bytes(n: int) -> str:
@@ -202,6 +202,7 @@ class Report:
                     sent += ("; expert weights " + ", ".join(f"{k} {v}" for k, v in g["bytes_per_level"].items())
                              + f" ({_bytes(g['gathered_bytes'])} gathered, "
                              + ("gathered again in backward" if g["regathered"] else "kept for backward")
+                             + (f", SR-compressed 1/{g['compress_ratio']:g} (lossy)" if g["compress_ratio"] else "")
                              + f", forward waited {g['exposed_s'] * 1e3:.3g} ms)")
                 local = p["local_experts"]
                 contiguous = local == list(range(local[0], local[0] + len(local)))

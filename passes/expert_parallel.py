@@ -62,7 +62,8 @@ _VIEWS = {torch.transpose, torch.narrow, operator.getitem}
 def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], plans: Mapping[str, LayerPlan], *,
                          mesh: Any, topology: Topology | None, example_inputs: Sequence[object] = (),
                          expert_swap: Any = None, backward: str = "stages", tune_rounds: int = 0,
-                         gather_keep_bytes: int | None = None) -> dict[str, Any]:
+                         gather_keep_bytes: int | None = None, gather_compress: float | None = None
+                         ) -> dict[str, Any]:
     """``plans``: each layer's ``passes.plan.LayerPlan`` (its strategy and runtime settings).
     ``backward``: "stages" or "resend" (options['ep_backward']). Returns counters, under
     "layers" the runtime layer id of every layer by name, under
@@ -70,7 +71,8 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
     "layer_inputs" {layer id: input positions of its weights}. ``expert_swap`` is
     the ``moe_compile.options.SwapOptions`` of options["expert_swap"] (None: off);
     ``tune_rounds`` options["tune_dimension"] (``moe_compile.ep.tuning``); ``gather_keep_bytes``
-    options["gather_keep_bytes"] (``strategies.gather.plan_regathers``)."""
+    options["gather_keep_bytes"] (``plan_regathers``); ``gather_compress`` options["gather_compress"]
+    (``lowering.ep_gather``'s SR compression, on the layers that gather)."""
     ids: dict[str, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))
@@ -97,6 +99,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         inputs[lay.layer_id] = tuple(placeholders.index(n) for n in weight_inputs)
         if expert_swap is not None:
             lay.swap_options = expert_swap
+        lay.compress_ratio = None if settings.domain is None else gather_compress
         if lay.tuner.rounds != tune_rounds:  # a recompile with the same option keeps what was measured
             lay.tuner = DimensionTuner(tune_rounds)
         per = len(lay.local_experts)

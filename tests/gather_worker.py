@@ -134,6 +134,39 @@ def case_prefetch() -> dict[str, Any]:
     return out
 
 
+def case_compress() -> dict[str, Any]:
+    """HybridEP's SR compression of the gathered experts (gather_compress), the tiny LM trained
+    with AdamW over the whole mesh (gather0), unsharded experts averaged by hand: per ratio
+    (None = exact) the losses of each step and the expert bytes the forward sent across nodes."""
+    from ep_worker import ADAM_EPS, average_grads
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    out: dict[str, Any] = {}
+    for ratio in PARAMS["ratios"]:
+        torch._dynamo.reset()
+        model = tiny("grouped_gemm", 8)
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[0],
+                "gather_compress": ratio, "inner_compiler": "aot_eager"}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+        gen = torch.Generator().manual_seed(100 + rank)
+        losses, node_bytes = [], []
+        for _ in range(PARAMS["steps"]):
+            batch = torch.randint(0, 32, (2, 9), generator=gen)
+            runtime.reset_counters()
+            loss = compiled(batch[:, :-1], batch[:, 1:])
+            c = runtime.counters()
+            node_bytes.append(c[mesh.mesh_dim_names[0]]["gather"]["forward"]["payload_bytes"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            average_grads(model, None)
+            opt.step()
+            losses.append(float(loss))
+        out[str(ratio)] = {"losses": losses, "node_bytes": node_bytes}
+    return out
+
+
 if __name__ == "__main__":
     assert moe_compile is not None
     main(globals())

@@ -67,8 +67,9 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"pipeline": "fast"}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": True}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
-        ({"pipeline": 2}, r"'expert_gather', 'gather_prefetch' and 'gather_keep_bytes' set how expert-parallel "
-                          r"layers communicate; they need options\['mesh'\]"),
+        ({"pipeline": 2}, r"'gather_keep_bytes' and 'gather_compress' set how expert-parallel layers "
+                          r"communicate; they need options\['mesh'\]"),
+        ({"gather_compress": 0.5}, r"'gather_compress' must be None \(off\) or a compression ratio >= 1"),
         ({"gather_keep_bytes": -1}, r"'gather_keep_bytes' must be None"),
         ({"expert_gather": True}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),
         ({"expert_gather": 0}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),

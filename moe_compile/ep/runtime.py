@@ -163,6 +163,11 @@ class EPLayer:
     gather_exposed_s: float = 0.0
     # its gathered weights are gathered again in backward instead of kept (options['gather_keep_bytes'])
     regathered: bool = False
+    # HybridEP's SR compression of the gathered experts (options['gather_compress']: the ratio;
+    # None: off), the shared experts (one per weight tensor) and their all-reduce in flight
+    compress_ratio: float | None = None
+    shared: Any = None
+    shared_pending: Any = None
 
     local_slot_E: Any = field(init=False)  # [E] local slot of each logical expert, -1 elsewhere
     expert_row_E: Any = field(init=False)  # [E] arange: rows of weights that hold every expert
