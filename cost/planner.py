@@ -69,11 +69,12 @@ class Plan:
 
 
 def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
-         implemented: Iterable[str] = IMPLEMENTED) -> Plan:
+         implemented: Iterable[str] = IMPLEMENTED, gather_compress: float | None = None) -> Plan:
     """Evaluate every candidate strategy and pick the fastest implemented one.
 
     ``topk_idx`` ([T, K] expert ids of this rank's tokens) gives the routing statistics the
-    HierMoE models need; without it, uniform random routing is assumed."""
+    HierMoE models need; without it, uniform random routing is assumed. ``gather_compress``: the
+    SR compression ratio the gathers run with (options['gather_compress']; None: off)."""
     allowed = tuple(implemented)
     compute = compute_s(topology, workload)
     predicted: dict[str, float] = {"local": compute if topology is None or topology.world_size == 1
@@ -85,7 +86,7 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
             notes.append(f"{workload.num_experts} experts do not split evenly over {topology.world_size} ranks: "
                          "expert-parallel candidates not evaluated")
         else:
-            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute)
+            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute, gather_compress)
             predicted.update(dist_predicted)
             params.update(dist_params)
     choices = [s for s in predicted if s in allowed]
@@ -104,8 +105,8 @@ def compute_s(topology: Topology | None, workload: Workload) -> float:
     return flops / rate
 
 
-def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
-                 compute_s: float) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_s: float,
+                 gather_compress: float | None = None) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     predicted: dict[str, float] = {}
     params: dict[str, dict[str, Any]] = {}
     # HierMoE: HD-d for every d, and the no-dedup baselines (dispatch, with the routing slots'
@@ -135,7 +136,7 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
     params["hybridep"] = {"domain_sizes": tuple(hep.partition.domain_sizes)}
     # the executable expert gathers, one per domain level
     for j in range(len(topology.levels)):
-        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j) + compute_s
+        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + compute_s
         params[f"gather{j}"] = {"domain_level": j, "domain_size": math.prod(topology.sizes[j:])}
     # HEXA-MoE: data- vs model-centric (its model includes the compute)
     hx = hexa.choose_execution(topology, workload)
@@ -144,16 +145,20 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any,
     return predicted, params
 
 
-def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int) -> float:
+def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int,
+                  compress: float | None = None) -> float:
     """Communication seconds of one layer's forward under ``gather{level}``: the hierarchical
     all-gather of the domain's expert weights (HybridEP's multi-level AG, ``hybridep.partition_time_s``
     with domain sizes 1 above ``level`` and the level sizes from it on; not overlapped with
     earlier work: the prefetch is not credited) plus the tokens' dispatch (with the routing
     slots' bytes) and combine over Inter-level-1..``level`` (HierMoE Eq. 3's first ``level``
-    summands of HD-(level+1), ``phase_times_s``)."""
+    summands of HD-(level+1), ``phase_times_s``). ``compress``: the SR compression ratio r, each
+    expert entry kept with probability 1/r travelling with its int32 index (``lowering.ep_gather``)."""
     sizes = tuple(1 if i < level else s for i, s in enumerate(topology.sizes))
     part = hybridep.DomainPartition.of(topology, sizes)
-    ag = hybridep.partition_time_s(topology, part, hybridep.StreamSizes.from_workload(workload, topology.world_size)).ag_s
+    ratio = 1.0 if compress is None else compress * workload.dtype_bytes / (workload.dtype_bytes + 4)
+    streams = hybridep.StreamSizes.from_workload(workload, topology.world_size, compression_ratio=ratio)
+    ag = hybridep.partition_time_s(topology, part, streams).ag_s
     if level == 0:
         return float(ag)
     tokens = 0.0

@@ -120,7 +120,8 @@ def _agreement(ctx: PassContext) -> Agree:
         if d.chosen is None or d.vacuous:
             return None
         lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
-                        dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=opts.expert_gather)
+                        dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=opts.expert_gather,
+                        gather_compress=opts.gather_compress)
         ctx.own_plans[d.region.name] = lp
         return lp.choice
 
@@ -161,7 +162,7 @@ def _plan(ctx: PassContext) -> dict[str, int]:
     opts = ctx.options
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
                           dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans,
-                          chunks=_chunks(opts), gather=opts.expert_gather)
+                          chunks=_chunks(opts), gather=opts.expert_gather, gather_compress=opts.gather_compress)
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1

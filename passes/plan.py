@@ -88,13 +88,15 @@ class LayerPlan:
 
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
-               agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto") -> LayerPlan:
+               agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto",
+               gather_compress: float | None = None) -> LayerPlan:
     """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None (uniform
     random routing: what every rank plans expert parallelism on, so that ranks with the same
     shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
     ``LayerPlan.choice``), which overrides this rank's; the predictions stay this rank's.
     ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n) or n.
-    ``gather``: options['expert_gather'] ("auto", False, or a domain level)."""
+    ``gather``: options['expert_gather'] ("auto", False, or a domain level); ``gather_compress``
+    options['gather_compress'] (the gathers' predicted bytes)."""
     agreed, _, agreed_chunks = (agreed or "").partition("@")
     agreed = agreed or None
     work = Workload(num_tokens=region.num_tokens, hidden_size=region.hidden_size, ffn_size=layout.ffn_size,
@@ -109,7 +111,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
         name = dispatch_strategy(dimension, True if dedup is None else dedup)
         decided = Plan(strategy=name, implemented=tuple(runnable), notes=("no topology given: nothing predicted",))
     else:
-        decided = plan(topology, work, routing, implemented=tuple(runnable))
+        decided = plan(topology, work, routing, implemented=tuple(runnable), gather_compress=gather_compress)
     if agreed is not None and agreed != decided.strategy:
         if agreed not in runnable:
             raise RuntimeError(f"layer {region.name}: the ranks agreed to run it as {agreed}, which this rank's "
@@ -158,7 +160,7 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool) -> P
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,
               dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
               known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1,
-              gather: str | bool | int = "auto") -> dict[str, LayerPlan]:
+              gather: str | bool | int = "auto", gather_compress: float | None = None) -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
@@ -173,7 +175,7 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
         routing = r.routing.cpu().numpy() if r.routing is not None and mesh_levels is None else None
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
                                         dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name),
-                                        chunks=chunks, gather=gather)
+                                        chunks=chunks, gather=gather, gather_compress=gather_compress)
     return out
 
 

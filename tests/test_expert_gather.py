@@ -69,7 +69,8 @@ def _topology(inter_gbps: float) -> Topology:
 def test_gather_prediction_is_hybridep_all_gather_plus_inter_level_tokens(inter_gbps: float) -> None:
     """gather0's communication is HybridEP's all-gather term with every level a domain (HEXA's
     data-centric mode: the same number); gather1's is the all-gather inside the node plus the
-    inter-node phase of HD-2 both ways, which is HD-2's time less its intra-node phase."""
+    inter-node phase of HD-2 both ways, which is HD-2's time less its intra-node phase. With SR
+    compression the all-gather's bytes shrink by the ratio, less the indices that travel along."""
     from moe_compile.cost import hexa, hybridep
     from moe_compile.cost.hiermoe import phase_times_s
     from moe_compile.cost.routing import hd_statistics
@@ -83,6 +84,10 @@ def test_gather_prediction_is_hybridep_all_gather_plus_inter_level_tokens(inter_
     assert planner.gather_time_s(topo, work, stats, 0) == pytest.approx(expected_ag, rel=1e-9)
     assert hexa.data_centric_time_s(topo, work) == pytest.approx(
         expected_ag + planner.compute_s(topo, work), rel=1e-6)
+    # SR compression r = 8 on bf16: an entry kept with probability 1/8 travels with its int32 index
+    sr = piece / (8 * 2 / (2 + 4))
+    expected_sr = (2 - 1) * (1e-4 + sr * 8 / (inter_gbps * 1e9)) + (4 - 1) * (2e-5 + 2 * sr * 8 / 100e9)
+    assert planner.gather_time_s(topo, work, stats, 0, 8.0) == pytest.approx(expected_sr, rel=1e-9)
     ag1 = (4 - 1) * (2e-5 + piece * 8 / 100e9)
     inter = sum(sum(phase_times_s(2, topo, w, stats)[0]) for w in (work, Workload(**{**work.__dict__, "slot_bytes": 0})))
     assert planner.gather_time_s(topo, work, stats, 1) == pytest.approx(ag1 + inter, rel=1e-9)
