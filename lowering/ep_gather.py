@@ -107,10 +107,11 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
     local = [_local_rows(w, lay, by_expert) for w in weights]
     per = local[0].shape[0]
     likes = [(w.dtype, tuple(w.shape[1:])) for w in local]
-    sr = lay.compress_ratio is not None
-    if sr:  # HybridEP's SR compression: the residuals' top-k travel, not the weights
+    ratio = lay.compress_ratio
+    sr = ratio is not None
+    if ratio is not None:  # HybridEP's SR compression: the residuals' top-k travel, not the weights
         shared = _shared_experts(lay, local)
-        sent, sent_likes = _sr_encode(local, shared, lay.compress_ratio), _sr_likes(likes, lay.compress_ratio)
+        sent, sent_likes = _sr_encode(local, shared, ratio), _sr_likes(likes, ratio)
     else:
         sent, sent_likes = local, likes
     have = _as_bytes(sent, per).reshape(1, -1)  # [positions held, B]: mine
@@ -208,7 +209,7 @@ def _sr_encode(local: list[Tensor], shared: list[Tensor], ratio: float) -> list[
 
 def _sr_likes(likes: list[tuple[torch.dtype, tuple[int, ...]]], ratio: float
               ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    out = []
+    out: list[tuple[torch.dtype, tuple[int, ...]]] = []
     for dtype, shape in likes:
         k = _top_k(math.prod(shape), ratio)
         out += [(dtype, (k,)), (torch.int32, (k,))]
