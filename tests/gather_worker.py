@@ -33,7 +33,7 @@ def _sent(kind: str) -> dict[str, dict[str, int]]:
 
 def case_gather() -> dict[str, Any]:
     """Compiled tiny LM with every layer gathering its experts over the blocks of mesh level j
-    (0: the whole mesh; 1: each node), stacked experts and E expert modules (``permuted_kind`` on
+    (0: the whole mesh; 1: each node), per (kind, j) of ``cases`` (``permuted_kind`` on
     a mesh whose positions hold the ranks in another order, ``inductor_kind`` compiled by Inductor,
     the others by aot_eager): loss and gradients summed over the ranks against eager; the bytes
     each level carried; the plans."""
@@ -46,28 +46,27 @@ def case_gather() -> dict[str, Any]:
     permuted = DeviceMesh("cpu", torch.arange(dist.get_world_size()).reshape(PARAMS["shape"][::-1]).t(),
                           mesh_dim_names=standard.mesh_dim_names)
     out: dict[str, Any] = {}
-    for kind in PARAMS["kinds"]:
+    for kind, level in PARAMS["cases"]:
         mesh = permuted if kind == PARAMS.get("permuted_kind") else standard
-        for level in PARAMS["levels"]:
-            torch._dynamo.reset()
-            model = tiny(kind, 8)
-            ref = copy.deepcopy(model)
-            opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
-                    "inner_compiler": "inductor" if kind == PARAMS.get("inductor_kind") else "aot_eager"}
-            compiled = torch.compile(model, backend="hiermoe", options=opts)
-            ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
-            with collect_reports() as graphs:
-                runtime.reset_counters()
-                loss, loss_ref = compiled(ids, ids), ref(ids, ids)
-                loss.backward()
-                loss_ref.backward()
-            code = "\n".join(g.after for g in graphs)
-            regions = [r for g in graphs for r in g.regions]
-            out[f"{kind} {level}"] = {
-                "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-                "sent": _sent("payload"), "plans": [r.plan for r in regions],
-                "gathers": code.count("hiermoe.ep_gather.default"), "dispatches": code.count("hiermoe.ep_dispatch"),
-                "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
+        torch._dynamo.reset()
+        model = tiny(kind, 8)
+        ref = copy.deepcopy(model)
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
+                "inner_compiler": "inductor" if kind == PARAMS.get("inductor_kind") else "aot_eager"}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
+        with collect_reports() as graphs:
+            runtime.reset_counters()
+            loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+            loss.backward()
+            loss_ref.backward()
+        code = "\n".join(g.after for g in graphs)
+        regions = [r for g in graphs for r in g.regions]
+        out[f"{kind} {level}"] = {
+            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+            "sent": _sent("payload"), "plans": [r.plan for r in regions],
+            "gathers": code.count("hiermoe.ep_gather.default"), "dispatches": code.count("hiermoe.ep_dispatch"),
+            "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
     return out
 
 
