@@ -44,7 +44,6 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -192,22 +191,12 @@ def _exploring(lay: Any) -> bool:
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
-    from moe_compile.tools import cluster
+    from bench_hier_a2a import run_per_rate
 
-    spec = cluster.load_spec(args.cluster)
-    runs = []
     start = time.perf_counter()
-    for rate in args.rates:
-        out = Path(tempfile.mkdtemp(prefix="gather_")) / "rank0.json"
-        rate_spec = spec.with_overrides(rate=rate, ranks_per_node=args.ranks_per_node)
-        code = cluster.run(rate_spec, [sys.executable, str(Path(__file__).resolve()), *argv, "--rate", rate],
-                           timeout_s=args.timeout, env={"GATHER_OUT": str(out)})
-        if code:
-            print(f"bench_gather: the ranks exited with {code} at {rate}", file=sys.stderr)
-            return code
-        run = json.loads(out.read_text())
-        run["cluster"] = rate_spec.describe()
-        runs.append(run)
+    runs = run_per_rate(Path(__file__).resolve(), args, argv, "GATHER_OUT")
+    if isinstance(runs, int):
+        return runs
     payload = {"command": shlex.join(["python", "bench/bench_gather.py", *argv]), "args": vars(args) | {
         "cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
         "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0],

@@ -186,6 +186,31 @@ def cluster_rank(quick: bool, rate: str) -> tuple[int, int, Any, tuple[str, ...]
     return rank, world, mesh, names, topology, say
 
 
+def run_per_rate(script: Path, args: Any, argv: list[str], out_env: str) -> list[dict[str, Any]] | int:
+    """Run ``script``'s ranks (with ``argv`` and ``--rate r``) on a fresh emulated cluster per node
+    link rate of ``args.rates`` (``args.cluster``'s spec, the rate and ``args.ranks_per_node``
+    overridden; ``args.timeout``); rank 0 writes its JSON where ``out_env`` says. Returns each
+    rate's JSON with the cluster's description under "cluster", or the ranks' exit code."""
+    import tempfile
+
+    from moe_compile.tools import cluster
+
+    spec = cluster.load_spec(args.cluster)
+    runs = []
+    for rate in args.rates:
+        out = Path(tempfile.mkdtemp(prefix=f"{script.stem}_")) / "rank0.json"
+        rate_spec = spec.with_overrides(rate=rate, ranks_per_node=args.ranks_per_node)
+        code = cluster.run(rate_spec, [sys.executable, str(script), *argv, "--rate", rate], timeout_s=args.timeout,
+                           env={out_env: str(out)})
+        if code:
+            print(f"{script.stem}: the ranks exited with {code} at {rate}", file=sys.stderr)
+            return int(code)
+        run = json.loads(out.read_text())
+        run["cluster"] = rate_spec.describe()
+        runs.append(run)
+    return runs
+
+
 def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward + backward of a layer: (its output, the input's gradient for upstream ``g``)."""
     xi = x.clone().requires_grad_()

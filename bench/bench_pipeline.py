@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -133,20 +132,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
-    from moe_compile.tools import cluster
+    from bench_hier_a2a import run_per_rate
 
-    spec = cluster.load_spec(args.cluster)
-    runs = []
     start = time.perf_counter()
-    for rate in args.rates:
-        out = Path(tempfile.mkdtemp(prefix="pipeline_")) / "rank0.json"
-        code = cluster.run(spec.with_overrides(rate=rate, ranks_per_node=args.ranks_per_node), [sys.executable, str(Path(__file__).resolve()), *argv,
-                                                            "--rate", rate],
-                           timeout_s=args.timeout, env={"PIPE_OUT": str(out)})
-        if code:
-            print(f"bench_pipeline: the ranks exited with {code} at {rate}", file=sys.stderr)
-            return code
-        runs.append(json.loads(out.read_text()))
+    runs = run_per_rate(Path(__file__).resolve(), args, argv, "PIPE_OUT")
+    if isinstance(runs, int):
+        return runs
     payload = {"command": " ".join(["python bench/bench_pipeline.py", *argv]), "args": vars(args) | {
         "cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
         "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0]}
