@@ -53,6 +53,8 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_hier_a2a import rate_header  # noqa: E402
+
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 # name=H:F:E:K:T (T tokens per rank)
 DEFAULT_SHAPES = "small experts=256:128:8:4:1024,large experts=256:1024:8:2:128"
@@ -286,13 +288,7 @@ def report(payload: dict[str, Any]) -> str:
     good = total = 0
     crossings: dict[str, dict[str, list[tuple[float, str, float, float]]]] = {}
     for run in payload["runs"]:
-        topo = run["topology"]
-        lines.append(f"## node link {run['rate']}")
-        lines.append("")
-        lines.append("Topology (fitted at start): " + ", ".join(
-            f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
-            for lv in topo["levels"]) + f"; compute {_first(topo, 'flops_per_s') / 1e9:.1f} GFLOP/s (measured).")
-        lines.append("")
+        lines += rate_header(run)
         lines.append("| shape | a2a ms | gather1 ms | gather0 ms | planner ms (its pick) | measured fastest |"
                      " planner pick within 10 % of fastest? | predicted fw ms: a2a (best) / gather1 / gather0 |"
                      " gather wait fw ms: gather1 / gather0 | a2a plan |")
@@ -337,11 +333,6 @@ def report(payload: dict[str, Any]) -> str:
                          f"{_crossover(per['predicted']) if per['predicted'] else '-'} |")
         lines.append("")
     return "\n".join(lines) + "\n"
-
-
-def _first(topo: dict[str, Any], key: str) -> float:
-    v = topo["compute"][key] if "compute" in topo else topo[key]
-    return float(v[0] if isinstance(v, list) else v)
 
 
 def parse_shapes(text: str) -> list[dict[str, Any]]:

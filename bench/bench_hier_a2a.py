@@ -211,6 +211,16 @@ def run_per_rate(script: Path, args: Any, argv: list[str], out_env: str) -> list
     return runs
 
 
+def rate_header(run: dict[str, Any]) -> list[str]:
+    """The report's heading of one ``run_per_rate`` run: the node rate and the topology fitted."""
+    topo = run["topology"]
+    flops = topo["compute"]["flops_per_s"] if "compute" in topo else topo["flops_per_s"]
+    flops = float(flops[0] if isinstance(flops, list) else flops)
+    return [f"## node link {run['rate']}", "", "Topology (fitted at start): " + ", ".join(
+        f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
+        for lv in topo["levels"]) + f"; compute {flops / 1e9:.1f} GFLOP/s (measured).", ""]
+
+
 def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward + backward of a layer: (its output, the input's gradient for upstream ``g``)."""
     xi = x.clone().requires_grad_()

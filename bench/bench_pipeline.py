@@ -39,6 +39,8 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_hier_a2a import rate_header  # noqa: E402
+
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 
 
@@ -164,13 +166,7 @@ def report(payload: dict[str, Any]) -> str:
              f"aot_eager, options pipeline = n or \"auto\". {args['reps']} repetitions each timing one forward + "
              "backward of every variant (rotated order, barrier first, slowest rank's time).", ""]
     for run in payload["runs"]:
-        topo = run["topology"]
-        lines.append(f"## node link {run['rate']}")
-        lines.append("")
-        lines.append("Topology (fitted at start): " + ", ".join(
-            f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
-            for lv in topo["levels"]) + f"; compute {_first(topo, 'flops_per_s') / 1e9:.1f} GFLOP/s (measured).")
-        lines.append("")
+        lines += rate_header(run)
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
                      " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
                      " n=1 comm / compute ms | perfect-overlap bound at the fastest n ms | fastest / bound |"
@@ -201,11 +197,6 @@ def report(payload: dict[str, Any]) -> str:
 def _cores() -> int:
     """The cores this rank may run on (the ranks of one machine share them)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _first(topo: dict[str, Any], key: str) -> float:
-    v = topo["compute"][key] if "compute" in topo else topo[key]
-    return float(v[0] if isinstance(v, list) else v)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
