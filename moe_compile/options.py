@@ -71,7 +71,8 @@ class Options:
         "auto" (default) = weighed against the all-to-alls per layer, False = never, a mesh
         level's name = every layer gathers inside the blocks that span that level and those
         below it (the slowest level's name: the whole mesh, no token moves; on ("node", "gpu"),
-        "gpu": each node). Not with a fixed 'dimension' (that fixes a token all-to-all).
+        "gpu": each node). Not with a fixed 'dimension' (that fixes a token all-to-all) nor
+        with 'expert_swap' (with it, "auto" weighs the all-to-alls only).
     gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
         (``passes.overlap``): it runs during the layers before it, and the weights of this
         many further layers are in memory at once (default 1; 0 = where the layer starts).
@@ -204,6 +205,9 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         if kw["expert_swap"] is not None and kw.get("mesh") is None:
             raise ValueError("option 'expert_swap' moves experts between the ranks of options['mesh']; give a mesh "
                              "(expert parallelism) or leave expert_swap out")
+    if kw.get("expert_swap") is not None and kw.get("expert_gather", "auto") not in ("auto", False):
+        raise ValueError("option 'expert_swap' moves the experts that tokens travel to, option 'expert_gather' "
+                         "gathers every expert instead: give one of them")
     if kw.get("mesh") is not None:
         check_mesh(kw["mesh"], kw.get("topology"))  # type: ignore[arg-type]
     dump_dir = kw.get("dump_dir")

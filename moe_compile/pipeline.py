@@ -120,7 +120,7 @@ def _agreement(ctx: PassContext) -> Agree:
         if d.chosen is None or d.vacuous:
             return None
         lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
-                        dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=opts.expert_gather,
+                        dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=_gather(opts),
                         gather_compress=opts.gather_compress)
         ctx.own_plans[d.region.name] = lp
         return lp.choice
@@ -162,7 +162,7 @@ def _plan(ctx: PassContext) -> dict[str, int]:
     opts = ctx.options
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
                           dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans,
-                          chunks=_chunks(opts), gather=opts.expert_gather, gather_compress=opts.gather_compress)
+                          chunks=_chunks(opts), gather=_gather(opts), gather_compress=opts.gather_compress)
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1
@@ -178,6 +178,13 @@ def _chunks(opts: Options) -> str | int:
     if opts.pipeline == "auto" and getattr(opts.mesh, "device_type", "cpu") == "cuda":
         return 1
     return opts.pipeline
+
+
+def _gather(opts: Options) -> str | bool | int:
+    """options['expert_gather'] as the plan may use it: with expert_swap, whose swaps move the
+    experts the all-to-alls send tokens to, "auto" weighs no gather (a gathering layer has no
+    placement to improve)."""
+    return False if opts.expert_swap is not None and opts.expert_gather == "auto" else opts.expert_gather
 
 
 def _mesh_levels(opts: Options) -> int | None:

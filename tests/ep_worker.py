@@ -463,6 +463,7 @@ def case_probe() -> dict[str, Any]:
     topology = sorted({g.topology for g in report.graphs} - {""})
     return {"text": str(report), "topology": topology, "explain_s": explain_s,
             "predicted": [r.parallel["predicted_s"] for r in report.regions],
+            "plans": [r.plan for r in report.regions], "gathers": [r.parallel["gather"] for r in report.regions],
             "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref)}
 
 

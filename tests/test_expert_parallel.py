@@ -123,8 +123,10 @@ def test_local_stage_on_the_triton_kernels() -> None:
 
 def test_mesh_alone_probes_the_links() -> None:
     """options={"mesh": mesh} alone: the links are probed once at the first compile, every rank
-    gets the same topology, d* is predicted from it, the loss and summed gradients equal eager's,
-    and explain says the topology was probed and how to calibrate it."""
+    gets the same topology and plans on it alike, d* is predicted from it for a layer that runs
+    a token all-to-all (on loopback the probe may also make an expert gather win: then its domain
+    is reported), the loss and summed gradients equal eager's, and explain says the topology was
+    probed and how to calibrate it."""
     results = run_ranks(4, "probe", shape=[2, 2])
     first = results[0]["topology"]
     assert len(first) == 1 and first[0].startswith("probed: "), first
@@ -132,8 +134,14 @@ def test_mesh_alone_probes_the_links() -> None:
     for rank, r in enumerate(results):
         assert r["topology"] == first, (rank, r["topology"], first)  # the same numbers on every rank
         assert "moe_compile.tools.calibrate" in r["text"] and "probed" in r["text"], r["text"]
-        assert len(r["predicted"]) == 2 and all(set(p) == {"d1", "d2"} for p in r["predicted"]), r["predicted"]
-        assert all(t > 0 for p in r["predicted"] for t in p.values()), r["predicted"]
+        assert r["plans"] == results[0]["plans"], (rank, r["plans"])  # planned alike on every rank
+        assert len(r["predicted"]) == 2, r["predicted"]
+        for plan, predicted, gather in zip(r["plans"], r["predicted"], r["gathers"], strict=True):
+            if plan.startswith("gather"):
+                assert gather is not None and gather["domain_size"] in (2, 4), (rank, plan, gather)
+            else:
+                assert gather is None and set(predicted) == {"d1", "d2"}, (rank, plan, predicted)
+                assert all(t > 0 for t in predicted.values()), predicted
         assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, r)
         assert r["grad_err"] < 1e-5, (rank, r)
 
