@@ -43,12 +43,9 @@ from moe_compile.lowering.ep_stages import Job, check_device, check_version, col
 
 def _domain(lay: runtime.EPLayer) -> tuple[int, list[int]]:
     """(the domain level j, the mesh positions of this rank's domain, ascending)."""
-    j = lay.domain
-    assert j is not None, f"layer {lay.name} gathers no experts"
-    comm = lay.comm
-    block = int(np.prod(comm.sizes[j:]))
-    start = comm.position - comm.position % block
-    return j, list(range(start, start + block))
+    block = list(lay.domain_positions())
+    assert lay.domain is not None
+    return lay.domain, block
 
 
 def _local_rows(w: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
@@ -79,11 +76,10 @@ def _exchange(send: Tensor, group: Any) -> Tensor:
     """[peers * n] every peer's ``send`` [n] in group-rank order (on gloo one round of direct sends,
     ``runtime.exchange_with_all``; else all_gather_into_tensor)."""
     peers = dist.get_world_size(group)
-    recv = send.new_empty(peers * send.numel())
     if dist.get_backend(group) == "gloo":
-        dist.all_to_all_single(recv, send.repeat(peers), group=group)
-    else:
-        dist.all_gather_into_tensor(recv, send, group=group)
+        return runtime.exchange_with_all(send, peers, group)[0].reshape(-1)
+    recv = send.new_empty(peers * send.numel())
+    dist.all_gather_into_tensor(recv, send, group=group)
     return recv
 
 

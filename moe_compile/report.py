@@ -68,7 +68,7 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             # a layer that gathers its experts (lowering.ep_gather): its domain, what its last step's
             # gather received and sent per level, and how long its forward waited for the gather
             "gather": None if lay.domain is None else {
-                "domain_level": lay.domain, "domain_size": math.prod(lay.comm.sizes[lay.domain:]),
+                "domain_level": lay.domain, "domain_size": len(lay.domain_positions()),
                 "gathered_bytes": lay.gathered_bytes, "bytes_per_level": lay.last_step_bytes(gather=True),
                 "exposed_s": lay.gather_exposed_s, "regathered": lay.regathered, "compress_ratio": lay.compress_ratio}}
 

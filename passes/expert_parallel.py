@@ -212,8 +212,7 @@ def plan_regathers(graph: fx.Graph, budget_bytes: int | None) -> dict[int, int]:
     for node in reversed(gathers):
         weights, layer_id, _ = node.args
         lay = runtime.layer(int(layer_id))  # type: ignore[arg-type]
-        assert lay.domain is not None
-        rows = math.prod(lay.comm.sizes[lay.domain:]) * len(lay.local_experts)
+        rows = len(lay.domain_positions()) * len(lay.local_experts)
         size = 0
         for w in weights:  # type: ignore[union-attr]
             val = fake_tensor(w)

@@ -193,15 +193,22 @@ class EPLayer:
             return self.comm.inter[: self.domain]
         return self.comm.phases(d)
 
+    def domain_positions(self) -> range:
+        """The mesh positions of this rank's expert domain, ascending: the block of the mesh at
+        level ``domain`` (the ranks sharing coordinates 0..domain-1) that holds this rank."""
+        assert self.domain is not None, f"layer {self.name} gathers no experts"
+        block = math.prod(self.comm.sizes[self.domain:])
+        start = self.comm.position - self.comm.position % block
+        return range(start, start + block)
+
     def weight_rows(self, by_expert: bool) -> Any:
         """[E] the row of each expert in the weights the local experts stage reads, -1 for an expert
         this rank does not hold: with an expert domain, its row in the domain's gathered weights
         (the block's mesh positions ascending, each one's local slots); else ``rows`` where held."""
         if self.domain is not None:  # the domain's positions ascending (lowering.ep_gather's order)
-            block = math.prod(self.comm.sizes[self.domain:])
-            start = self.comm.position - self.comm.position % block
-            peer_E = self.expert_pos_E - start
-            inside = (peer_E >= 0) & (peer_E < block)
+            block = self.domain_positions()
+            peer_E = self.expert_pos_E - block.start
+            inside = (peer_E >= 0) & (peer_E < len(block))
             return torch.where(inside, peer_E * len(self.local_experts) + self.expert_slot_E, -1)
         return torch.where(self.local_slot_E >= 0, self.rows(by_expert), -1)
 
