@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_hier_a2a import rate_header  # noqa: E402
+from cluster_bench import rate_header  # noqa: E402
 
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 # name=H:F:E:K:T (T tokens per rank)
@@ -63,7 +63,7 @@ WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured f
 
 
 def worker(args: argparse.Namespace) -> None:
-    from bench_hier_a2a import cluster_rank, forward_backward
+    from cluster_bench import cluster_rank, forward_backward
 
     from moe_compile.backend import collect_reports, hiermoe_backend
     from moe_compile.ep import runtime
@@ -193,7 +193,7 @@ def _exploring(lay: Any) -> bool:
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
-    from bench_hier_a2a import run_per_rate
+    from cluster_bench import run_per_rate
 
     start = time.perf_counter()
     runs = run_per_rate(Path(__file__).resolve(), args, argv, "GATHER_OUT")

@@ -39,13 +39,13 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_hier_a2a import rate_header  # noqa: E402
+from cluster_bench import rate_header  # noqa: E402
 
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 
 
 def worker(args: argparse.Namespace) -> None:
-    from bench_hier_a2a import cluster_rank, forward_backward
+    from cluster_bench import cluster_rank, forward_backward
 
     from moe_compile.backend import collect_reports
     from moe_compile.ep import runtime
@@ -134,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
-    from bench_hier_a2a import run_per_rate
+    from cluster_bench import run_per_rate
 
     start = time.perf_counter()
     runs = run_per_rate(Path(__file__).resolve(), args, argv, "PIPE_OUT")

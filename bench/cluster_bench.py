@@ -1,0 +1,94 @@
+"""What the benchmarks that run one layer per node-link rate on the emulated cluster share
+(bench_pipeline.py, bench_gather.py): the driver's loop over rates, each rank's setup, the
+report's heading per rate, and one timed forward + backward."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from bench_hier_a2a import calibrate_local
+
+from moe_compile.cost.topology import Topology
+
+
+def cluster_rank(quick: bool, rate: str) -> tuple[int, int, Any, tuple[str, ...], Topology, Any]:
+    """One rank of a benchmark run on the emulated cluster (torchrun's environment): one torch
+    thread, stdout only on rank 0, the gloo group, the mesh (node=2, gpu=world/2), the links fitted
+    at start (``calibrate_local``) and the compute rate measured, the lowest over the ranks, so that
+    every rank plans on the same numbers. Returns (rank, world, mesh, level names, topology, a
+    print that only rank 0's does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile.tools.calibrate import measure_compute
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64
+    if int(os.environ["RANK"]) != 0:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names, sizes = (("node", "gpu"), (2, world // 2)) if world > 2 else (("node",), (2,))
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    fitted, _ = calibrate_local(mesh, names, sizes, quick=quick)
+    if fitted is None:
+        raise RuntimeError("the calibration at start fitted no positive beta (too noisy); run again")
+    flops, mem_bw = measure_compute(torch.device("cpu"))
+    rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
+    topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
+                        name="the emulated cluster's links, fitted at start; compute measured")
+    say(f"rate {rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
+                                     for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
+    return rank, world, mesh, names, topology, say
+
+
+def run_per_rate(script: Path, args: Any, argv: list[str], out_env: str) -> list[dict[str, Any]] | int:
+    """Run ``script``'s ranks (with ``argv`` and ``--rate r``) on a fresh emulated cluster per node
+    link rate of ``args.rates`` (``args.cluster``'s spec, the rate and ``args.ranks_per_node``
+    overridden; ``args.timeout``); rank 0 writes its JSON where ``out_env`` says. Returns each
+    rate's JSON with the cluster's description under "cluster", or the ranks' exit code."""
+    import tempfile
+
+    from moe_compile.tools import cluster
+
+    spec = cluster.load_spec(args.cluster)
+    runs = []
+    for rate in args.rates:
+        out = Path(tempfile.mkdtemp(prefix=f"{script.stem}_")) / "rank0.json"
+        rate_spec = spec.with_overrides(rate=rate, ranks_per_node=args.ranks_per_node)
+        code = cluster.run(rate_spec, [sys.executable, str(script), *argv, "--rate", rate], timeout_s=args.timeout,
+                           env={out_env: str(out)})
+        if code:
+            print(f"{script.stem}: the ranks exited with {code} at {rate}", file=sys.stderr)
+            return int(code)
+        run = json.loads(out.read_text())
+        run["cluster"] = rate_spec.describe()
+        runs.append(run)
+    return runs
+
+
+def rate_header(run: dict[str, Any]) -> list[str]:
+    """The report's heading of one ``run_per_rate`` run: the node rate and the topology fitted."""
+    topo = run["topology"]
+    flops = topo["compute"]["flops_per_s"] if "compute" in topo else topo["flops_per_s"]
+    flops = float(flops[0] if isinstance(flops, list) else flops)
+    return [f"## node link {run['rate']}", "", "Topology (fitted at start): " + ", ".join(
+        f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
+        for lv in topo["levels"]) + f"; compute {flops / 1e9:.1f} GFLOP/s (measured).", ""]
+
+
+def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + backward of a layer: (its output, the input's gradient for upstream ``g``)."""
+    xi = x.clone().requires_grad_()
+    y = fn(xi)
+    (gx,) = torch.autograd.grad(y, xi, g)
+    return y.detach(), gx
