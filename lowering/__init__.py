@@ -17,6 +17,7 @@ from moe_compile.lowering.experts import (
     experts_reference,
 )
 from moe_compile.lowering.experts_composite import grouped_mm_ok
+from moe_compile.lowering.sample_exchange import sample_move, sample_plan
 
 try:
     import triton  # noqa: F401
@@ -42,4 +43,4 @@ def triton_kernels_error(device: torch.device) -> str | None:
 
 
 __all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_expert_rows", "ep_gather", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
-           "experts_flops", "experts_reference", "grouped_mm_ok", "triton_keep_blk", "triton_kernels_error"]
+           "experts_flops", "experts_reference", "grouped_mm_ok", "sample_move", "sample_plan", "triton_keep_blk", "triton_kernels_error"]

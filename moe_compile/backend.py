@@ -101,8 +101,16 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
         f"{'probed' if ctx.topology_probed else 'given'}: {ctx.topology.name or 'unnamed'}; " + ", ".join(
             f"{lv.name} x{lv.size} alpha {lv.alpha_s * 1e6:.3g} us, {lv.bandwidth_gbps:.3g} Gb/s"
             for lv in ctx.topology.levels))
+    placement = []
+    if ctx.placement is not None:
+        res = ctx.placement
+        placement = [res.reason] if res.reason is not None else [
+            (f"after {c.after} ({c.layer}) the samples go home" if c.home else
+             f"after {c.after} the samples may move, decided by {c.layer}'s routing")
+            + f": {', '.join(c.moved) or 'nothing'} ({c.sample_bytes} B per sample, {res.samples} samples per rank)"
+            for c in res.cuts]
     return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
-                       counters=ctx.counters, topology=topology)
+                       counters=ctx.counters, topology=topology, placement=placement)
 
 
 def _expert_params(lay: ExpertLayout) -> tuple[tuple[str, ...], ...]:

@@ -16,7 +16,7 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 KERNELS = ("auto", "triton", "torch")
 EP_BACKWARDS = ("stages", "resend")
 # the pipeline's passes, in order (moe_compile.pipeline.PASSES runs them and checks this list)
-PASS_NAMES = ("find_moe_regions", "canonicalize", "plan", "expert_parallel", "lower_kernels")
+PASS_NAMES = ("find_moe_regions", "canonicalize", "plan", "sample_placement", "expert_parallel", "lower_kernels")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,14 @@ class Options:
         against the layer's shared expert (the mean of all experts, all-reduced in backward),
         values and int32 indices, and is rebuilt as shared + residual. A rank's own experts stay
         exact; gradients pass the compression unchanged (straight through) to their owners.
+    sample_placement: with a mesh of two levels (nodes, ranks in a node), NetMoE's dynamic
+        sample placement (``passes.sample_placement``; off by default): after each MoE layer
+        but a graph's last, the samples may move (with every per-sample value the graph still
+        reads) to ranks whose node holds the experts their tokens chose, decided per step from
+        the layer's routing by NetMoE's two-stage assignment where the model says the next
+        layer's all-to-alls save more than the move costs; they return home before anything
+        that mixes samples (a loss) and before the graph's outputs, so results equal eager.
+        Needs the same number of samples (>= 2) on every rank and a topology (given or probed).
     """
 
     inner_compiler: str = "inductor"
@@ -104,6 +112,7 @@ class Options:
     gather_prefetch: int = 1
     gather_keep_bytes: int | None = None
     gather_compress: float | None = None
+    sample_placement: bool = False
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -193,12 +202,15 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         ahead = kw["gather_prefetch"]
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise ValueError(f"option 'gather_prefetch' must be an int >= 0 (layers ahead), got {ahead!r}")
+    if "sample_placement" in kw and not isinstance(kw["sample_placement"], bool):
+        raise ValueError(f"option 'sample_placement' must be True or False, got {kw['sample_placement']!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
                                    or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw
                                    or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw
-                                   or "gather_compress" in kw):
+                                   or "gather_compress" in kw or kw.get("sample_placement")):
         raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
-                         "'expert_gather', 'gather_prefetch', 'gather_keep_bytes' and 'gather_compress' set how "
+                         "'expert_gather', 'gather_prefetch', 'gather_keep_bytes', 'gather_compress' and "
+                         "'sample_placement' set how "
                          "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])

@@ -12,6 +12,9 @@ Ordering constraints:
                     (the argmin over what the lowering implements: "local" on one process, the
                     all-to-all dimensions with a mesh), recording every candidate's predicted time
                     when a topology is given.
+  sample_placement  after plan, before expert_parallel, only with options['sample_placement']: its
+                    verification runs the graph on one process (the hiermoe::experts nodes still
+                    local); expert_parallel binds its exchanges to the runtime layers.
   expert_parallel   after plan, only with options['mesh']: turns each hiermoe::experts node into
                     the stages its planned strategy emits (hiermoe::ep_dispatch / ep_local_experts
                     / ep_combine) over the mesh; before lower_kernels, which only sees the
@@ -25,10 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from moe_compile.cost.topology import Topology
+from moe_compile.cost.workload import SLOT_BYTES
 from moe_compile.ep import agreement, shard
+from moe_compile.lowering import sample_exchange
 from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
@@ -36,6 +42,8 @@ from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
 from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
+from moe_compile.passes.sample_placement import Layer as PlacementLayer
+from moe_compile.passes.sample_placement import PlacementResult, bind, register_records, sample_placement_pass
 from moe_compile.tools import calibrate
 
 
@@ -59,6 +67,7 @@ class PassContext:
     # a dimension, the one moe_compile.tools.calibrate.probe measured (topology_probed)
     topology: Topology | None = None
     topology_probed: bool = False
+    placement: PlacementResult | None = None  # what the sample_placement pass did (options['sample_placement'])
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
@@ -203,7 +212,55 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     ctx.ep_layers.update(out.pop("layers"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     ctx.layer_inputs.update(out.pop("layer_inputs"))
+    if ctx.placement is not None and ctx.placement.cuts:
+        out["sample_exchanges"] = bind(ctx.gm, ctx.ep_layers, int(opts.mesh.mesh.numel()))
+        register_records(ctx.placement, ctx.ep_layers, ctx.topology, {
+            r.region.name: r.region.hidden_size * getattr(torch, r.region.dtype).itemsize + r.region.top_k * SLOT_BYTES
+            for r in ctx.canonical.rewritten})
     return out
+
+
+def _sample_placement(ctx: PassContext) -> dict[str, int]:
+    """options['sample_placement']: NetMoE's sample exchanges between the MoE layers
+    (passes/sample_placement.py), the same on every rank (``ep.agreement.every_rank``)."""
+    opts = ctx.options
+    if not opts.sample_placement or opts.mesh is None or ctx.canonical is None or not ctx.canonical.rewritten:
+        return {}
+    assert ctx.found is not None
+    pos = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+    rewritten = sorted(ctx.canonical.rewritten, key=lambda r: pos[r.op_node])
+    layers = [PlacementLayer(r.region.name, r.op_node, r.op_node.args[1], r.region.top_k,  # type: ignore[arg-type]
+                             r.region.hidden_size * getattr(torch, r.region.dtype).itemsize) for r in rewritten]
+    identity = tuple(ctx.found.params.value.get(r.region.router_weight) for r in rewritten)
+    levels = int(opts.mesh.mesh.ndim)
+
+    def agree(reason: str | None, samples: int, cuts: int) -> str | None:
+        if levels != 2:
+            reason = (f"the mesh has {levels} levels: NetMoE's placement model has two (nodes, ranks in a node); "
+                      "give a 2-level mesh")
+        elif ctx.topology is None:
+            reason = "no topology to weigh a move against its saving: give options['topology'] or leave 'dimension' out"
+        every = agreement.every_rank("sample placement", identity, (reason, samples, cuts))
+        if every[dist.get_rank()] != (reason, samples, cuts):
+            raise RuntimeError(f"this rank's recompile decides sample placement differently ({reason or 'place'}, "
+                               f"{samples} samples) from what every rank agreed when the graph was first compiled "
+                               f"{every[dist.get_rank()]}; keep the batch shape the same on every rank")
+        for r, (why, _, _) in enumerate(every):
+            if why is not None:
+                return why if r == dist.get_rank() else f"left alone on every rank because rank {r} does: {why}"
+        if len({(b, c) for _, b, c in every}) > 1:
+            return ("the ranks hold different numbers of samples ("
+                    + ", ".join(f"rank {r}: {b}" for r, (_, b, _) in enumerate(every))
+                    + "): sample placement keeps B samples on every rank; give every rank the same batch size")
+        return None
+
+    inputs = [shard.verification_value(ex, seed=i) for i, ex in enumerate(ctx.example_inputs)]
+    ctx.placement = sample_placement_pass(ctx.gm, layers, inputs, ctx.found.params, int(opts.mesh.mesh.numel()),
+                                          verify=opts.verify, agree=agree)
+    if ctx.placement.reason is not None:
+        return {"cuts": 0, "left_alone": 1}
+    sample_exchange.ensure_group(opts.mesh.mesh.flatten().tolist())  # every rank: the ranks agreed to place
+    return ctx.placement.counters()
 
 
 
@@ -215,6 +272,7 @@ PASSES: list[tuple[str, Callable[[PassContext], dict[str, int]]]] = [
     ("find_moe_regions", _find),
     ("canonicalize", _canonicalize),
     ("plan", _plan),
+    ("sample_placement", _sample_placement),
     ("expert_parallel", _expert_parallel),
     ("lower_kernels", _lower_kernels),
 ]

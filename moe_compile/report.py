@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moe_compile.ep import runtime
+from moe_compile.lowering import sample_exchange
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,26 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "gather": None if lay.domain is None else {
                 "domain_level": lay.domain, "domain_size": len(lay.domain_positions()),
                 "gathered_bytes": lay.gathered_bytes, "bytes_per_level": lay.last_step_bytes(gather=True),
-                "exposed_s": lay.gather_exposed_s, "regathered": lay.regathered, "compress_ratio": lay.compress_ratio}}
+                "exposed_s": lay.gather_exposed_s, "regathered": lay.regathered, "compress_ratio": lay.compress_ratio},
+            # a layer whose routing places the samples after it (passes.sample_placement): the last
+            # step's decision, NetMoE's predicted bytes of one all-to-all per level before and after,
+            # and the samples' own bytes counted per level
+            "samples": _placement_summary(lay)}
+
+
+def _placement_summary(lay: runtime.EPLayer) -> dict[str, Any] | None:
+    rec = sample_exchange.record(lay.layer_id)
+    if rec is None:
+        return None
+    last = rec.last
+    return {"steps": rec.steps, "moves": rec.moves, "moved_samples": rec.moved_samples,
+            "sample_bytes": rec.sample_bytes, "bytes_per_level": lay.last_step_bytes(samples=True),
+            "solve_ms": 1e3 * max(rec.solve_s, default=0.0),
+            "last": None if last is None else {
+                "pays": last.pays, "moved": last.moved, "move_s": last.move_s,
+                "time_before_s": last.time_before_s, "time_after_s": last.time_after_s,
+                "inter_before": last.before.inter_max, "inter_after": last.after.inter_max,
+                "intra_before": last.before.intra_max, "intra_after": last.after.intra_max}}
 
 
 def _bytes(n: int) -> str:
@@ -105,6 +125,8 @@ class GraphReport:
     scheduled: list[tuple[int, int, str]] = field(default_factory=list)
     # where each expert gather of those graphs starts (passes.overlap's prefetch), "<start> after <node>"
     gather_starts: list[str] = field(default_factory=list)
+    # the sample placement pass (options['sample_placement']): each cut, or why the graph has none
+    placement: list[str] = field(default_factory=list)
 
 
 PROBED_ADVICE = ("the mesh's links were probed briefly (3 all-to-all sizes per level) at the first compile; for accurate "
@@ -254,6 +276,30 @@ class Report:
                     "run between a start and its wait" for i, (n, m, _) in enumerate(g.scheduled)))
             if g.gather_starts:
                 console.print(f"graph {g.index}: expert gathers start " + "; ".join(map(escape, g.gather_starts)))
+            for line in g.placement:
+                console.print(f"graph {g.index}: sample placement: {escape(line)}")
+        placing = [r for r in parallel if r.parallel and r.parallel.get("samples")]
+        if placing:
+            table = Table(title="sample placement (NetMoE): last step on this rank; one all-to-all's bytes predicted "
+                                "for the slowest rank, before -> after")
+            for col in ("layer", "steps moved", "last step", "predicted inter-node", "predicted intra-node",
+                        "samples' bytes its exchanges sent per level (fw+bw)", "solve"):
+                table.add_column(col, overflow="fold")
+            for r in placing:
+                sp = r.parallel["samples"]  # type: ignore[index]
+                last = sp["last"]
+                if last is None:
+                    table.add_row(escape(r.name), "0", "not run yet", "-", "-", "-", "-")
+                    continue
+                outcome = (f"moved {last['moved']} samples" if last["pays"] and last["moved"] else
+                           f"stayed (saving {1e3 * (last['time_before_s'] - last['time_after_s']):.3g} ms x2 <= "
+                           f"move {1e3 * last['move_s']:.3g} ms)")
+                table.add_row(escape(r.name), f"{sp['moves']} of {sp['steps']}", outcome,
+                              f"{_bytes(int(last['inter_before']))} -> {_bytes(int(last['inter_after']))}",
+                              f"{_bytes(int(last['intra_before']))} -> {_bytes(int(last['intra_after']))}",
+                              ", ".join(f"{k} {v}" for k, v in sp["bytes_per_level"].items()),
+                              f"{sp['solve_ms']:.3g} ms")
+            console.print(table)
         for topology in sorted({g.topology for g in self.graphs} - {""}):
             console.print(f"topology {escape(topology)}")
             if topology.startswith("probed"):

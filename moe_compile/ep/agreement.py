@@ -138,20 +138,41 @@ def _check_local(p: Proposal, agreed: Agreed) -> Agreed:
 
 
 def _exchange(settings: str, proposals: list[Proposal]) -> list[tuple[str, list[Proposal]]]:
+    return _all_gather((settings, proposals), "rewriting the MoE layers " + ", ".join(p.name for p in proposals))
+
+
+def _all_gather(obj: Any, what: str) -> list[Any]:
     with _lock:
         if not _group:
             _group.append(groups.new_group(backend="gloo"))  # collective: every rank's first compile
         group = _group[0]
     every: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(every, (settings, proposals), group=group)
+        dist.all_gather_object(every, obj, group=group)
     except RuntimeError as e:
-        names = ", ".join(p.name for p in proposals)
         raise RuntimeError(
-            f"the ranks could not agree on rewriting the MoE layers {names} (rank {dist.get_rank()}: "
+            f"the ranks could not agree on {what} (rank {dist.get_rank()}: "
             f"{type(e).__name__}: {e}); every rank must compile the same graphs at the same step, and gives up "
             f"after the process group timeout ({groups.default_timeout().total_seconds():g} s)") from e
     return every
 
 
-__all__ = ["Agreed", "Proposal", "agree"]
+_values: list[tuple[str, tuple[Any, ...], list[Any]]] = []
+
+
+def every_rank(name: str, identity: tuple[Any, ...], mine: Any) -> list[Any]:
+    """Every rank's ``mine`` for the decision ``name`` about the tensors ``identity`` (compared by
+    identity), in rank order: exchanged by the first compile that asks (collective over the world),
+    the same list for every later compile of this rank that asks again (a recompile one rank may
+    do alone), so a rewrite that must match across ranks is decided once, from what all saw."""
+    with _lock:
+        for n, ident, every in _values:
+            if n == name and len(ident) == len(identity) and all(a is b for a, b in zip(ident, identity, strict=True)):
+                return every
+    every = _all_gather(mine, name)
+    with _lock:
+        _values.append((name, identity, every))
+    return every
+
+
+__all__ = ["Agreed", "Proposal", "agree", "every_rank"]

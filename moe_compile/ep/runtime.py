@@ -37,7 +37,7 @@ _lock = threading.Lock()
 # the stage ops mark each forward dispatch and the end of its backward
 STEP_CLOCK = StepClock()
 
-_PHASES = ("dispatch", "combine", "gather")  # gather: expert weights (lowering.ep_gather)
+_PHASES = ("dispatch", "combine", "gather", "samples")  # gather: expert weights (lowering.ep_gather); samples: lowering.sample_exchange
 _DIRECTIONS = ("forward", "backward")
 # the most numbers (ranks^2 * (levels + 1)) choose_dimension gathers for exact statistics: 181
 # ranks on 3 levels; 1 MiB of int64 per layer and step on every rank
@@ -376,13 +376,15 @@ class EPLayer:
         with _lock:
             self.step_comm_s[direction] = self.step_comm_s.get(direction, 0.0) + seconds
 
-    def last_step_bytes(self, gather: bool = False) -> dict[str, int]:
+    def last_step_bytes(self, gather: bool = False, samples: bool = False) -> dict[str, int]:
         """Payload bytes this rank sent per level in the last step (its forward and, once run, its
-        backward): tokens, or with ``gather`` expert weights (and their gradients)."""
+        backward): tokens, or with ``gather`` expert weights (and their gradients), or with
+        ``samples`` the samples the sample exchanges after this layer moved."""
         names = self.comm.level_names
         out = {n: 0 for n in names}
-        for (level, _, _), b in (self.gather_step_bytes if gather else self.step_bytes).items():
-            out[names[level]] += b
+        for (level, phase, _), b in (self.gather_step_bytes if gather else self.step_bytes).items():
+            if gather or (phase == "samples") == samples:
+                out[names[level]] += b
         return out
 
 

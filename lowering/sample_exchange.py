@@ -1,0 +1,279 @@
+"""Sample exchanges: NetMoE's dynamic sample placement at run time (ICLR 2025; papers/netmoe-notes-zh.md).
+
+``passes.sample_placement`` cuts the graph after an MoE layer and emits, per cut:
+
+  hiermoe::sample_plan(topk_idx, keys, ...) -> (perm, keys')   the placement of every sample
+  hiermoe::sample_move(xs, perm, ...) -> xs'                     every live per-sample value moved
+
+Global slots: rank at mesh position p holds slots p*B .. p*B+B-1 (B samples per rank, the same on
+every rank, so shapes stay static). ``keys[slot]`` is the origin slot of the sample now in
+``slot`` (the identity before the first cut; the graph's outputs are moved back by
+``argsort(keys)``); ``perm[new slot] = old slot``: ``sample_move`` makes ``out[n] = in[perm[n]]``
+across ranks, with one ``all_to_all_single`` over the world for all the values of a cut (each
+sample's rows of every value packed as bytes into one row), and its backward moves the gradients
+by the inverse permutation, so backward sends what forward sent, reversed.
+
+The decision (``sample_plan``): the layer's routing gives, per local sample, the tokens that go
+to each node and each rank, deduplicated as HierMoE's HD-d sends them
+(``cost.netmoe.traffic_from_routing``); every rank's table is gathered (a small all-to-all), and
+every rank solves NetMoE's two-stage assignment (``cost.netmoe.place_samples``: samples to nodes,
+then to the node's ranks, S/R per rank) on the same integer table with the same deterministic
+Hungarian method (scipy's ``linear_sum_assignment``), so all ranks reach the same placement
+without a further message. Where the model says the move does not pay (the next exchanges'
+saving below the time to move the samples), perm is the identity and no sample moves.
+
+With ``layer`` < 0 (``passes.sample_placement``'s verification, one process, no collective) the
+plan is a fixed derangement of the local samples (a roll by one), so the verification checks that
+the graph computes the same with its samples permuted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_compile.cost import netmoe
+from moe_compile.cost.topology import Topology
+from moe_compile.ep import groups, runtime
+
+
+@dataclass
+class PlacementRecord:
+    """What one cut's plan knows (set at compile time) and decided in its last step."""
+
+    topology: Topology
+    samples: int  # B: samples per rank
+    sample_bytes: int  # bytes of every value that moves with one sample at this cut
+    token_bytes: int  # bytes one token sends in a dispatch (hidden row + routing slots)
+    exchanges: float = 2.0  # all-to-alls a move serves (the next layer's dispatch and combine)
+    # the last step's decision
+    last: netmoe.Placement | None = None
+    steps: int = 0
+    moves: int = 0  # steps whose placement moved samples
+    moved_samples: int = 0  # samples moved, summed over steps (every rank's)
+    solve_s: list[float] = field(default_factory=list)
+
+
+_records: dict[int, PlacementRecord] = {}
+# the process group of the sample exchanges, per set of ranks: their own, so that no other
+# collective of the layers (a stage running on a lane thread, a statistics exchange) can interleave
+_groups: dict[tuple[int, ...], Any] = {}
+
+
+def ensure_group(ranks: Sequence[int]) -> None:
+    """Create the exchanges' process group over ``ranks`` (collective over the world: every rank
+    calls it at the same point of its compile; once per set of ranks)."""
+    key = tuple(sorted(int(r) for r in ranks))
+    if key not in _groups:
+        _groups[key] = groups.new_group(key)
+
+
+def _group_of(comm: Any) -> tuple[Any, list[int]]:
+    """The exchanges' group of ``comm``'s ranks and the mesh position of each of its group ranks."""
+    key = tuple(sorted(comm.ranks))
+    if key not in _groups:
+        raise RuntimeError("sample exchange: no process group for this mesh (passes.sample_placement creates it "
+                           "when it compiles a graph with sample exchanges)")
+    return _groups[key], [list(comm.ranks).index(r) for r in key]
+
+
+def register(layer_id: int, record: PlacementRecord) -> None:
+    """Attach a cut's record to the EP layer whose routing decides it."""
+    _records[layer_id] = record
+
+
+def record(layer_id: int) -> PlacementRecord | None:
+    return _records.get(layer_id)
+
+
+def _derangement(n: int, device: torch.device) -> Tensor:
+    return torch.roll(torch.arange(n, dtype=torch.int64, device=device), 1)
+
+
+def _traffic(lay: runtime.EPLayer, topk_idx: Tensor, samples: int, sizes: tuple[int, int]) -> np.ndarray:
+    """[B, N + R]: units this rank's samples send to each node and each rank, deduplicated."""
+    idx = topk_idx.detach().to("cpu", torch.int64).numpy()
+    rank_E = lay.expert_pos_E.detach().cpu().numpy()
+    num_nodes, per_node = sizes
+    sample_T = np.arange(idx.shape[0]) // max(idx.shape[0] // samples, 1)
+    t = netmoe.traffic_from_routing(idx, sample_T, samples, rank_E, num_nodes * per_node, per_node, dedup=lay.dedup)
+    return np.concatenate([t.to_node_SN, t.to_rank_SR], axis=1)
+
+
+def plan_impl(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
+    device = topk_idx.device
+    if keys is None:
+        keys = torch.arange(world * samples, dtype=torch.int64, device=device)
+    if layer < 0:
+        perm = _derangement(world * samples, device)
+        return perm, keys[perm]
+    lay = runtime.resolve(layer)
+    rec = _records[lay.layer_id]
+    comm = lay.comm
+    sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
+    own = torch.from_numpy(_traffic(lay, topk_idx, samples, sizes).astype(np.int64)).reshape(-1)
+    group, position_of = _group_of(comm)
+    every, _ = runtime.exchange_with_all(own.to(comm.device), world, group)  # [group rank, B * (N + R)]
+    table = np.empty((world, own.numel()), dtype=np.float64)
+    table[position_of] = every.cpu().numpy()
+    table = table.reshape(world * samples, -1)
+    traffic = netmoe.SampleTraffic(table[:, : sizes[0]], table[:, sizes[0]:])
+    slot_rank = np.arange(world * samples) // samples
+    start = time.perf_counter()
+    placed = netmoe.place_samples(traffic, slot_rank, rec.topology, float(rec.token_bytes), float(rec.sample_bytes),
+                                  rec.exchanges)
+    rec.solve_s.append(time.perf_counter() - start)
+    rec.last, rec.steps = placed, rec.steps + 1
+    if not placed.pays or placed.moved == 0:
+        perm = torch.arange(world * samples, dtype=torch.int64)
+    else:
+        rec.moves += 1
+        rec.moved_samples += placed.moved
+        dest = np.asarray(placed.rank_of_sample)
+        # new slots of rank r: the samples bound for r, in the order of their origin (keys)
+        key_np = keys.cpu().numpy()
+        order = np.lexsort((key_np, dest))
+        perm = torch.from_numpy(order.astype(np.int64))
+    perm = perm.to(device)
+    return perm, keys[perm]
+
+
+@torch.library.custom_op("hiermoe::sample_plan", mutates_args=(),
+                         schema="(Tensor topk_idx, Tensor? keys, int world, int samples, int layer) -> (Tensor, Tensor)")
+def sample_plan(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
+    """(perm, keys after the move): see the module docstring."""
+    perm, new_keys = plan_impl(topk_idx, keys, world, samples, layer)
+    return perm, new_keys.clone()
+
+
+@sample_plan.register_fake
+def _plan_fake(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
+    n = world * samples
+    return (topk_idx.new_empty((n,), dtype=torch.int64), topk_idx.new_empty((n,), dtype=torch.int64))
+
+
+def _pack(xs: Sequence[Tensor], samples: int) -> tuple[Tensor, list[int]]:
+    """[B, bytes]: sample b's rows of every value, as bytes, side by side."""
+    parts = []
+    for x in xs:
+        flat = x.detach().contiguous().reshape(samples, -1)
+        parts.append(flat.view(torch.uint8) if flat.numel() else flat.new_empty((samples, 0), dtype=torch.uint8))
+    widths = [p.shape[1] for p in parts]
+    return torch.cat(parts, dim=1), widths
+
+
+def _unpack(packed: Tensor, like: Sequence[Tensor], widths: list[int]) -> list[Tensor]:
+    out, col = [], 0
+    for x, w in zip(like, widths, strict=True):
+        piece = packed[:, col:col + w].contiguous()
+        col += w
+        out.append(piece.view(x.dtype).reshape(x.shape) if w else torch.empty_like(x))
+    return out
+
+
+def move_impl(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, direction: str = "forward") -> list[Tensor]:
+    if not xs:
+        return []
+    world = perm.numel() // samples
+    perm_cpu = perm.cpu()
+    if layer < 0 or world == 1:
+        local = perm_cpu.to(xs[0].device)
+        return [x.reshape(samples, -1)[local].reshape(x.shape) for x in xs]
+    lay = runtime.resolve(layer)
+    comm = lay.comm
+    me = comm.position
+    mine = slice(me * samples, (me + 1) * samples)
+    if torch.equal(perm_cpu, torch.arange(world * samples)):
+        return [x.clone() for x in xs]
+    packed, widths = _pack(xs, samples)
+    group, position_of = _group_of(comm)
+    group_index = _inverse(torch.tensor(position_of, dtype=torch.int64))  # [position] -> group rank
+    flat = comm.intra[0]  # the flat world phase: the link level to each position
+    level_of = {pos: lv for pos, lv in zip(flat.peer_pos, flat.peer_level, strict=True)}
+    new_of_old = torch.argsort(perm_cpu)
+    # send: my rows grouped by the group rank of their new position, in new-slot order (so each
+    # receiver gets its rows from one source in its own slot order)
+    dest_new = new_of_old[mine]
+    dest_group = group_index[dest_new // samples]
+    send_order = torch.from_numpy(np.lexsort((dest_new.numpy(), dest_group.numpy())))
+    send_split = torch.bincount(dest_group, minlength=world).tolist()
+    # receive: my new slots grouped by the group rank of their old position, in new-slot order
+    src_group = group_index[perm_cpu[mine] // samples]
+    recv_order = torch.argsort(src_group, stable=True)
+    recv_split = torch.bincount(src_group, minlength=world).tolist()
+    send = packed[send_order.to(packed.device)]
+    recv = torch.empty_like(packed)
+    dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
+    out = torch.empty_like(packed)
+    out[recv_order.to(packed.device)] = recv
+    row_bytes = packed.shape[1]
+    for i, n in enumerate(send_split):
+        level = level_of[position_of[i]]
+        if level >= 0 and n:
+            runtime.record_traffic(lay.layer_id, level, "samples", direction, payload_bytes=n * row_bytes,
+                                   payload_messages=1, meta_bytes=0, meta_messages=0)
+    return _unpack(out, xs, widths)
+
+
+def _inverse(order: Tensor) -> Tensor:
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(len(order))
+    return inv
+
+
+@torch.library.custom_op("hiermoe::sample_move", mutates_args=(),
+                         schema="(Tensor[] xs, Tensor perm, int samples, int layer) -> Tensor[]")
+def sample_move(xs: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
+    """``out[n] = in[perm[n]]`` over the global sample slots (module docstring)."""
+    return move_impl(xs, perm, samples, layer)
+
+
+@sample_move.register_fake
+def _move_fake(xs: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+def _move_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    xs, perm, samples, layer = inputs
+    ctx.save_for_backward(perm)
+    ctx.samples, ctx.layer = samples, layer
+    ctx.floating = [x.is_floating_point() or x.is_complex() for x in xs]
+    ctx.likes = [(x.shape, x.dtype, x.device) for x in xs]
+
+
+def _move_backward(ctx: Any, grads: list[Tensor | None]) -> tuple[Any, ...]:
+    (perm,) = ctx.saved_tensors
+    inverse = torch.argsort(perm)
+    pick = [i for i, f in enumerate(ctx.floating) if f]
+    moved = torch.ops.hiermoe.sample_move_backward(
+        [g if (g := grads[i]) is not None else torch.zeros(ctx.likes[i][0], dtype=ctx.likes[i][1], device=ctx.likes[i][2]) for i in pick], inverse, ctx.samples, ctx.layer)
+    out: list[Tensor | None] = [None] * len(ctx.floating)
+    for i, g in zip(pick, moved, strict=True):
+        out[i] = g
+    return out, None, None, None
+
+
+@torch.library.custom_op("hiermoe::sample_move_backward", mutates_args=(),
+                         schema="(Tensor[] grads, Tensor perm, int samples, int layer) -> Tensor[]")
+def sample_move_backward(grads: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
+    """The gradients of ``sample_move``'s outputs moved back: ``sample_move`` by the inverse
+    permutation (counted as backward traffic)."""
+    with torch.no_grad():
+        return move_impl(grads, perm, samples, layer, "backward")
+
+
+@sample_move_backward.register_fake
+def _move_backward_fake(grads: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
+    return [torch.empty_like(g) for g in grads]
+
+
+sample_move.register_autograd(_move_backward, setup_context=_move_setup)
+
+__all__ = ["PlacementRecord", "record", "register", "sample_move", "sample_plan"]

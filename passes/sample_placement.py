@@ -1,0 +1,675 @@
+"""sample_placement: NetMoE's dynamic sample placement as a graph rewrite (ICLR 2025;
+papers/netmoe-notes-zh.md Sec. 4; DESIGN.md "Sample placement").
+
+Between two MoE layers nothing but sample-wise work runs (norms, attention inside a sample, the
+router, token-wise expert ops), so a sample may continue on another rank: if it moves to a rank
+whose node holds the experts its tokens use, the next layer's dispatch and combine stay inside
+the node. This pass cuts the graph after each MoE layer that has another MoE layer after it, and
+at the cut moves every per-sample value the rest of the displaced computation reads (found by
+liveness, not by name: the residual stream, attention masks, anything live there) in one exchange
+(``lowering.sample_exchange``); after the last MoE layer a cut moves the samples home, and
+anything that mixes samples (a loss, a mean over the batch) or leaves the graph reads values that
+were returned first. Each rank keeps B samples, so shapes stay static.
+
+Contract
+    needs     the hiermoe::experts nodes canonicalize emitted, with their layer names, before
+              expert_parallel (which binds the cuts to its runtime layers: ``bind``); the
+              compile's example inputs (verification); world size and a two-level topology.
+    does      per cut (after MoE layer i, decided by layer i's routing at run time):
+                  perm, keys = hiermoe::sample_plan(topk_idx_i, keys_prev, W, B, layer)
+                  moved = hiermoe::sample_move([live per-sample values], perm, B, layer)
+              rewires the displaced nodes to the moved values; a node that is not sample-wise
+              (``_sample_wise``), and the output, read values moved home by
+              ``sample_move(..., argsort(keys))``. The whole rewrite is verified first on one
+              process: the same rewrite with every exchange a fixed derangement of the local
+              samples must give the original graph's outputs; otherwise nothing changes.
+    refuses   (leaves the graph alone, with the reason in the report) one MoE layer, no sample
+              dimension in the tokens, fewer than 2 samples per rank (verification would be
+              vacuous), a value mutated in place across a cut, a mismatch in verification.
+
+Pseudo-code:
+    B <- the sample dimension of the first layer's tokens ([B, S, H] flattened to [B*S, H])
+    cuts <- after each MoE layer but the last: the point before the next one where the live
+            per-sample bytes are fewest; after the last: the same, returning home
+    displaced <- closure: sample-wise nodes after a cut reading a displaced value or the layer's output
+    for each node in order: convert its per-sample inputs to its generation (displaced: the
+            last cut's; else home), insert each cut's plan and move after its point
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.lowering import sample_exchange
+from moe_compile.passes.graph_index import example_value, is_inplace
+from moe_compile.passes.graph_params import ParamTable
+from moe_compile.passes.verify import _passes, _rel_err
+
+_PLAN = torch.ops.hiermoe.sample_plan.default
+_MOVE = torch.ops.hiermoe.sample_move.default
+_LAYER_META = "hiermoe_sample_layer"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One exchange point: after ``after`` (a node name), decided by ``layer``'s routing, moving
+    ``moved`` (value names) of ``sample_bytes`` per sample; ``home``: the cut that returns samples."""
+
+    layer: str
+    after: str
+    moved: tuple[str, ...]
+    sample_bytes: int
+    home: bool
+
+
+@dataclass
+class PlacementResult:
+    samples: int = 0  # B
+    cuts: list[Cut] = field(default_factory=list)
+    returns: list[str] = field(default_factory=list)  # nodes that read samples moved home early
+    reason: str | None = None  # why the graph was left alone (None: rewritten or nothing to do)
+    verify_err: float | None = None
+
+    def counters(self) -> dict[str, int]:
+        return {"cuts": len(self.cuts), "samples": self.samples, "early_returns": len(self.returns)}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What the pass needs of one MoE layer: its name, its expert op node, its [T, K] expert ids."""
+
+    name: str
+    op: fx.Node
+    topk_idx: fx.Node
+    top_k: int
+    hidden_bytes: int  # bytes of one token's hidden row
+
+
+# -- which ops are sample-wise ----------------------------------------------------------------------
+
+_POINTWISE = frozenset("""
+add sub subtract mul multiply div divide true_divide floor_divide remainder fmod neg negative abs pow rsqrt sqrt
+exp exp2 expm1 log log1p log2 sigmoid tanh relu gelu silu mish softplus elu leaky_relu erf sin cos tan clamp clip
+clamp_min clamp_max maximum minimum where masked_fill lerp reciprocal square sign floor ceil round trunc logical_and
+logical_or logical_not logical_xor eq ne lt le gt ge isnan isinf isfinite nan_to_num float half bfloat16 double int
+long bool to type type_as contiguous clone detach zeros_like ones_like full_like empty_like dropout add_ mul_ div_
+sub_ masked_fill_ relu_ addcmul addcdiv hardtanh hardsigmoid hardswish alias sigmoid_ tanh_ pow_ neg_ clamp_ copy_
+new_empty new_zeros new_ones new_full fill_ zero_
+""".split())
+_OPERATORS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+                        operator.pow, operator.neg, operator.pos, operator.abs, operator.invert, operator.and_,
+                        operator.or_, operator.xor, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+                        operator.ge, operator.iadd, operator.isub, operator.imul, operator.itruediv})
+# reductions and normalisations along one dim: sample-wise unless that dim is 0 (dim position, default)
+_ALONG_DIM = {"sum": (1, None), "mean": (1, None), "amax": (1, None), "amin": (1, None), "prod": (1, None),
+              "std": (1, None), "var": (1, None), "logsumexp": (1, None), "softmax": (1, None),
+              "log_softmax": (1, None), "cumsum": (1, None), "cumprod": (1, None), "argmax": (1, None),
+              "argmin": (1, None), "any": (1, None), "all": (1, None), "norm": (2, None),
+              "topk": (2, -1), "sort": (1, -1), "argsort": (1, -1), "glu": (1, -1), "normalize": (2, 1),
+              "chunk": (2, 0), "split": (2, 0), "unbind": (1, 0), "select": (1, None), "narrow": (1, None),
+              "cat": (1, 0), "concat": (1, 0), "concatenate": (1, 0), "stack": (1, 0), "flip": (1, None),
+              "roll": (2, None), "repeat_interleave": (2, None), "scatter": (1, None), "scatter_": (1, None),
+              "scatter_add": (1, None), "scatter_add_": (1, None), "gather": (1, None)}
+_INDEXED = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "gather"})
+_TRAILING = frozenset({"layer_norm", "rms_norm", "group_norm", "embedding", "linear", "pad", "scaled_dot_product_attention"})
+_RESHAPE = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "expand", "expand_as",
+                      "unsqueeze", "squeeze", "repeat"})
+_DIM_MOVES = frozenset({"transpose", "swapaxes", "permute", "movedim", "mT"})
+_NEUTRAL = frozenset({"size", "dim", "numel", "ndimension", "is_contiguous", "get_device"})
+_MATMUL = frozenset({"matmul", "bmm", "mm"})
+
+
+def _name(node: fx.Node) -> str | None:
+    """The torch / functional / method name a node calls, or None for anything else."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and t.namespace == "hiermoe":
+        return "hiermoe"
+    name = getattr(t, "__name__", None)
+    if name is None:
+        return None
+    for ns in (torch, F, torch._C._nn, torch.Tensor, torch.special):
+        if getattr(ns, name, None) is t:
+            return name
+    return None
+
+
+def _arg(node: fx.Node, pos: int, key: str, default: Any) -> Any:
+    if key in node.kwargs:
+        return node.kwargs[key]
+    # call_method: args[0] is self; call_function: args[0] is the input too
+    return node.args[pos] if len(node.args) > pos else default
+
+
+def _ndim(v: object) -> int:
+    return v.ndim if isinstance(v, torch.Tensor) else 0
+
+
+def _dim_is_zero(dim: Any, ndim: int) -> bool:
+    dims = dim if isinstance(dim, list | tuple) else [dim]
+    return any(isinstance(d, int) and ndim and d % ndim == 0 for d in dims)
+
+
+def _getitem_ok(idx: Any, ndim: int) -> bool:
+    """Whether ``x[idx]`` keeps dim 0 whole and in front."""
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if not items:
+        return True
+    first = items[0]
+    if first is Ellipsis:
+        consuming = [i for i in items[1:] if i is not None and i is not Ellipsis]
+        return len(consuming) < ndim and all(not isinstance(i, fx.Node) for i in items)
+    return (isinstance(first, slice) and first == slice(None)
+            and all(not isinstance(i, fx.Node | torch.Tensor) for i in items[1:]))
+
+
+def _sample_wise(node: fx.Node, per_sample: set[fx.Node], samples: int, rank_local: set[fx.Node]) -> bool:
+    """Whether ``node``'s sample b reads only sample b of its per-sample inputs (dim 0 of each
+    holds samples; a non-per-sample operand is broadcast or a weight). A tensor computed from the
+    inputs that is not per-sample (a mean over the batch, a [1, S] input) differs between ranks: a
+    sample that moved would meet another rank's, so an op reading one is not sample-wise."""
+    if any(a in rank_local for a in node.all_input_nodes):
+        return False
+    return _sample_wise_op(node, per_sample, samples)
+
+
+def _sample_wise_op(node: fx.Node, per_sample: set[fx.Node], samples: int) -> bool:
+    name = _name(node)
+    if name is None:
+        return node.op == "call_function" and node.target in _OPERATORS and _broadcast_ok(node, per_sample)
+    out = example_value(node)
+    x = node.args[0] if node.args else None
+    x_val = example_value(x) if isinstance(x, fx.Node) else None
+    if name in _NEUTRAL:
+        return True
+    if name == "hiermoe":
+        return True  # the expert ops are token-wise
+    if isinstance(out, torch.Tensor) and (out.ndim == 0 or out.shape[0] % samples or out.shape[0] == 0):
+        return False
+    if name == "getitem":
+        if not isinstance(x_val, torch.Tensor):
+            return True  # an element of a tuple (topk's values, a split's piece)
+        return _getitem_ok(node.args[1], x_val.ndim)
+    if name in _POINTWISE or node.target in _OPERATORS:
+        return _broadcast_ok(node, per_sample)
+    if name in _ALONG_DIM:
+        pos, default = _ALONG_DIM[name]
+        if name in ("cat", "concat", "concatenate", "stack"):
+            seq = node.args[0]
+            ok = isinstance(seq, list | tuple) and all(isinstance(i, fx.Node) and i in per_sample for i in seq)
+            return ok and not _dim_is_zero(_arg(node, 1, "dim", 0), _ndim(out))
+        if name in _INDEXED and not all(a in per_sample for a in node.all_input_nodes
+                                        if isinstance(example_value(a), torch.Tensor)):
+            return False  # an index or source that is not per-sample
+        if name in ("flip", "roll"):
+            return not _dim_is_zero(_arg(node, pos, "dims", None), _ndim(x_val)) and _arg(node, pos, "dims", None) is not None
+        dim = _arg(node, pos, "dim", default)
+        if dim is None:
+            return False  # over every element: mixes the batch
+        return not _dim_is_zero(dim, _ndim(x_val))
+    if name in _TRAILING:
+        if name == "embedding":
+            return isinstance(x, fx.Node) and x in per_sample and not any(
+                isinstance(a, fx.Node) and a in per_sample for a in node.args[1:])
+        if name == "linear":
+            return isinstance(x, fx.Node) and x in per_sample and not any(
+                isinstance(a, fx.Node) and a in per_sample for a in [*node.args[1:], *node.kwargs.values()])
+        if name == "scaled_dot_product_attention":
+            qkv = [a for a in node.args[:3] if isinstance(a, fx.Node)]
+            mask = _arg(node, 3, "attn_mask", None)
+            mask_val = example_value(mask) if isinstance(mask, fx.Node) else None
+            return (all(a in per_sample for a in qkv) and (not isinstance(mask, fx.Node) or mask in per_sample
+                    or (isinstance(mask_val, torch.Tensor) and (mask_val.ndim < 4 or mask_val.shape[0] == 1))))
+        if name == "pad":
+            pad = _arg(node, 1, "pad", ())
+            return isinstance(pad, list | tuple) and len(pad) <= 2 * (_ndim(x_val) - 1)
+        return isinstance(x, fx.Node) and x in per_sample  # norms over trailing dims
+    if name in _RESHAPE:
+        if name in ("unsqueeze", "squeeze"):
+            d = _arg(node, 1, "dim", None)
+            return d is not None and not _dim_is_zero(d, _ndim(out) if name == "unsqueeze" else _ndim(x_val))
+        return isinstance(out, torch.Tensor) and isinstance(x_val, torch.Tensor) and x_val.shape[0] % samples == 0
+    if name in _DIM_MOVES:
+        if name == "permute":
+            dims = node.args[1:] if len(node.args) > 2 or not isinstance(_arg(node, 1, "dims", None), list | tuple) \
+                else _arg(node, 1, "dims", ())
+            return bool(dims) and bool(dims[0] == 0)
+        if name == "movedim":
+            return not _dim_is_zero(_arg(node, 1, "source", 0), _ndim(x_val)) and \
+                not _dim_is_zero(_arg(node, 2, "destination", 0), _ndim(x_val))
+        if name == "mT":
+            return _ndim(x_val) > 2
+        d0, d1 = _arg(node, 1, "dim0", 0), _arg(node, 2, "dim1", 1)
+        return not _dim_is_zero(d0, _ndim(x_val)) and not _dim_is_zero(d1, _ndim(x_val))
+    if name in _MATMUL or node.target is operator.matmul:
+        a, b = node.args[0], node.args[1]
+        a_ps = isinstance(a, fx.Node) and a in per_sample
+        b_ps = isinstance(b, fx.Node) and b in per_sample
+        b_val = example_value(b) if isinstance(b, fx.Node) else None
+        if a_ps and b_ps:
+            return _ndim(x_val) >= 3 and _ndim(b_val) >= 3
+        return a_ps and _ndim(b_val) <= 2
+    return False
+
+
+def _broadcast_ok(node: fx.Node, per_sample: set[fx.Node]) -> bool:
+    """A pointwise op: every operand that is not per-sample broadcasts along dim 0."""
+    out = example_value(node)
+    if not isinstance(out, torch.Tensor):
+        return False
+    for a in [*node.args, *node.kwargs.values()]:
+        if isinstance(a, fx.Node) and a not in per_sample:
+            v = example_value(a)
+            if isinstance(v, torch.Tensor) and v.ndim == out.ndim and v.ndim and v.shape[0] != 1:
+                return False
+    return True
+
+
+# -- analysis --------------------------------------------------------------------------------------
+
+def sample_dimension(tokens: fx.Node) -> int | None:
+    """B where the tokens [T, H] are a [B, S, H] value flattened (followed back through views)."""
+    t_val = example_value(tokens)
+    if not isinstance(t_val, torch.Tensor) or t_val.ndim != 2:
+        return None
+    node: Any = tokens
+    for _ in range(8):
+        v = example_value(node)
+        if isinstance(v, torch.Tensor) and v.ndim >= 3 and v.shape[0] * v.shape[1] == t_val.shape[0]:
+            return int(v.shape[0])
+        if not isinstance(node, fx.Node) or _name(node) not in _RESHAPE | {"contiguous", "to", "float", "type"}:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _per_sample(gm: fx.GraphModule, params: ParamTable, samples: int) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Tensor values whose dim 0 holds samples: a multiple of B long and computed from the
+    compile's non-parameter inputs; and the other tensors computed from those inputs (rank-local)."""
+    from_inputs: set[fx.Node] = set()
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n not in params:
+                from_inputs.add(n)
+        elif any(a in from_inputs for a in n.all_input_nodes):
+            from_inputs.add(n)
+        v = example_value(n)
+        if n in from_inputs and isinstance(v, torch.Tensor) and v.ndim and v.shape[0] and v.shape[0] % samples == 0:
+            out.add(n)
+        elif n in from_inputs and isinstance(v, tuple | list) and v and all(
+                isinstance(i, torch.Tensor) and i.ndim and i.shape[0] % samples == 0 for i in v):
+            out.add(n)  # a tuple of per-sample values (topk, split)
+    rank_local = {n for n in from_inputs - out if isinstance(example_value(n), torch.Tensor)}
+    return out, rank_local
+
+
+def _bytes_per_sample(n: fx.Node, samples: int) -> int:
+    v = example_value(n)
+    return v.numel() * v.element_size() // samples if isinstance(v, torch.Tensor) else 0
+
+
+def _choose_cut(order: list[fx.Node], lo: int, hi: int, live: list[tuple[int, int, int]]) -> int:
+    """The position p in [lo, hi) (cut after order[p]) with the fewest live per-sample bytes."""
+    best, best_p = None, lo
+    for p in range(lo, hi):
+        if order[p].op == "placeholder":
+            continue
+        b = sum(nb for start, end, nb in live if start <= p < end)
+        if best is None or b < best:
+            best, best_p = b, p
+    return best_p
+
+
+Agree = Callable[[str | None, int, int], str | None]
+
+
+def sample_placement_pass(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence[object],
+                          params: ParamTable, world: int, verify: bool = True, agree: Agree | None = None
+                          ) -> PlacementResult:
+    """Rewrite ``gm`` (module docstring); ``layers`` in graph order. ``agree(reason, B, cuts)``
+    (under expert parallelism) turns this rank's verdict into the one every rank takes: the reason
+    to leave the graph alone, or None to rewrite it."""
+    res = PlacementResult()
+    _fill_example_values(gm, example_inputs)
+    reason, samples, cuts = _trial(gm, layers, example_inputs, params, verify, res)
+    if agree is not None:
+        reason = agree(reason, samples, cuts)
+    if reason is not None:
+        res.reason = reason
+        return res
+    res.samples = samples
+    reason = _rewrite(gm, layers, params, samples, world, res)
+    if reason is not None:  # the trial made the same rewrite: it cannot refuse now
+        raise AssertionError(f"sample placement refused after its trial passed: {reason}")
+    return res
+
+
+def _fill_example_values(gm: fx.GraphModule, example_inputs: Sequence[object]) -> None:
+    """Example values for the nodes earlier passes made without one (the expert ops, the pieces
+    of a tuple): fake tensor propagation of the whole graph, kept only where one was missing."""
+    if all(example_value(n) is not None for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+           and n.users):
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    known = {n: n.meta.get("val") for n in gm.graph.nodes}
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+    for n in gm.graph.nodes:
+        if "example_value" not in n.meta and n.meta.get("val") is not None:
+            n.meta["example_value"] = n.meta["val"]
+        if known[n] is None:
+            n.meta.pop("val", None)
+        else:
+            n.meta["val"] = known[n]
+
+
+def _trial(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence[object], params: ParamTable,
+           verify: bool, res: PlacementResult) -> tuple[str | None, int, int]:
+    """(why not, B, cuts): the rewrite made on a copy with every exchange a local derangement, and
+    compared with the graph."""
+    if len(layers) < 2:
+        return "one MoE layer in this graph: no later all-to-all gains from moving samples", 0, 0
+    tokens = layers[0].op.args[0]
+    samples = sample_dimension(tokens) if isinstance(tokens, fx.Node) else None
+    if samples is None:
+        return "the tokens are not a [batch, seq, hidden] value flattened: no sample dimension found", 0, 0
+    if samples < 2:
+        return (f"{samples} sample per rank: the rewrite cannot be verified on one process (a permutation "
+                "of one sample is the identity); run at least 2 samples per rank"), samples, 0
+    graph = fx.Graph()
+    node_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, node_map)  # nodes keep their meta (example values)
+    graph.output(out)
+    trial = fx.GraphModule(gm, graph)
+    trial_layers = [Layer(lay.name, node_map[lay.op], node_map[lay.topk_idx], lay.top_k, lay.hidden_bytes)
+                    for lay in layers]
+    probe = PlacementResult(samples=samples)
+    reason = _rewrite(trial, trial_layers, ParamTable(trial, example_inputs), samples, 1, probe)
+    if reason is not None:
+        return reason, samples, 0
+    if probe.returns:
+        return (f"samples would go home early, before {', '.join(sorted(set(probe.returns)))}: ops there move or "
+                "mix the sample dimension (e.g. a permute that takes dim 0 elsewhere), so the next layers would "
+                "not run where the samples were placed"), samples, 0
+    if verify:
+        err, ok = _verify(gm, trial, example_inputs)
+        res.verify_err = err
+        if not ok:
+            return (f"with the samples permuted the graph computes something else (max rel err {err:.2e}): "
+                    "an op between two MoE layers mixes samples that the analysis took as sample-wise"), samples, 0
+    return None, samples, len(probe.cuts)
+
+
+def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[object]) -> tuple[float, bool]:
+    def run(g: fx.GraphModule) -> list[torch.Tensor]:
+        vals = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        with torch.no_grad():
+            out = g(*vals)
+        flat = out if isinstance(out, list | tuple) else [out]
+        return [o for o in flat if isinstance(o, torch.Tensor)]
+
+    a, b = run(original), run(rewritten)
+    errs = [_rel_err(x, y) for x, y in zip(a, b, strict=True)]
+    worst = max(errs, default=0.0)
+    ok = len(a) == len(b) and all(_passes(e, x, y, x.dtype) for e, x, y in zip(errs, a, b, strict=True))
+    return worst, ok
+
+
+def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, samples: int, world: int,
+             res: PlacementResult) -> str | None:
+    graph = gm.graph
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    for n in order:  # an element of a tuple some pass split off without its example value
+        if n.target is operator.getitem and example_value(n) is None and isinstance(n.args[0], fx.Node):
+            whole = example_value(n.args[0])
+            if isinstance(whole, tuple | list) and isinstance(n.args[1], int):
+                n.meta["example_value"] = whole[n.args[1]]
+    output = order[-1]
+    per_sample, rank_local = _per_sample(gm, params, samples)
+    # live intervals of per-sample tensors: (defined, last read, bytes)
+    live = [(pos[n], max(pos[u] for u in n.users), _bytes_per_sample(n, samples))
+            for n in per_sample if n.users and isinstance(example_value(n), torch.Tensor)]
+    # cuts: (position, layer index, home)
+    cuts: list[tuple[int, int, bool]] = []
+    for i, lay in enumerate(layers):
+        lo = pos[lay.op]
+        last = i == len(layers) - 1
+        hi = pos[output] if last else pos[layers[i + 1].op]
+        if last:  # home before the first reader of the samples that is not sample-wise (e.g. a loss)
+            ahead = {lay.op}
+            for q in range(lo + 1, hi):
+                n = order[q]
+                if not any(a in ahead for a in n.all_input_nodes):
+                    continue
+                if not _sample_wise(n, per_sample, samples, rank_local):
+                    hi = q
+                    break
+                ahead.add(n)
+        cuts.append((_choose_cut(order, lo, hi, live), i, last))
+    first_cut, home_cut = cuts[0][0], cuts[-1][0]
+    # displaced nodes: sample-wise, after the first cut and up to the home cut, reading the output of
+    # a layer that cuts or a displaced value (generation: the last cut before them)
+    gen_of_cut = {p: g + 1 for g, (p, _, home) in enumerate(cuts) if not home}
+    anchors = {layers[i].op for _, i, home in cuts if not home}
+    derived: set[fx.Node] = set()  # sample-wise descendants of a placing layer's output
+    blockers: list[fx.Node] = []  # readers of those that are not sample-wise
+    for n in order[pos[layers[0].op]: home_cut + 1]:
+        if n.op in ("call_function", "call_method") and any(a in derived or a in anchors for a in n.all_input_nodes):
+            if _sample_wise(n, per_sample, samples, rank_local):
+                derived.add(n)
+            else:
+                blockers.append(n)
+    for _, i, home in cuts:
+        if not home and layers[i + 1].op not in derived:
+            why = f" (it reads samples through {blockers[0].name}, which is not sample-wise)" if blockers else ""
+            return (f"the tokens of {layers[i + 1].name} do not follow the samples placed after {layers[i].name}"
+                    f"{why}: moving them would not change where that layer's all-to-all starts")
+    displaced: dict[fx.Node, int] = {}  # node -> generation (the last cut before it)
+    gen = 0
+    for p in range(first_cut + 1, home_cut + 1):
+        gen = gen_of_cut.get(p - 1, gen)
+        if order[p] in derived:
+            displaced[order[p]] = gen
+    # a value mutated in place across a cut would be mutated in one copy only
+    for n in order:
+        if is_inplace(n) and n.args and isinstance(src := n.args[0], fx.Node):
+            if any(pos[src] <= p < pos[n] for p, _, _ in cuts):
+                return (f"{n.name} mutates {src.name} in place after a sample exchange point: moving it would "
+                        "leave the other copy stale")
+    # -- emit ---------------------------------------------------------------------------------------
+    versions: dict[fx.Node, dict[int, fx.Node]] = {}
+    home_gen: dict[fx.Node, int] = {}
+    keys: dict[int, fx.Node | None] = {0: None}
+    perm_cache: dict[tuple[int, int], fx.Node] = {}
+    cut_at = {p: (i, home) for p, i, home in cuts}
+    layer_of_gen: dict[int, str] = {}
+    returns: list[str] = []
+
+    def fake_ints(n_rows: int) -> torch.Tensor:
+        like = example_value(layers[0].topk_idx)
+        if not isinstance(like, torch.Tensor):
+            like = example_value(layers[0].op.args[0])  # type: ignore[arg-type]
+        assert isinstance(like, torch.Tensor)
+        return like.new_empty((n_rows,), dtype=torch.int64)
+
+    def perm_between(a: int, b: int, where: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """perm moving values of generation a to generation b (out[n] = in[perm[n]]), and the last
+        node inserted after ``where`` for it (``where`` when none)."""
+        if (a, b) in perm_cache:
+            return perm_cache[(a, b)], where
+        with graph.inserting_after(where):
+            if b == 0:
+                ka = keys[a]
+                assert ka is not None
+                node = graph.call_function(torch.argsort, (ka,))
+            elif a == 0:
+                kb = keys[b]
+                assert kb is not None
+                node = kb
+            else:
+                ka, kb = keys[a], keys[b]
+                assert ka is not None and kb is not None
+                inv = graph.call_function(torch.argsort, (ka,))
+                inv.meta["example_value"] = fake_ints(world * samples)
+                with graph.inserting_after(inv):
+                    node = graph.call_function(operator.getitem, (inv, kb))
+        node.meta["example_value"] = fake_ints(world * samples)
+        perm_cache[(a, b)] = node
+        return node, (where if a == 0 else node)
+
+    def layer_name(g: int) -> str:
+        return layer_of_gen.get(g, layers[-1].name)
+
+    def move(values: list[fx.Node], a: int, b: int, where: fx.Node) -> fx.Node:
+        """Emit the move of ``values`` (generation a) to generation b after ``where``; returns the last node."""
+        perm, anchor = perm_between(a, b, where)
+        with graph.inserting_after(anchor):
+            mv = graph.call_function(_MOVE, ([versions[v][a] for v in values], perm, samples, -1))
+        mv.meta["example_value"] = [example_value(v) for v in values]
+        mv.meta[_LAYER_META] = layer_name(max(a, b))
+        last = mv
+        for k, v in enumerate(values):
+            with graph.inserting_after(last):
+                got = graph.call_function(operator.getitem, (mv, k))
+            got.meta["example_value"] = example_value(v)
+            versions[v][b] = got
+            last = got
+        return last
+
+    def version(v: fx.Node, b: int, before: fx.Node) -> fx.Node:
+        have = versions.setdefault(v, {home_gen.get(v, 0): v})
+        if b in have:
+            return have[b]
+        a = max(have)  # the latest generation it was moved to
+        prev = before.prev
+        move([v], a, b, prev)
+        if b == 0:
+            returns.append(before.name)
+        return versions[v][b]
+
+    for p, n in enumerate(order):
+        if n.op in ("call_function", "call_method", "output"):
+            target = displaced.get(n, 0)
+            if n not in displaced and n.op != "output" and not any(a in per_sample for a in n.all_input_nodes):
+                target = 0
+
+            def swap(a: object, target: int = target, n: fx.Node = n) -> object:
+                if isinstance(a, fx.Node) and a in per_sample and isinstance(example_value(a), torch.Tensor):
+                    return version(a, target, n)
+                if isinstance(a, fx.Node) and a in per_sample and a in home_gen and home_gen[a] != target:
+                    raise _Unsupported(f"{n.name} reads the tuple {a.name} in another sample placement")
+                return a
+
+            src = n.args[0] if n.args else None
+            if is_inplace(n) and isinstance(src, fx.Node) and src in per_sample and home_gen.get(src, 0) != target:
+                return (f"{n.name} mutates {src.name} in place where the samples are placed differently: the "
+                        "mutation would reach one copy only")
+            try:
+                if _name(n) == "getitem" and not isinstance(example_value(n.args[0]), torch.Tensor):
+                    target = home_gen.get(n.args[0], 0)  # type: ignore[arg-type]
+                else:
+                    n.args = fx.node.map_aggregate(n.args, swap)  # type: ignore[assignment,arg-type]
+                    n.kwargs = fx.node.map_aggregate(n.kwargs, swap)  # type: ignore[assignment,arg-type]
+            except _Unsupported as e:
+                return str(e)
+            if n in per_sample:
+                home_gen[n] = target
+        if p in cut_at:
+            i, home = cut_at[p]
+            lay = layers[i]
+            g_prev = max(keys)
+            g_new = 0 if home else g_prev + 1
+            # what moves: per-sample values defined up to here, read after here by a displaced node (or,
+            # at the home cut, by anything)
+            moving = []
+            for v in order[: p + 1]:
+                if v not in per_sample or not isinstance(example_value(v), torch.Tensor):
+                    continue
+                later = [u for u in v.users if pos.get(u, -1) > p]
+                if home:
+                    need = bool(later) and 0 not in versions.get(v, {home_gen.get(v, 0): v})
+                else:
+                    need = any(u in displaced for u in later)
+                if need:
+                    moving.append(v)
+            where = n
+            if not home:
+                topk = version(lay.topk_idx, g_prev, n)
+                with graph.inserting_after(where):
+                    plan = graph.call_function(_PLAN, (topk, keys[g_prev], world, samples, -1))
+                plan.meta["example_value"] = (fake_ints(world * samples), fake_ints(world * samples))
+                plan.meta[_LAYER_META] = lay.name
+                with graph.inserting_after(plan):
+                    perm = graph.call_function(operator.getitem, (plan, 0))
+                perm.meta["example_value"] = fake_ints(world * samples)
+                with graph.inserting_after(perm):
+                    new_keys = graph.call_function(operator.getitem, (plan, 1))
+                new_keys.meta["example_value"] = fake_ints(world * samples)
+                keys[g_new] = new_keys
+                perm_cache[(g_prev, g_new)] = perm
+                layer_of_gen[g_new] = lay.name
+                where = new_keys
+            by_gen: dict[int, list[fx.Node]] = {}
+            for v in moving:
+                have = versions.setdefault(v, {home_gen.get(v, 0): v})
+                if g_new not in have:
+                    by_gen.setdefault(max(have), []).append(v)
+            for a, vals in sorted(by_gen.items()):
+                where = move(vals, a, g_new, where)
+            res.cuts.append(Cut(lay.name, n.name, tuple(v.name for v in moving),
+                                sum(_bytes_per_sample(v, samples) for v in moving), home))
+    res.returns = returns
+    graph.lint()
+    gm.recompile()
+    return None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def bind(gm: fx.GraphModule, layer_ids: dict[str, int], world: int) -> int:
+    """Point the sample exchanges at the runtime layers expert_parallel registered (by layer name)."""
+    bound = 0
+    for n in gm.graph.nodes:
+        name = n.meta.get(_LAYER_META)
+        if name is None:
+            continue
+        lid = layer_ids[name]
+        if n.target is _PLAN:
+            n.args = (n.args[0], n.args[1], world, n.args[3], lid)
+        else:
+            n.args = (*n.args[:3], lid)
+        bound += 1
+    gm.recompile()
+    return bound
+
+
+def register_records(res: PlacementResult, layer_ids: dict[str, int], topology: Any,
+                     token_bytes: dict[str, int]) -> None:
+    """The runtime record of every cut that plans (its topology, B, the bytes a sample moves)."""
+    for cut in res.cuts:
+        if cut.home:
+            continue
+        sample_exchange.register(layer_ids[cut.layer], sample_exchange.PlacementRecord(
+            topology=topology, samples=res.samples, sample_bytes=cut.sample_bytes,
+            token_bytes=token_bytes[cut.layer]))
+
+
+__all__ = ["Cut", "Layer", "PlacementResult", "bind", "register_records", "sample_dimension", "sample_placement_pass"]

@@ -1,0 +1,110 @@
+"""One rank of the sample-placement tests (launched by tests/dist_utils.py with
+worker="placement_worker.py"): NetMoE's sample exchanges (``passes.sample_placement``) on a Hugging
+Face Mixtral from a small random config whose routing is made sample-affine, against the eager
+model. Cases write this rank's results to $HIERMOE_TEST_OUT/rank<r>.json; tests/test_sample_placement.py
+asserts on them."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import hf_models  # noqa: E402
+from ep_worker import PARAMS, main, make_mesh, rel_err, summed_grad_err, topology_for  # noqa: E402
+
+import moe_compile  # noqa: E402
+from moe_compile.backend import collect_reports  # noqa: E402
+from moe_compile.ep import runtime  # noqa: E402
+from moe_compile.lowering import sample_exchange  # noqa: E402
+from moe_compile.report import Report, parallel_summary  # noqa: E402
+
+VOCAB, GROUPS = 64, 4
+
+
+def affine_mixtral(layers: int, experts: int, top_k: int, world: int) -> torch.nn.Module:
+    """Mixtral whose token t's embedding points along direction t % GROUPS and whose routers score
+    expert e by the direction of the rank block holding it (e * GROUPS // experts), so a sample
+    written in one group's tokens sends its tokens to one node's experts, in every layer."""
+    model = hf_models.build("mixtral", num_hidden_layers=layers, num_local_experts=experts, num_experts_per_tok=top_k)
+    hidden = model.config.hidden_size
+    basis = torch.eye(hidden)[:GROUPS]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(2.0 * basis[torch.arange(VOCAB) % GROUPS] + 0.1 * torch.randn(emb.shape, generator=gen))
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate.copy_(4.0 * basis[torch.arange(experts) * GROUPS // experts] + 0.1 * torch.randn(gate.shape, generator=gen))
+    return model
+
+
+def batch(rank: int, world: int, samples: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's samples, each in the tokens of a group whose experts sit on the other half of the
+    mesh (so the placement has something to gain); the first sample left-padded by 2, its labels
+    ignored there."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    half = GROUPS // 2
+    far = (rank * GROUPS // world + half) % GROUPS  # a group of the other half
+    groups = [(far + b % half) % GROUPS if b % half else far for b in range(samples)]
+    ids = torch.stack([torch.randint(0, VOCAB // GROUPS, (seq,), generator=gen) * GROUPS + g for g in groups])
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return ids, mask, labels
+
+
+def _inter_bytes(level: str) -> dict[str, int]:
+    c = runtime.counters()[level]
+    return {ph: sum(c[ph][dr]["payload_bytes"] for dr in ("forward", "backward")) for ph in ("dispatch", "combine", "samples")}
+
+
+def case_placement() -> dict[str, Any]:
+    """Compiled with and without sample placement, one forward and backward each: loss and logits
+    against eager on this rank's batch, gradients summed over the ranks against eager's, the
+    payload each phase sent across the slowest level, and what the placement decided."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = make_mesh(PARAMS["shape"])
+    slow = mesh.mesh_dim_names[0]
+    topology = topology_for(mesh, node_gbps=0.1, inner_gbps=10.0)
+    out: dict[str, Any] = {}
+    for place in (True, False):
+        torch._dynamo.reset()
+        model = affine_mixtral(PARAMS["layers"], PARAMS.get("E", 8), PARAMS.get("K", 2), world)
+        ref = copy.deepcopy(model)
+        opts = {"mesh": mesh, "topology": topology, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager"),
+                "expert_gather": False, "sample_placement": place}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        ids, mask, labels = batch(rank, world, PARAMS.get("samples", 2), 8)
+        with collect_reports() as reports:
+            runtime.reset_counters()
+            got = compiled(input_ids=ids, attention_mask=mask, labels=labels)
+            got.loss.backward()
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        want.loss.backward()
+        records = [r for lay in runtime.layers() if (r := sample_exchange.record(lay.layer_id)) is not None]
+        graphs = [replace(g, regions=[r if r.ep_layer is None else replace(r, parallel=parallel_summary(r.ep_layer))
+                                      for r in g.regions]) for g in reports]
+        out[str(place)] = {
+            "loss": got.loss.item(), "loss_ref": want.loss.item(),
+            "logits_err": rel_err(got.logits.detach(), want.logits.detach()),
+            "grad_err": summed_grad_err(model, ref),
+            "sent": _inter_bytes(slow),
+            "moves": [r.moves for r in records], "moved": [r.moved_samples for r in records],
+            "pays": [bool(r.last.pays) if r.last is not None else None for r in records],
+            "report": str(Report(graphs=graphs)),
+        }
+    return out
+
+
+if __name__ == "__main__":
+    assert moe_compile is not None
+    main(globals())
