@@ -93,6 +93,13 @@ def record(layer_id: int) -> PlacementRecord | None:
     return _records.get(layer_id)
 
 
+def reset_counts() -> None:
+    """Zero every record's step, move and solve counts (what a benchmark counts per step)."""
+    for r in _records.values():
+        r.steps = r.moves = r.moved_samples = 0
+        r.solve_s.clear()
+
+
 def _derangement(n: int, device: torch.device) -> Tensor:
     return torch.roll(torch.arange(n, dtype=torch.int64, device=device), 1)
 
@@ -276,4 +283,4 @@ def _move_backward_fake(grads: list[Tensor], perm: Tensor, samples: int, layer: 
 
 sample_move.register_autograd(_move_backward, setup_context=_move_setup)
 
-__all__ = ["PlacementRecord", "record", "register", "sample_move", "sample_plan"]
+__all__ = ["PlacementRecord", "ensure_group", "record", "register", "reset_counts", "sample_move", "sample_plan"]

@@ -160,124 +160,243 @@ def _ndim(v: object) -> int:
     return v.ndim if isinstance(v, torch.Tensor) else 0
 
 
-def _dim_is_zero(dim: Any, ndim: int) -> bool:
-    dims = dim if isinstance(dim, list | tuple) else [dim]
-    return any(isinstance(d, int) and ndim and d % ndim == 0 for d in dims)
+def _dims(dim: Any, ndim: int) -> list[int] | None:
+    """``dim`` (an int or a sequence of ints) normalized to 0..ndim-1; None when it is not one."""
+    dims = list(dim) if isinstance(dim, list | tuple) else [dim]
+    if not ndim or not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    return [d % ndim for d in dims]
 
 
-def _getitem_ok(idx: Any, ndim: int) -> bool:
-    """Whether ``x[idx]`` keeps dim 0 whole and in front."""
+NOT_TENSOR = -1  # the axis of a sample-wise op's result that is not a tensor (a size)
+Axes = dict[fx.Node, int]  # per-sample value -> the dim that holds its samples
+
+
+def _getitem_axis(idx: Any, ndim: int, axis: int) -> int | None:
+    """The sample axis of ``x[idx]`` (x's at ``axis``), or None where the index touches it."""
     items = list(idx) if isinstance(idx, tuple) else [idx]
-    if not items:
-        return True
-    first = items[0]
-    if first is Ellipsis:
-        consuming = [i for i in items[1:] if i is not None and i is not Ellipsis]
-        return len(consuming) < ndim and all(not isinstance(i, fx.Node) for i in items)
-    return (isinstance(first, slice) and first == slice(None)
-            and all(not isinstance(i, fx.Node | torch.Tensor) for i in items[1:]))
+    if any(isinstance(i, fx.Node | torch.Tensor | list) for i in items):
+        return None  # advanced indexing
+    consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+    i = o = 0
+    for item in items:
+        if item is Ellipsis:
+            span = ndim - consuming
+            if i <= axis < i + span:
+                return o + axis - i
+            i, o = i + span, o + span
+        elif item is None:
+            o += 1
+        elif isinstance(item, int):
+            if i == axis:
+                return None
+            i += 1
+        elif isinstance(item, slice):
+            if i == axis:
+                return o if item == slice(None) else None
+            i, o = i + 1, o + 1
+        else:
+            return None
+    return o + axis - i if axis >= i else None
 
 
-def _sample_wise(node: fx.Node, per_sample: set[fx.Node], samples: int, rank_local: set[fx.Node]) -> bool:
-    """Whether ``node``'s sample b reads only sample b of its per-sample inputs (dim 0 of each
-    holds samples; a non-per-sample operand is broadcast or a weight). A tensor computed from the
-    inputs that is not per-sample (a mean over the batch, a [1, S] input) differs between ranks: a
-    sample that moved would meet another rank's, so an op reading one is not sample-wise."""
-    if any(a in rank_local for a in node.all_input_nodes):
-        return False
-    return _sample_wise_op(node, per_sample, samples)
-
-
-def _sample_wise_op(node: fx.Node, per_sample: set[fx.Node], samples: int) -> bool:
+def _out_axis(node: fx.Node, axes: Axes, samples: int) -> int | None:
+    """The sample axis of ``node``'s result when its sample b reads only sample b of its per-sample
+    inputs (``axes``: where each holds its samples; every other operand broadcast along it or a
+    weight), NOT_TENSOR for a size; None when the op may mix samples."""
     name = _name(node)
+    if name is None and node.op == "call_function" and node.target in _OPERATORS:
+        name = "add"  # operator.add & co: pointwise
     if name is None:
-        return node.op == "call_function" and node.target in _OPERATORS and _broadcast_ok(node, per_sample)
+        return None
     out = example_value(node)
     x = node.args[0] if node.args else None
+    xa = axes.get(x) if isinstance(x, fx.Node) else None
     x_val = example_value(x) if isinstance(x, fx.Node) else None
+    nd = _ndim(x_val)
     if name in _NEUTRAL:
-        return True
+        return NOT_TENSOR
     if name == "hiermoe":
-        return True  # the expert ops are token-wise
-    if isinstance(out, torch.Tensor) and (out.ndim == 0 or out.shape[0] % samples or out.shape[0] == 0):
-        return False
+        return 0 if xa == 0 else None  # the expert ops are token-wise
+    if name == "getitem" and not isinstance(x_val, torch.Tensor):
+        return xa  # an element of a tuple (topk's values, a split's piece)
+    axis = _result_axis(node, name, x, xa, x_val, nd, axes, samples)
+    if axis is None or axis == NOT_TENSOR:
+        return axis
+    vals = out if isinstance(out, tuple | list) else [out]
+    for v in vals:  # every result holds a multiple of B along its axis
+        if not isinstance(v, torch.Tensor) or axis >= v.ndim or v.shape[axis] == 0 or v.shape[axis] % samples:
+            return None
+    return axis
+
+
+def _result_axis(node: fx.Node, name: str, x: Any, xa: int | None, x_val: Any, nd: int, axes: Axes,
+                 samples: int) -> int | None:
+    out = example_value(node)
     if name == "getitem":
-        if not isinstance(x_val, torch.Tensor):
-            return True  # an element of a tuple (topk's values, a split's piece)
-        return _getitem_ok(node.args[1], x_val.ndim)
-    if name in _POINTWISE or node.target in _OPERATORS:
-        return _broadcast_ok(node, per_sample)
+        return None if xa is None else _getitem_axis(node.args[1], nd, xa)
+    if name in _POINTWISE:
+        return _broadcast_axis(node, axes)
     if name in _ALONG_DIM:
         pos, default = _ALONG_DIM[name]
         if name in ("cat", "concat", "concatenate", "stack"):
             seq = node.args[0]
-            ok = isinstance(seq, list | tuple) and all(isinstance(i, fx.Node) and i in per_sample for i in seq)
-            return ok and not _dim_is_zero(_arg(node, 1, "dim", 0), _ndim(out))
-        if name in _INDEXED and not all(a in per_sample for a in node.all_input_nodes
+            if not isinstance(seq, list | tuple) or not seq or not all(isinstance(i, fx.Node) and i in axes for i in seq):
+                return None
+            a = {axes[i] for i in seq}  # type: ignore[index]
+            first = example_value(seq[0])  # type: ignore[arg-type]
+            if len(a) != 1:
+                return None
+            (a0,) = a
+            d = _dims(_arg(node, 1, "dim", 0), _ndim(out))
+            if d is None or (name != "stack" and d[0] == a0):
+                return None
+            return a0 + (1 if name == "stack" and d[0] <= a0 else 0) if isinstance(first, torch.Tensor) else None
+        if xa is None:
+            return None
+        if name in _INDEXED and not all(axes.get(a) == xa for a in node.all_input_nodes
                                         if isinstance(example_value(a), torch.Tensor)):
-            return False  # an index or source that is not per-sample
-        if name in ("flip", "roll"):
-            return not _dim_is_zero(_arg(node, pos, "dims", None), _ndim(x_val)) and _arg(node, pos, "dims", None) is not None
-        dim = _arg(node, pos, "dim", default)
-        if dim is None:
-            return False  # over every element: mixes the batch
-        return not _dim_is_zero(dim, _ndim(x_val))
+            return None  # an index or source that is not per-sample alike
+        key = "dims" if name in ("flip", "roll") else "dim"
+        d = _dims(_arg(node, pos, key, default), nd)
+        if d is None or xa in d:
+            return None  # over every element, or along the samples
+        if name in ("unbind", "select"):
+            return xa - (1 if d[0] < xa else 0)
+        out_nd = _ndim(out[0] if isinstance(out, tuple | list) else out)
+        return xa if out_nd == nd else xa - sum(1 for i in d if i < xa)
     if name in _TRAILING:
-        if name == "embedding":
-            return isinstance(x, fx.Node) and x in per_sample and not any(
-                isinstance(a, fx.Node) and a in per_sample for a in node.args[1:])
-        if name == "linear":
-            return isinstance(x, fx.Node) and x in per_sample and not any(
-                isinstance(a, fx.Node) and a in per_sample for a in [*node.args[1:], *node.kwargs.values()])
+        if name in ("embedding", "linear"):
+            others = [a for a in [*node.args[1:], *node.kwargs.values()] if isinstance(a, fx.Node)]
+            if xa is None or any(a in axes for a in others) or (name == "linear" and xa >= nd - 1):
+                return None
+            return xa
         if name == "scaled_dot_product_attention":
             qkv = [a for a in node.args[:3] if isinstance(a, fx.Node)]
+            if len(qkv) != 3 or not all(a in axes for a in qkv) or len({axes[a] for a in qkv}) != 1 or xa is None \
+                    or xa >= nd - 2:
+                return None
             mask = _arg(node, 3, "attn_mask", None)
-            mask_val = example_value(mask) if isinstance(mask, fx.Node) else None
-            return (all(a in per_sample for a in qkv) and (not isinstance(mask, fx.Node) or mask in per_sample
-                    or (isinstance(mask_val, torch.Tensor) and (mask_val.ndim < 4 or mask_val.shape[0] == 1))))
+            if isinstance(mask, fx.Node):
+                m = example_value(mask)
+                if not isinstance(m, torch.Tensor):
+                    return None
+                j = xa - (nd - m.ndim)
+                if mask in axes:
+                    return xa if axes[mask] == j else None
+                return xa if j < 0 or m.shape[j] == 1 else None
+            return xa
+        if xa is None:
+            return None
         if name == "pad":
             pad = _arg(node, 1, "pad", ())
-            return isinstance(pad, list | tuple) and len(pad) <= 2 * (_ndim(x_val) - 1)
-        return isinstance(x, fx.Node) and x in per_sample  # norms over trailing dims
+            return xa if isinstance(pad, list | tuple) and xa < nd - len(pad) // 2 else None
+        if name == "group_norm":
+            return xa if xa == 0 else None
+        shape = _arg(node, 1, "normalized_shape", None)
+        trailing = len(shape) if isinstance(shape, list | tuple) else 1
+        return xa if xa < nd - trailing else None
     if name in _RESHAPE:
-        if name in ("unsqueeze", "squeeze"):
-            d = _arg(node, 1, "dim", None)
-            return d is not None and not _dim_is_zero(d, _ndim(out) if name == "unsqueeze" else _ndim(x_val))
-        return isinstance(out, torch.Tensor) and isinstance(x_val, torch.Tensor) and x_val.shape[0] % samples == 0
+        if xa is None or not isinstance(out, torch.Tensor):
+            return None
+        if name == "unsqueeze":
+            d = _dims(_arg(node, 1, "dim", None), out.ndim)
+            return None if d is None else xa + (1 if d[0] <= xa else 0)
+        if name == "squeeze":
+            d = _dims(_arg(node, 1, "dim", None), nd)
+            if d is None:
+                return None if x_val.shape[xa] == 1 else xa - sum(1 for i in range(xa) if x_val.shape[i] == 1)
+            return None if xa in d else xa - sum(1 for i in d if i < xa)
+        if name in ("expand", "expand_as", "repeat"):
+            lead = out.ndim - nd
+            if name == "repeat":
+                reps = node.args[1:] if len(node.args) > 2 or not isinstance(_arg(node, 1, "repeats", None), list | tuple) \
+                    else _arg(node, 1, "repeats", ())
+                return xa + lead if len(reps) == out.ndim and reps[xa + lead] == 1 else None
+            return xa + lead if out.shape[xa + lead] == x_val.shape[xa] else None
+        # view / reshape / flatten / unflatten: the dims before the samples unchanged, row-major order
+        # keeps each (prefix, sample) block whole
+        if tuple(out.shape[:xa]) == tuple(x_val.shape[:xa]) and out.ndim > xa and out.shape[xa] % samples == 0:
+            return xa
+        return None
     if name in _DIM_MOVES:
+        if xa is None:
+            return None
         if name == "permute":
             dims = node.args[1:] if len(node.args) > 2 or not isinstance(_arg(node, 1, "dims", None), list | tuple) \
                 else _arg(node, 1, "dims", ())
-            return bool(dims) and bool(dims[0] == 0)
-        if name == "movedim":
-            return not _dim_is_zero(_arg(node, 1, "source", 0), _ndim(x_val)) and \
-                not _dim_is_zero(_arg(node, 2, "destination", 0), _ndim(x_val))
+            order = _dims(list(dims), nd)
+            return None if order is None else order.index(xa)
         if name == "mT":
-            return _ndim(x_val) > 2
-        d0, d1 = _arg(node, 1, "dim0", 0), _arg(node, 2, "dim1", 1)
-        return not _dim_is_zero(d0, _ndim(x_val)) and not _dim_is_zero(d1, _ndim(x_val))
+            d0, d1 = nd - 2, nd - 1
+        elif name == "movedim":
+            src, dst = _dims(_arg(node, 1, "source", None), nd), _dims(_arg(node, 2, "destination", None), nd)
+            if src is None or dst is None or len(src) != 1 or len(dst) != 1:
+                return None
+            order = [i for i in range(nd) if i != src[0]]
+            order.insert(dst[0], src[0])
+            return order.index(xa)
+        else:
+            pair = _dims([_arg(node, 1, "dim0", 0), _arg(node, 2, "dim1", 1)], nd)
+            if pair is None:
+                return None
+            d0, d1 = pair
+        return d1 if xa == d0 else d0 if xa == d1 else xa
     if name in _MATMUL or node.target is operator.matmul:
-        a, b = node.args[0], node.args[1]
-        a_ps = isinstance(a, fx.Node) and a in per_sample
-        b_ps = isinstance(b, fx.Node) and b in per_sample
+        b = node.args[1]
         b_val = example_value(b) if isinstance(b, fx.Node) else None
-        if a_ps and b_ps:
-            return _ndim(x_val) >= 3 and _ndim(b_val) >= 3
-        return a_ps and _ndim(b_val) <= 2
-    return False
+        if not isinstance(out, torch.Tensor) or not isinstance(b_val, torch.Tensor):
+            return None
+        ba = axes.get(b) if isinstance(b, fx.Node) else None
+        if xa is not None and ba is not None:  # batched: the samples in a batch dim of both
+            if xa >= nd - 2 or ba >= b_val.ndim - 2 or xa - nd != ba - b_val.ndim:
+                return None
+            return out.ndim - (nd - xa)
+        if xa is not None and ba is None:
+            if xa > nd - 2 or (b_val.ndim > 2 and b_val.ndim - (nd - xa) >= 0):
+                return None  # the rows of a, or a batch dim the weight does not have
+            return out.ndim - (nd - xa)
+        return None
+    return None
 
 
-def _broadcast_ok(node: fx.Node, per_sample: set[fx.Node]) -> bool:
-    """A pointwise op: every operand that is not per-sample broadcasts along dim 0."""
+def _broadcast_axis(node: fx.Node, axes: Axes) -> int | None:
+    """A pointwise op: the per-sample operands' samples on one axis of the result, every other
+    operand of size 1 (or absent) there."""
     out = example_value(node)
     if not isinstance(out, torch.Tensor):
-        return False
+        return None
+    found: set[int] = set()
+    others = []
     for a in [*node.args, *node.kwargs.values()]:
-        if isinstance(a, fx.Node) and a not in per_sample:
-            v = example_value(a)
-            if isinstance(v, torch.Tensor) and v.ndim == out.ndim and v.ndim and v.shape[0] != 1:
-                return False
-    return True
+        for n in (a if isinstance(a, list | tuple) else [a]):
+            if not isinstance(n, fx.Node):
+                continue
+            v = example_value(n)
+            if not isinstance(v, torch.Tensor):
+                continue
+            if n in axes:
+                found.add(axes[n] + out.ndim - v.ndim)
+            else:
+                others.append(v)
+    if len(found) != 1:
+        return None
+    (axis,) = found
+    for v in others:
+        j = axis - (out.ndim - v.ndim)
+        if j >= 0 and v.shape[j] != 1:
+            return None
+    return axis
+
+
+def _sample_wise(node: fx.Node, axes: Axes, samples: int, rank_local: set[fx.Node]) -> bool:
+    """Whether ``node``'s sample b reads only sample b of its per-sample inputs (``_out_axis``). A
+    tensor computed from the inputs that is not per-sample (a mean over the batch, a [1, S] input)
+    differs between ranks: a sample that moved would meet another rank's, so an op reading one is
+    not sample-wise."""
+    if any(a in rank_local for a in node.all_input_nodes):
+        return False
+    return _out_axis(node, axes, samples) is not None
 
 
 # -- analysis --------------------------------------------------------------------------------------
@@ -298,25 +417,35 @@ def sample_dimension(tokens: fx.Node) -> int | None:
     return None
 
 
-def _per_sample(gm: fx.GraphModule, params: ParamTable, samples: int) -> tuple[set[fx.Node], set[fx.Node]]:
-    """Tensor values whose dim 0 holds samples: a multiple of B long and computed from the
-    compile's non-parameter inputs; and the other tensors computed from those inputs (rank-local)."""
+def _per_sample(gm: fx.GraphModule, params: ParamTable, samples: int) -> tuple[Axes, set[fx.Node]]:
+    """Where each per-sample value holds its samples, and the tensors computed from the compile's
+    inputs that do not hold samples (a batch mean, a [1, S] input: they differ between ranks).
+    A value is per-sample when a sample-wise op (``_out_axis``) makes it from per-sample values;
+    values the rules cannot follow (mask building with advanced indexing, before the first cut) are
+    taken as per-sample in dim 0 where it is a multiple of B long, which the verification checks."""
     from_inputs: set[fx.Node] = set()
-    out: set[fx.Node] = set()
+    axes: Axes = {}
     for n in gm.graph.nodes:
+        v = example_value(n)
         if n.op == "placeholder":
             if n not in params:
                 from_inputs.add(n)
         elif any(a in from_inputs for a in n.all_input_nodes):
             from_inputs.add(n)
-        v = example_value(n)
-        if n in from_inputs and isinstance(v, torch.Tensor) and v.ndim and v.shape[0] and v.shape[0] % samples == 0:
-            out.add(n)
-        elif n in from_inputs and isinstance(v, tuple | list) and v and all(
-                isinstance(i, torch.Tensor) and i.ndim and i.shape[0] % samples == 0 for i in v):
-            out.add(n)  # a tuple of per-sample values (topk, split)
-    rank_local = {n for n in from_inputs - out if isinstance(example_value(n), torch.Tensor)}
-    return out, rank_local
+            if any(a in axes for a in n.all_input_nodes):
+                axis = _out_axis(n, axes, samples)
+                if axis is not None and axis != NOT_TENSOR:
+                    axes[n] = axis
+                    continue
+        if n in from_inputs and _dim0_per_sample(v, samples):
+            axes[n] = 0
+    rank_local = {n for n in from_inputs if n not in axes and isinstance(example_value(n), torch.Tensor)}
+    return axes, rank_local
+
+
+def _dim0_per_sample(v: object, samples: int) -> bool:
+    vals = v if isinstance(v, tuple | list) and v else [v]
+    return all(isinstance(i, torch.Tensor) and i.ndim and i.shape[0] and i.shape[0] % samples == 0 for i in vals)
 
 
 def _bytes_per_sample(n: fx.Node, samples: int) -> int:
@@ -325,7 +454,8 @@ def _bytes_per_sample(n: fx.Node, samples: int) -> int:
 
 
 def _choose_cut(order: list[fx.Node], lo: int, hi: int, live: list[tuple[int, int, int]]) -> int:
-    """The position p in [lo, hi) (cut after order[p]) with the fewest live per-sample bytes."""
+    """The position p in [lo, hi) (cut after order[p]) with the fewest live per-sample bytes (a
+    value that holds its samples in another dim than 0 counts as too many: it cannot move)."""
     best, best_p = None, lo
     for p in range(lo, hi):
         if order[p].op == "placeholder":
@@ -442,8 +572,10 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                 n.meta["example_value"] = whole[n.args[1]]
     output = order[-1]
     per_sample, rank_local = _per_sample(gm, params, samples)
-    # live intervals of per-sample tensors: (defined, last read, bytes)
-    live = [(pos[n], max(pos[u] for u in n.users), _bytes_per_sample(n, samples))
+    # live intervals of per-sample tensors: (defined, last read, bytes; a value with its samples
+    # in another dim cannot move: as many bytes as make any other cut cheaper)
+    live = [(pos[n], max(pos[u] for u in n.users),
+             _bytes_per_sample(n, samples) if per_sample[n] == 0 else 1 << 60)
             for n in per_sample if n.users and isinstance(example_value(n), torch.Tensor)]
     # cuts: (position, layer index, home)
     cuts: list[tuple[int, int, bool]] = []
@@ -571,6 +703,9 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
 
             def swap(a: object, target: int = target, n: fx.Node = n) -> object:
                 if isinstance(a, fx.Node) and a in per_sample and isinstance(example_value(a), torch.Tensor):
+                    if per_sample[a] != 0 and target != home_gen.get(a, 0):
+                        raise _Unsupported(f"{n.name} reads {a.name}, which holds its samples in dim {per_sample[a]}, "
+                                           "where the samples are placed differently")
                     return version(a, target, n)
                 if isinstance(a, fx.Node) and a in per_sample and a in home_gen and home_gen[a] != target:
                     raise _Unsupported(f"{n.name} reads the tuple {a.name} in another sample placement")
@@ -607,6 +742,9 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                 else:
                     need = any(u in displaced for u in later)
                 if need:
+                    if per_sample[v] != 0:
+                        return (f"{v.name} holds its samples in dim {per_sample[v]} where the samples move after "
+                                f"{n.name}: the exchange moves dim 0")
                     moving.append(v)
             where = n
             if not home:

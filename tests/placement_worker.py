@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import hf_models  # noqa: E402
 from ep_worker import PARAMS, main, make_mesh, rel_err, summed_grad_err, topology_for  # noqa: E402
 
 import moe_compile  # noqa: E402
@@ -25,36 +24,20 @@ from moe_compile.backend import collect_reports  # noqa: E402
 from moe_compile.ep import runtime  # noqa: E402
 from moe_compile.lowering import sample_exchange  # noqa: E402
 from moe_compile.report import Report, parallel_summary  # noqa: E402
+from moe_compile.samples.sample_affine import affine_mixtral, token_ids  # noqa: E402
 
 VOCAB, GROUPS = 64, 4
 
 
-def affine_mixtral(layers: int, experts: int, top_k: int, world: int) -> torch.nn.Module:
-    """Mixtral whose token t's embedding points along direction t % GROUPS and whose routers score
-    expert e by the direction of the rank block holding it (e * GROUPS // experts), so a sample
-    written in one group's tokens sends its tokens to one node's experts, in every layer."""
-    model = hf_models.build("mixtral", num_hidden_layers=layers, num_local_experts=experts, num_experts_per_tok=top_k)
-    hidden = model.config.hidden_size
-    basis = torch.eye(hidden)[:GROUPS]
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        emb = model.model.embed_tokens.weight
-        emb.copy_(2.0 * basis[torch.arange(VOCAB) % GROUPS] + 0.1 * torch.randn(emb.shape, generator=gen))
-        for layer in model.model.layers:
-            gate = layer.mlp.gate.weight
-            gate.copy_(4.0 * basis[torch.arange(experts) * GROUPS // experts] + 0.1 * torch.randn(gate.shape, generator=gen))
-    return model
-
-
 def batch(rank: int, world: int, samples: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's samples, each in the tokens of a group whose experts sit on the other half of the
-    mesh (so the placement has something to gain); the first sample left-padded by 2, its labels
+    """This rank's samples, each in the tokens of one group whose experts sit on the other half of
+    the mesh (so the placement has something to gain); the first sample left-padded by 2, its labels
     ignored there."""
     gen = torch.Generator().manual_seed(100 + rank)
     half = GROUPS // 2
     far = (rank * GROUPS // world + half) % GROUPS  # a group of the other half
-    groups = [(far + b % half) % GROUPS if b % half else far for b in range(samples)]
-    ids = torch.stack([torch.randint(0, VOCAB // GROUPS, (seq,), generator=gen) * GROUPS + g for g in groups])
+    groups = torch.tensor([far + b % 2 if far % 2 == 0 else far - b % 2 for b in range(samples)])
+    ids = token_ids(groups[:, None].expand(samples, seq), GROUPS, VOCAB, gen)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     labels = ids.clone()
@@ -78,7 +61,8 @@ def case_placement() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for place in (True, False):
         torch._dynamo.reset()
-        model = affine_mixtral(PARAMS["layers"], PARAMS.get("E", 8), PARAMS.get("K", 2), world)
+        model = affine_mixtral(layers=PARAMS["layers"], experts=PARAMS.get("E", 8), top_k=PARAMS.get("K", 2),
+                               groups=GROUPS, vocab=VOCAB)
         ref = copy.deepcopy(model)
         opts = {"mesh": mesh, "topology": topology, "inner_compiler": PARAMS.get("inner_compiler", "aot_eager"),
                 "expert_gather": False, "sample_placement": place}

@@ -1,0 +1,237 @@
+"""Sample placement (NetMoE, passes/sample_placement.py) at run time on the emulated 2-node cluster:
+a training step (forward + backward) of a transformers Mixtral with and without
+options["sample_placement"], the inter-node bytes each sends, and their step times.
+
+    python bench/bench_placement_cluster.py          # as root: the command behind
+                                                     # bench/results/placement_cluster.{md,json}
+    python bench/bench_placement_cluster.py --quick  # affine and uniform routing at K=2, 3 reps: prints only
+    python bench/bench_placement_cluster.py --report bench/results/placement_cluster.json
+
+Per node link rate (a fresh emulated cluster each: bench/clusters/two_node.toml with its rate
+overridden; mesh node=2,gpu=2), routing and K: the model of moe_compile.samples.sample_affine
+(Mixtral, fp32, token embeddings along one of G = 4 directions, one per rank's block of experts;
+routers scoring each expert by its block's direction) and each rank's batch drawn with that routing:
+"affine" (each sample's tokens from one group), "zipf" (each sample draws its tokens' groups with
+Zipf(1.2) weights over its own ranking of the groups), "uniform" (every token's group at random: no
+sample prefers anything). Two variants, each a copy of the same model compiled by hiermoe (the links
+fitted at start as bench_e2e does, compute measured; inner compiler aot_eager; expert_gather False:
+the token all-to-all, HD-d with d* per step):
+
+  HD d*             the planner's all-to-all
+  placement + HD d* the same with options["sample_placement"] = True: after each MoE layer but the
+                    last the samples may move to the ranks whose node holds their experts, decided
+                    per step (NetMoE's two-stage assignment, where the model says it pays)
+
+The first step is the check (both variants' loss equal, rel 1e-5); one more untimed step counts the
+bytes (moe_compile's counters, summed over the ranks: token payload of dispatch + combine across the
+node link, forward + backward, and the samples' own bytes across it), then repetitions that time one
+step of each variant (alternating order, barrier first, the slowest rank's time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import functools
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
+VARIANTS = {"HD d*": False, "placement + HD d*": True}
+
+
+def worker(args: argparse.Namespace) -> None:
+    from cluster_bench import cluster_rank
+
+    from moe_compile.backend import hiermoe_backend
+    from moe_compile.ep import runtime
+    from moe_compile.lowering import sample_exchange
+    from moe_compile.samples.sample_affine import affine_mixtral, token_groups, token_ids
+
+    rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
+    groups = world
+    results = []
+    for routing in args.routings:
+        for k in args.ks:
+            torch._dynamo.reset()
+            base = affine_mixtral(layers=args.layers, experts=args.experts, top_k=k, groups=groups,
+                                  hidden=args.hidden, ffn=args.ffn, vocab=args.vocab)
+            gen = torch.Generator().manual_seed(1000 + rank)
+            ids = token_ids(token_groups(routing, args.batch, args.seq, groups, gen), groups, args.vocab, gen)
+            models = {}
+            for name, place in VARIANTS.items():
+                options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "expert_gather": False,
+                           "sample_placement": place}
+                models[name] = torch.compile(copy.deepcopy(base), backend=functools.partial(hiermoe_backend,
+                                                                                              options=options))
+
+            def step(model: Any, ids: torch.Tensor = ids) -> float:
+                out = model(input_ids=ids, labels=ids)
+                out.loss.backward()
+                return float(out.loss.detach())
+
+            losses = {name: step(m) for name, m in models.items()}  # compiles; the check
+            ref = losses["HD d*"]
+            if abs(losses["placement + HD d*"] - ref) > 1e-5 * abs(ref):
+                raise RuntimeError(f"{routing} K={k}: the losses differ: {losses}")
+            sent: dict[str, dict[str, int]] = {}
+            for name, m in models.items():
+                runtime.reset_counters()
+                sample_exchange.reset_counts()
+                step(m)
+                c = runtime.counters()[names[0]]
+                row = torch.tensor([sum(c[ph][dr]["payload_bytes"] for ph in ("dispatch", "combine")
+                                        for dr in ("forward", "backward")),
+                                    sum(c["samples"][dr]["payload_bytes"] for dr in ("forward", "backward"))],
+                                   dtype=torch.float64)
+                dist.all_reduce(row)
+                records = [r for lay in runtime.layers()
+                           if (r := sample_exchange.record(lay.layer_id)) is not None and r.steps]  # this model's
+                sent[name] = {"tokens": int(row[0]), "samples": int(row[1]),
+                              "moves": sum(r.moves for r in records) if VARIANTS[name] else 0,
+                              "cuts": len(records) if VARIANTS[name] else 0,
+                              "moved_samples": sum(r.moved_samples for r in records) if VARIANTS[name] else 0,
+                              "solve_ms": max((1e3 * max(r.solve_s) for r in records if r.solve_s), default=0.0)
+                              if VARIANTS[name] else 0.0}
+            times: dict[str, list[float]] = {n: [] for n in models}
+            order = list(models)
+            for rep in range(args.reps):
+                for name in (order if rep % 2 == 0 else order[::-1]):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    step(models[name])
+                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                    times[name].append(float(dt))
+            med = {n: statistics.median(v) for n, v in times.items()}
+            say(f"  {routing} K={k}: " + "  ".join(
+                f"{n} {med[n] * 1e3:.0f} ms, {sent[n]['tokens'] / 1024:.0f} KiB tokens + "
+                f"{sent[n]['samples'] / 1024:.0f} KiB samples across nodes" for n in models), flush=True)
+            results.append({"routing": routing, "top_k": k, "loss": losses, "sent": sent, "times_s": times,
+                            "median_s": med})
+            del models
+    if rank == 0:
+        Path(os.environ["PLACEMENT_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
+                                                                 "configs": results}))
+    dist.destroy_process_group()
+
+
+def drive(args: argparse.Namespace, argv: list[str]) -> int:
+    from cluster_bench import run_per_rate
+
+    start = time.perf_counter()
+    runs = run_per_rate(Path(__file__).resolve(), args, argv, "PLACEMENT_OUT")
+    if isinstance(runs, int):
+        return runs
+    payload = {"command": shlex.join(["python", "bench/bench_placement_cluster.py", *argv]),
+               "args": vars(args) | {"cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
+               "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0], "machine": _machine()}
+    text = report(payload)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(payload, indent=1, default=str))
+        Path(f"{args.out}.md").write_text(text)
+    return 0
+
+
+def _machine() -> str:
+    from machine import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def report(payload: dict[str, Any]) -> str:
+    from cluster_bench import rate_header
+
+    a = payload["args"]
+    lines = ["# Sample placement (NetMoE) at run time: a Mixtral training step on the emulated cluster", "",
+             f"Command: `{payload['command']}` (as root, from the repository root; cluster `{a['cluster']}` with its "
+             "node rate set per run)", "",
+             f"Machine: {payload['machine']}; {2 * a['ranks_per_node']} gloo ranks (mesh node=2,gpu="
+             f"{a['ranks_per_node']}), 1 torch thread each; {payload['date']}; wall time {payload['wall_s'] / 60:.1f} "
+             f"min; 1-min load average at the end {payload['load_avg_end']:.1f}.", "",
+             f"Model: moe_compile.samples.sample_affine Mixtral, fp32, {a['layers']} layers, H={a['hidden']}, "
+             f"F={a['ffn']}, E={a['experts']}, vocab {a['vocab']}; each rank {a['batch']} samples of {a['seq']} "
+             "tokens drawn with the routing named (module docstring); one step = forward + loss + backward. "
+             f"{a['reps']} repetitions per variant, medians in ms (slowest rank). Bytes: one step, summed over the "
+             "ranks, across the node link: the token payload of every layer's dispatch + combine (forward + "
+             "backward) and the samples' own moves (placement's exchanges, forward + backward). "
+             "Cuts moved: the exchanges (one per MoE layer but the last) that moved samples in that step.", ""]
+    for run in payload["runs"]:
+        lines += rate_header(run)
+        lines.append("| routing | K | HD d* ms | placement ms | speedup | inter-node tokens KiB: HD d* -> placement "
+                     "(ratio) | + samples KiB | all inter-node bytes ratio | cuts moved | samples moved | solve ms |")
+        lines.append("|" + "---|" * 11)
+        for c in run["configs"]:
+            med, sent = c["median_s"], c["sent"]
+            base, place = sent["HD d*"], sent["placement + HD d*"]
+            tok_ratio = place["tokens"] / max(base["tokens"], 1)
+            all_ratio = (place["tokens"] + place["samples"]) / max(base["tokens"], 1)
+            lines.append(
+                f"| {c['routing']} | {c['top_k']} | {med['HD d*'] * 1e3:.0f} | {med['placement + HD d*'] * 1e3:.0f} | "
+                f"{med['HD d*'] / med['placement + HD d*']:.2f}x | {base['tokens'] / 1024:.0f} -> "
+                f"{place['tokens'] / 1024:.0f} ({tok_ratio:.2f}x) | {place['samples'] / 1024:.0f} | {all_ratio:.2f}x | "
+                f"{place['moves']} of {place['cuts']} | {place['moved_samples']} | {place['solve_ms']:.2f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="affine and uniform at K=2, 3 reps, prints only")
+    p.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER)
+    p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 400mbit)")
+    p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2: mesh node=2,gpu=2)")
+    p.add_argument("--routings", default="affine,zipf,uniform")
+    p.add_argument("--ks", default="2,4,8", help="top-K values (default 2,4,8)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="samples per rank (default 4)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7; 3 quick)")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--out", default=None, help="results path without suffix (default "
+                                               "bench/results/placement_cluster; --quick: none)")
+    p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the .md from a results JSON")
+    args = p.parse_args(argv)
+    args.rates = (args.rates or "400mbit").split(",")
+    args.routings = ["affine", "uniform"] if args.quick else args.routings.split(",")
+    args.ks = [2] if args.quick else [int(k) for k in args.ks.split(",")]
+    args.reps = args.reps or (3 if args.quick else 7)
+    if args.out is None and not args.quick:
+        args.out = "bench/results/placement_cluster"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.report:
+        path = Path(args.report)
+        text = report(json.loads(path.read_text()))
+        path.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    return drive(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
