@@ -122,8 +122,11 @@ def plan_impl(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, l
         perm = _derangement(world * samples, device)
         return perm, keys[perm]
     lay = runtime.resolve(layer)
-    rec = _records[lay.layer_id]
+    rec = _records.get(lay.layer_id) or _records[layer]  # the graph's layer run with another model's weights
     comm = lay.comm
+    if lay.domain is not None:  # an expert-gathering layer: its tokens cross only above the domain
+        perm = torch.arange(world * samples, dtype=torch.int64, device=device)
+        return perm, keys[perm]
     sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
     own = torch.from_numpy(_traffic(lay, topk_idx, samples, sizes).astype(np.int64)).reshape(-1)
     group, position_of = _group_of(comm)

@@ -67,8 +67,10 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"pipeline": "fast"}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": True}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
-        ({"pipeline": 2}, r"'gather_keep_bytes' and 'gather_compress' set how expert-parallel layers "
+        ({"pipeline": 2}, r"'gather_compress' and 'sample_placement' set how expert-parallel layers "
                           r"communicate; they need options\['mesh'\]"),
+        ({"sample_placement": True}, r"they need options\['mesh'\]"),
+        ({"sample_placement": "auto"}, r"'sample_placement' must be True or False"),
         ({"gather_compress": 0.5}, r"'gather_compress' must be None \(off\) or a compression ratio >= 1"),
         ({"gather_keep_bytes": -1}, r"'gather_keep_bytes' must be None"),
         ({"expert_gather": True}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),
