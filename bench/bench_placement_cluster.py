@@ -9,8 +9,8 @@ options["sample_placement"], the inter-node bytes each sends, and their step tim
 
 Per node link rate (a fresh emulated cluster each: bench/clusters/two_node.toml with its rate
 overridden; mesh node=2,gpu=2), routing and K: the model of moe_compile.samples.sample_affine
-(Mixtral, fp32, token embeddings along one of G = 4 directions, one per rank's block of experts;
-routers scoring each expert by its block's direction) and each rank's batch drawn with that routing:
+(Mixtral, fp32, token embeddings along one of G directions, one per block of E / G experts (default
+G = 4, one per rank; --groups 2: one per node); routers scoring each expert by its block's direction) and each rank's batch drawn with that routing:
 "affine" (each sample's tokens from one group), "zipf" (each sample draws its tokens' groups with
 Zipf(1.2) weights over its own ranking of the groups), "uniform" (every token's group at random: no
 sample prefers anything). Two variants, each a copy of the same model compiled by hiermoe (the links
@@ -60,7 +60,7 @@ def worker(args: argparse.Namespace) -> None:
     from moe_compile.samples.sample_affine import affine_mixtral, token_groups, token_ids
 
     rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
-    groups = world
+    groups = args.groups or world
     results = []
     for routing in args.routings:
         for k in args.ks:
@@ -162,6 +162,7 @@ def report(payload: dict[str, Any]) -> str:
              f"{a['ranks_per_node']}), 1 torch thread each; {payload['date']}; wall time {payload['wall_s'] / 60:.1f} "
              f"min; 1-min load average at the end {payload['load_avg_end']:.1f}.", "",
              f"Model: moe_compile.samples.sample_affine Mixtral, fp32, {a['layers']} layers, H={a['hidden']}, "
+             f"{a.get('groups') or 2 * a['ranks_per_node']} routing groups (each a block of E / groups experts), "
              f"F={a['ffn']}, E={a['experts']}, vocab {a['vocab']}; each rank {a['batch']} samples of {a['seq']} "
              "tokens drawn with the routing named (module docstring); one step = forward + loss + backward. "
              f"{a['reps']} repetitions per variant, medians in ms (slowest rank). Bytes: one step, summed over the "
@@ -191,15 +192,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="affine and uniform at K=2, 3 reps, prints only")
     p.add_argument("--cluster", type=Path, default=DEFAULT_CLUSTER)
-    p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 400mbit)")
+    p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 100mbit,400mbit; quick 400mbit)")
     p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2: mesh node=2,gpu=2)")
     p.add_argument("--routings", default="affine,zipf,uniform")
     p.add_argument("--ks", default="2,4,8", help="top-K values (default 2,4,8)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=64)
     p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--groups", type=int, default=None,
+                   help="routing groups: directions the experts are scored by, each a block of E / groups experts "
+                        "(default: one per rank; 2: one per node, so that K up to E / 2 stays inside a node)")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=4, help="samples per rank (default 4)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample (default 64)")
@@ -209,7 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                "bench/results/placement_cluster; --quick: none)")
     p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the .md from a results JSON")
     args = p.parse_args(argv)
-    args.rates = (args.rates or "400mbit").split(",")
+    args.rates = (args.rates or ("400mbit" if args.quick else "100mbit,400mbit")).split(",")
     args.routings = ["affine", "uniform"] if args.quick else args.routings.split(",")
     args.ks = [2] if args.quick else [int(k) for k in args.ks.split(",")]
     args.reps = args.reps or (3 if args.quick else 7)

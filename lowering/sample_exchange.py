@@ -114,8 +114,30 @@ def _traffic(lay: runtime.EPLayer, topk_idx: Tensor, samples: int, sizes: tuple[
     return np.concatenate([t.to_node_SN, t.to_rank_SR], axis=1)
 
 
-def plan_impl(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
-    device = topk_idx.device
+_pending: dict[int, tuple[Any, Tensor, int]] = {}  # ticket -> (work, received, width) of a started exchange
+_tickets = [0]
+
+
+def start_impl(topk_idx: Tensor, world: int, samples: int, layer: int) -> Tensor:
+    """Start gathering every rank's per-sample traffic table for the plan (asynchronous, on the
+    exchanges' own group): right after the layer's router, so that it travels during the layer's
+    own all-to-alls and experts; ``sample_plan`` waits for it at the cut."""
+    _tickets[0] += 1
+    ticket = _tickets[0]
+    if layer >= 0:
+        lay = runtime.resolve(layer)
+        if lay.domain is None:
+            comm = lay.comm
+            sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
+            own = torch.from_numpy(_traffic(lay, topk_idx, samples, sizes).astype(np.int64)).reshape(-1)
+            group, _ = _group_of(comm)
+            every, work = runtime.exchange_with_all(own.to(comm.device), world, group, async_op=True)
+            _pending[ticket] = (work, every, own.numel())
+    return torch.tensor([ticket], dtype=torch.int64)
+
+
+def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
+    device = keys.device if keys is not None else torch.device("cpu")
     if keys is None:
         keys = torch.arange(world * samples, dtype=torch.int64, device=device)
     if layer < 0:
@@ -124,14 +146,15 @@ def plan_impl(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, l
     lay = runtime.resolve(layer)
     rec = _records.get(lay.layer_id) or _records[layer]  # the graph's layer run with another model's weights
     comm = lay.comm
-    if lay.domain is not None:  # an expert-gathering layer: its tokens cross only above the domain
+    pending = _pending.pop(int(ticket.reshape(-1)[0]), None)
+    if pending is None:  # an expert-gathering layer: its tokens cross only above the domain
         perm = torch.arange(world * samples, dtype=torch.int64, device=device)
         return perm, keys[perm]
+    work, every, width = pending
+    work.wait()
+    _, position_of = _group_of(comm)
     sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
-    own = torch.from_numpy(_traffic(lay, topk_idx, samples, sizes).astype(np.int64)).reshape(-1)
-    group, position_of = _group_of(comm)
-    every, _ = runtime.exchange_with_all(own.to(comm.device), world, group)  # [group rank, B * (N + R)]
-    table = np.empty((world, own.numel()), dtype=np.float64)
+    table = np.empty((world, width), dtype=np.float64)
     table[position_of] = every.cpu().numpy()
     table = table.reshape(world * samples, -1)
     traffic = netmoe.SampleTraffic(table[:, : sizes[0]], table[:, sizes[0]:])
@@ -155,18 +178,31 @@ def plan_impl(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, l
     return perm, keys[perm]
 
 
+@torch.library.custom_op("hiermoe::sample_plan_start", mutates_args=(),
+                         schema="(Tensor topk_idx, int world, int samples, int layer) -> Tensor")
+def sample_plan_start(topk_idx: Tensor, world: int, samples: int, layer: int) -> Tensor:
+    """A ticket for the plan's exchange, started (see ``start_impl``)."""
+    return start_impl(topk_idx, world, samples, layer)
+
+
+@sample_plan_start.register_fake
+def _start_fake(topk_idx: Tensor, world: int, samples: int, layer: int) -> Tensor:
+    return topk_idx.new_empty((1,), dtype=torch.int64, device="cpu")
+
+
 @torch.library.custom_op("hiermoe::sample_plan", mutates_args=(),
-                         schema="(Tensor topk_idx, Tensor? keys, int world, int samples, int layer) -> (Tensor, Tensor)")
-def sample_plan(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
+                         schema="(Tensor ticket, Tensor? keys, int world, int samples, int layer) -> (Tensor, Tensor)")
+def sample_plan(ticket: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
     """(perm, keys after the move): see the module docstring."""
-    perm, new_keys = plan_impl(topk_idx, keys, world, samples, layer)
+    perm, new_keys = plan_impl(ticket, keys, world, samples, layer)
     return perm, new_keys.clone()
 
 
 @sample_plan.register_fake
-def _plan_fake(topk_idx: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
+def _plan_fake(ticket: Tensor, keys: Tensor | None, world: int, samples: int, layer: int) -> tuple[Tensor, Tensor]:
     n = world * samples
-    return (topk_idx.new_empty((n,), dtype=torch.int64), topk_idx.new_empty((n,), dtype=torch.int64))
+    like = keys if keys is not None else ticket
+    return (like.new_empty((n,), dtype=torch.int64), like.new_empty((n,), dtype=torch.int64))
 
 
 def _pack(xs: Sequence[Tensor], samples: int) -> tuple[Tensor, list[int]]:

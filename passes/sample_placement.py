@@ -56,6 +56,7 @@ from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.verify import _passes, _rel_err
 
 _PLAN = torch.ops.hiermoe.sample_plan.default
+_START = torch.ops.hiermoe.sample_plan_start.default
 _MOVE = torch.ops.hiermoe.sample_move.default
 _LAYER_META = "hiermoe_sample_layer"
 
@@ -424,20 +425,28 @@ def _per_sample(gm: fx.GraphModule, params: ParamTable, samples: int) -> tuple[A
     values the rules cannot follow (mask building with advanced indexing, before the first cut) are
     taken as per-sample in dim 0 where it is a multiple of B long, which the verification checks."""
     from_inputs: set[fx.Node] = set()
+    from_any: set[fx.Node] = set()  # computed from some placeholder (an input or the model's state)
     axes: Axes = {}
     for n in gm.graph.nodes:
         v = example_value(n)
         if n.op == "placeholder":
+            from_any.add(n)
             if n not in params:
                 from_inputs.add(n)
-        elif any(a in from_inputs for a in n.all_input_nodes):
+        elif any(a in from_any for a in n.all_input_nodes):
+            from_any.add(n)
+        if n.op != "placeholder" and any(a in from_inputs for a in n.all_input_nodes):
             from_inputs.add(n)
-            if any(a in axes for a in n.all_input_nodes):
-                axis = _out_axis(n, axes, samples)
-                if axis is not None and axis != NOT_TENSOR:
-                    axes[n] = axis
-                    continue
+        if n.op != "placeholder" and any(a in axes for a in n.all_input_nodes):
+            axis = _out_axis(n, axes, samples)
+            if axis is not None and axis != NOT_TENSOR:
+                axes[n] = axis
+                continue
         if n in from_inputs and _dim0_per_sample(v, samples):
+            axes[n] = 0
+        elif n not in from_any and isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == samples:
+            # a constant with a row per local sample (a causal mask expanded to [B, 1, S, S]): the same
+            # on every rank, so a moved sample takes its row along and meets what eager gives it
             axes[n] = 0
     rank_local = {n for n in from_inputs if n not in axes and isinstance(example_value(n), torch.Tensor)}
     return axes, rank_local
@@ -630,6 +639,8 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
     keys: dict[int, fx.Node | None] = {0: None}
     perm_cache: dict[tuple[int, int], fx.Node] = {}
     cut_at = {p: (i, home) for p, i, home in cuts}
+    plan_of_topk = {layers[i].topk_idx: layers[i].name for _, i, home in cuts if not home}
+    tickets: dict[str, fx.Node] = {}
     layer_of_gen: dict[int, str] = {}
     returns: list[str] = []
 
@@ -725,6 +736,12 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                 return str(e)
             if n in per_sample:
                 home_gen[n] = target
+        if n in plan_of_topk:  # the plan's exchange starts with the layer's routing
+            with graph.inserting_after(n):
+                ticket = graph.call_function(_START, (n, world, samples, -1))
+            ticket.meta["example_value"] = fake_ints(1)
+            ticket.meta[_LAYER_META] = plan_of_topk[n]
+            tickets[plan_of_topk[n]] = ticket
         if p in cut_at:
             i, home = cut_at[p]
             lay = layers[i]
@@ -748,9 +765,10 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                     moving.append(v)
             where = n
             if not home:
-                topk = version(lay.topk_idx, g_prev, n)
+                if home_gen.get(lay.topk_idx, 0) != g_prev:
+                    return f"the routing of {lay.name} is not where its samples are when it is computed"
                 with graph.inserting_after(where):
-                    plan = graph.call_function(_PLAN, (topk, keys[g_prev], world, samples, -1))
+                    plan = graph.call_function(_PLAN, (tickets[lay.name], keys[g_prev], world, samples, -1))
                 plan.meta["example_value"] = (fake_ints(world * samples), fake_ints(world * samples))
                 plan.meta[_LAYER_META] = lay.name
                 with graph.inserting_after(plan):
@@ -792,6 +810,8 @@ def bind(gm: fx.GraphModule, layer_ids: dict[str, int], world: int) -> int:
         lid = layer_ids[name]
         if n.target is _PLAN:
             n.args = (n.args[0], n.args[1], world, n.args[3], lid)
+        elif n.target is _START:
+            n.args = (n.args[0], world, n.args[2], lid)
         else:
             n.args = (*n.args[:3], lid)
         bound += 1
