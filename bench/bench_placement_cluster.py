@@ -13,7 +13,9 @@ overridden; mesh node=2,gpu=2), routing and K: the model of moe_compile.samples.
 G = 4, one per rank; --groups 2: one per node); routers scoring each expert by its block's direction) and each rank's batch drawn with that routing:
 "affine" (each sample's tokens from one group), "zipf" (each sample draws its tokens' groups with
 Zipf(1.2) weights over its own ranking of the groups), "uniform" (every token's group at random: no
-sample prefers anything). Two variants, each a copy of the same model compiled by hiermoe (the links
+sample prefers anything); and "trained": moe_compile.samples' tiny LM (grouped GEMM experts, the same
+sizes) trained eagerly for --train-steps AdamW steps on its counting task, each sample counting with
+its own stride, on counting batches (its routing, whatever it learned). Two variants, each a copy of the same model compiled by hiermoe (the links
 fitted at start as bench_e2e does, compute measured; inner compiler aot_eager; expert_gather False:
 the token all-to-all, HD-d with d* per step):
 
@@ -58,6 +60,7 @@ def worker(args: argparse.Namespace) -> None:
     from moe_compile.ep import runtime
     from moe_compile.lowering import sample_exchange
     from moe_compile.samples.sample_affine import affine_mixtral, token_groups, token_ids
+    from moe_compile.samples.train_tiny_lm import counting_batch
 
     rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
     groups = args.groups or world
@@ -65,10 +68,15 @@ def worker(args: argparse.Namespace) -> None:
     for routing in args.routings:
         for k in args.ks:
             torch._dynamo.reset()
-            base = affine_mixtral(layers=args.layers, experts=args.experts, top_k=k, groups=groups,
-                                  hidden=args.hidden, ffn=args.ffn, vocab=args.vocab)
             gen = torch.Generator().manual_seed(1000 + rank)
-            ids = token_ids(token_groups(routing, args.batch, args.seq, groups, gen), groups, args.vocab, gen)
+            if routing == "trained":
+                base = trained_tiny_lm(args, k)  # the same on every rank: one seed, one data stream
+                ids, labels = counting_batch(args.batch, args.seq, args.vocab, gen)
+            else:
+                base = affine_mixtral(layers=args.layers, experts=args.experts, top_k=k, groups=groups,
+                                      hidden=args.hidden, ffn=args.ffn, vocab=args.vocab)
+                ids = token_ids(token_groups(routing, args.batch, args.seq, groups, gen), groups, args.vocab, gen)
+                labels = ids
             models = {}
             for name, place in VARIANTS.items():
                 options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "expert_gather": False,
@@ -76,10 +84,11 @@ def worker(args: argparse.Namespace) -> None:
                 models[name] = torch.compile(copy.deepcopy(base), backend=functools.partial(hiermoe_backend,
                                                                                               options=options))
 
-            def step(model: Any, ids: torch.Tensor = ids) -> float:
-                out = model(input_ids=ids, labels=ids)
-                out.loss.backward()
-                return float(out.loss.detach())
+            def step(model: Any, ids: torch.Tensor = ids, labels: torch.Tensor = labels,
+                     tiny: bool = routing == "trained") -> float:
+                loss = model(ids, labels) if tiny else model(input_ids=ids, labels=labels).loss
+                loss.backward()
+                return float(loss.detach())
 
             losses = {name: step(m) for name, m in models.items()}  # compiles; the check
             ref = losses["HD d*"]
@@ -125,6 +134,21 @@ def worker(args: argparse.Namespace) -> None:
         Path(os.environ["PLACEMENT_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
                                                                  "configs": results}))
     dist.destroy_process_group()
+
+
+def trained_tiny_lm(args: argparse.Namespace, top_k: int) -> torch.nn.Module:
+    """moe_compile.samples' tiny LM (grouped GEMM experts, the benchmark's sizes) trained eagerly for
+    ``--train-steps`` AdamW steps on its counting task (each sample counts with its own stride: a
+    per-sample pattern the router may learn to follow)."""
+    from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
+    from moe_compile.samples.train_tiny_lm import train
+
+    torch.manual_seed(0)
+    model = TinyMoELM(TinyLMConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                                   num_heads=4, num_experts=args.experts, top_k=top_k, ffn_size=args.ffn,
+                                   moe_kind="grouped_gemm", max_seq_len=args.seq))
+    train(model, args.train_steps, batch=args.batch * 2, seq=args.seq, seed=0)
+    return model
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
@@ -195,7 +219,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 100mbit,400mbit; quick 400mbit)")
     p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2: mesh node=2,gpu=2)")
-    p.add_argument("--routings", default="affine,zipf,uniform")
+    p.add_argument("--routings", default="affine,zipf,uniform,trained")
     p.add_argument("--ks", default="2,4,8", help="top-K values (default 2,4,8)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -205,6 +229,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="routing groups: directions the experts are scored by, each a block of E / groups experts "
                         "(default: one per rank; 2: one per node, so that K up to E / 2 stays inside a node)")
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--train-steps", type=int, default=150, help="the trained tiny LM's steps (routing 'trained')")
     p.add_argument("--batch", type=int, default=4, help="samples per rank (default 4)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample (default 64)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 7; 3 quick)")

@@ -55,6 +55,12 @@ class PlacementRecord:
     exchanges: float = 2.0  # all-to-alls a move serves (the next layer's dispatch and combine)
     # the last step's decision
     last: netmoe.Placement | None = None
+    # after a step that moved nothing the next min(2 ** (declines - 1), MAX_SKIP) steps skip the
+    # decision (no exchange, no sample moves): routing that gives nothing to gain costs almost
+    # nothing, and a change is seen within MAX_SKIP steps; the same on every rank (same decisions)
+    declines: int = 0
+    skip_left: int = 0
+    skipped: int = 0
     steps: int = 0
     moves: int = 0  # steps whose placement moved samples
     moved_samples: int = 0  # samples moved, summed over steps (every rank's)
@@ -62,6 +68,7 @@ class PlacementRecord:
 
 
 _records: dict[int, PlacementRecord] = {}
+MAX_SKIP = 8
 # the process group of the sample exchanges, per set of ranks: their own, so that no other
 # collective of the layers (a stage running on a lane thread, a statistics exchange) can interleave
 _groups: dict[tuple[int, ...], Any] = {}
@@ -96,7 +103,7 @@ def record(layer_id: int) -> PlacementRecord | None:
 def reset_counts() -> None:
     """Zero every record's step, move and solve counts (what a benchmark counts per step)."""
     for r in _records.values():
-        r.steps = r.moves = r.moved_samples = 0
+        r.steps = r.moves = r.moved_samples = r.skipped = 0
         r.solve_s.clear()
 
 
@@ -126,7 +133,11 @@ def start_impl(topk_idx: Tensor, world: int, samples: int, layer: int) -> Tensor
     ticket = _tickets[0]
     if layer >= 0:
         lay = runtime.resolve(layer)
-        if lay.domain is None:
+        rec = _records.get(lay.layer_id) or _records[layer]
+        if rec.skip_left > 0:
+            rec.skip_left -= 1
+            rec.skipped += 1
+        elif lay.domain is None:
             comm = lay.comm
             sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
             own = torch.from_numpy(_traffic(lay, topk_idx, samples, sizes).astype(np.int64)).reshape(-1)
@@ -147,7 +158,7 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
     rec = _records.get(lay.layer_id) or _records[layer]  # the graph's layer run with another model's weights
     comm = lay.comm
     pending = _pending.pop(int(ticket.reshape(-1)[0]), None)
-    if pending is None:  # an expert-gathering layer: its tokens cross only above the domain
+    if pending is None:  # a step that skips the decision, or an expert-gathering layer (tokens cross above it only)
         perm = torch.arange(world * samples, dtype=torch.int64, device=device)
         return perm, keys[perm]
     work, every, width = pending
@@ -166,7 +177,10 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
     rec.last, rec.steps = placed, rec.steps + 1
     if not placed.pays or placed.moved == 0:
         perm = torch.arange(world * samples, dtype=torch.int64)
+        rec.declines += 1
+        rec.skip_left = min(2 ** (rec.declines - 1), MAX_SKIP)
     else:
+        rec.declines = 0
         rec.moves += 1
         rec.moved_samples += placed.moved
         dest = np.asarray(placed.rank_of_sample)

@@ -83,7 +83,7 @@ def _placement_summary(lay: runtime.EPLayer) -> dict[str, Any] | None:
     if rec is None:
         return None
     last = rec.last
-    return {"steps": rec.steps, "moves": rec.moves, "moved_samples": rec.moved_samples,
+    return {"steps": rec.steps, "moves": rec.moves, "moved_samples": rec.moved_samples, "skipped": rec.skipped,
             "sample_bytes": rec.sample_bytes, "bytes_per_level": lay.last_step_bytes(samples=True),
             "solve_ms": 1e3 * max(rec.solve_s, default=0.0),
             "last": None if last is None else {
@@ -294,7 +294,8 @@ class Report:
                 outcome = (f"moved {last['moved']} samples" if last["pays"] and last["moved"] else
                            f"stayed (saving {1e3 * (last['time_before_s'] - last['time_after_s']):.3g} ms x2 <= "
                            f"move {1e3 * last['move_s']:.3g} ms)")
-                table.add_row(escape(r.name), f"{sp['moves']} of {sp['steps']}", outcome,
+                table.add_row(escape(r.name), f"{sp['moves']} of {sp['steps']}"
+                              + (f" ({sp['skipped']} skipped after declines)" if sp["skipped"] else ""), outcome,
                               f"{_bytes(int(last['inter_before']))} -> {_bytes(int(last['inter_after']))}",
                               f"{_bytes(int(last['intra_before']))} -> {_bytes(int(last['intra_after']))}",
                               ", ".join(f"{k} {v}" for k, v in sp["bytes_per_level"].items()),
