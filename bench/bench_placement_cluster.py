@@ -11,7 +11,8 @@ Per node link rate (a fresh emulated cluster each: bench/clusters/two_node.toml 
 overridden; mesh node=2,gpu=2), routing and K: the model of moe_compile.samples.sample_affine
 (Mixtral, fp32, token embeddings along one of G directions, one per block of E / G experts (default
 G = 4, one per rank; --groups 2: one per node); routers scoring each expert by its block's direction) and each rank's batch drawn with that routing:
-"affine" (each sample's tokens from one group), "zipf" (each sample draws its tokens' groups with
+"affine" (each sample's tokens from one group), "balanced" (the same, a rank's samples taking the
+groups in turn: every rank holds samples of every group), "zipf" (each sample draws its tokens' groups with
 Zipf(1.2) weights over its own ranking of the groups), "uniform" (every token's group at random: no
 sample prefers anything); and "trained": moe_compile.samples' tiny LM (grouped GEMM experts, the same
 sizes) trained eagerly for --train-steps AdamW steps on its counting task, each sample counting with
@@ -219,7 +220,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 100mbit,400mbit; quick 400mbit)")
     p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2: mesh node=2,gpu=2)")
-    p.add_argument("--routings", default="affine,zipf,uniform,trained")
+    p.add_argument("--routings", default="affine,zipf,uniform,trained",
+                   help="of affine, balanced, zipf, uniform, trained (default affine,zipf,uniform,trained)")
     p.add_argument("--ks", default="2,4,8", help="top-K values (default 2,4,8)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)

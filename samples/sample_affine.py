@@ -5,6 +5,9 @@ direction of its rank block (e * groups // E), so a token goes to the experts of
 every layer; a batch's samples then choose how their tokens spread over the groups:
 
   affine   every token of a sample from one group (drawn per sample)
+  balanced every token of a sample from one group, the groups taken in turn over a rank's samples
+           (from a random first one): every rank holds samples of every group, as a shuffled corpus
+           of topics gives
   zipf     each sample ranks the groups at random and draws each token's group with Zipf(s)
            weights over that ranking
   uniform  every token's group uniform: the routing is token-affine, not sample-affine
@@ -18,7 +21,7 @@ import warnings
 
 import torch
 
-ROUTINGS = ("affine", "zipf", "uniform")
+ROUTINGS = ("affine", "balanced", "zipf", "uniform")
 
 
 def affine_mixtral(*, layers: int, experts: int, top_k: int, groups: int, hidden: int = 32, ffn: int = 48,
@@ -54,6 +57,9 @@ def token_groups(routing: str, samples: int, seq: int, groups: int, gen: torch.G
     """[samples, seq] the group of every token (module docstring's routings)."""
     if routing == "affine":
         return torch.randint(0, groups, (samples, 1), generator=gen).expand(samples, seq)
+    if routing == "balanced":
+        first = int(torch.randint(0, groups, (1,), generator=gen))
+        return ((torch.arange(samples) + first) % groups)[:, None].expand(samples, seq)
     if routing == "zipf":
         weights = 1.0 / torch.arange(1, groups + 1, dtype=torch.float64) ** zipf_s
         out = []
