@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import functools
 import json
 import os
@@ -134,21 +133,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
-    from cluster_bench import run_per_rate
+    from cluster_bench import drive_rates
 
-    start = time.perf_counter()
-    runs = run_per_rate(Path(__file__).resolve(), args, argv, "PIPE_OUT")
-    if isinstance(runs, int):
-        return runs
-    payload = {"command": " ".join(["python bench/bench_pipeline.py", *argv]), "args": vars(args) | {
-        "cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
-        "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0]}
-    text = report(payload)
-    print(text)
-    if args.out:
-        Path(f"{args.out}.json").write_text(json.dumps(payload, indent=1, default=str))
-        Path(f"{args.out}.md").write_text(text)
-    return 0
+    return drive_rates(Path(__file__).resolve(), args, argv, "PIPE_OUT", report)
 
 
 def report(payload: dict[str, Any]) -> str:
@@ -232,12 +219,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    return drive(args, argv)
+    from cluster_bench import bench_main
+
+    return bench_main(argv, parse_args, worker, drive)
 
 
 if __name__ == "__main__":

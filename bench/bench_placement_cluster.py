@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import functools
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -153,21 +151,9 @@ def trained_tiny_lm(args: argparse.Namespace, top_k: int) -> torch.nn.Module:
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
-    from cluster_bench import run_per_rate
+    from cluster_bench import drive_rates
 
-    start = time.perf_counter()
-    runs = run_per_rate(Path(__file__).resolve(), args, argv, "PLACEMENT_OUT")
-    if isinstance(runs, int):
-        return runs
-    payload = {"command": shlex.join(["python", "bench/bench_placement_cluster.py", *argv]),
-               "args": vars(args) | {"cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
-               "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0], "machine": _machine()}
-    text = report(payload)
-    print(text)
-    if args.out:
-        Path(f"{args.out}.json").write_text(json.dumps(payload, indent=1, default=str))
-        Path(f"{args.out}.md").write_text(text)
-    return 0
+    return drive_rates(Path(__file__).resolve(), args, argv, "PLACEMENT_OUT", report, machine=_machine())
 
 
 def _machine() -> str:
@@ -250,18 +236,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.report:
-        path = Path(args.report)
-        text = report(json.loads(path.read_text()))
-        path.with_suffix(".md").write_text(text)
-        print(text)
-        return 0
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    return drive(args, argv)
+    from cluster_bench import bench_main
+
+    return bench_main(argv, parse_args, worker, drive, report)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +100,41 @@ def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.T
     y = fn(xi)
     (gx,) = torch.autograd.grad(y, xi, g)
     return y.detach(), gx
+
+
+def drive_rates(script: Path, args: Any, argv: list[str], out_env: str, report: Callable[[dict[str, Any]], str],
+                **extra: Any) -> int:
+    """The driver of a per-rate benchmark: ``run_per_rate``, then the payload (command, arguments, runs,
+    wall time, date, load, ``extra``) reported by ``report``, printed and, with ``args.out``, written
+    as ``<out>.json`` and ``<out>.md``. Returns the ranks' exit code, or 0."""
+    start = time.perf_counter()
+    runs = run_per_rate(script, args, argv, out_env)
+    if isinstance(runs, int):
+        return runs
+    payload = {"command": shlex.join(["python", f"bench/{script.name}", *argv]),
+               "args": vars(args) | {"cluster": str(args.cluster)}, "runs": runs, "wall_s": time.perf_counter() - start,
+               "date": datetime.date.today().isoformat(), "load_avg_end": os.getloadavg()[0], **extra}
+    text = report(payload)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(payload, indent=1, default=str))
+        Path(f"{args.out}.md").write_text(text)
+    return 0
+
+
+def bench_main(argv: list[str] | None, parse_args: Callable[[list[str]], Any], worker: Callable[[Any], None],
+               drive: Callable[[Any, list[str]], int], report: Callable[[dict[str, Any]], str] | None = None) -> int:
+    """A per-rate benchmark's entry: ``--report JSON`` (where ``report`` is given) rewrites the .md
+    beside the JSON; under torchrun (RANK set) one rank's ``worker``; else the ``drive``r."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if report is not None and getattr(args, "report", None):
+        path = Path(args.report)
+        text = report(json.loads(path.read_text()))
+        path.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    return drive(args, argv)

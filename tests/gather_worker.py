@@ -34,7 +34,7 @@ def _sent(kind: str) -> dict[str, dict[str, int]]:
 def case_gather() -> dict[str, Any]:
     """Compiled tiny LM with every layer gathering its experts over the blocks of mesh level j
     (0: the whole mesh; 1: each node), per (kind, j) of ``cases`` (``permuted_kind`` on
-    a mesh whose positions hold the ranks in another order, ``inductor_kind`` compiled by Inductor,
+    a mesh whose positions hold the ranks in another order, ``inductor_case`` ([kind, j]) compiled by Inductor,
     the others by aot_eager): loss and gradients summed over the ranks against eager; the bytes
     each level carried; the plans."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,7 +52,7 @@ def case_gather() -> dict[str, Any]:
         model = tiny(kind, 8)
         ref = copy.deepcopy(model)
         opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
-                "inner_compiler": "inductor" if kind == PARAMS.get("inductor_kind") else "aot_eager"}
+                "inner_compiler": "inductor" if [kind, level] == PARAMS.get("inductor_case") else "aot_eager"}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
         with collect_reports() as graphs:

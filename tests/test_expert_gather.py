@@ -12,13 +12,13 @@ from moe_compile.cost.workload import Workload
 
 
 def test_gathered_layers_equal_eager_forward_and_backward() -> None:
-    """gather0 (data-centric: no token moves) and gather1 (each node gathers, tokens cross nodes)
-    of stacked experts (compiled by Inductor), gather0 of E expert modules (aot_eager, on a mesh
+    """gather0 (data-centric: no token moves) and gather1 (each node gathers, tokens cross nodes;
+    compiled by Inductor) of stacked experts, gather0 of E expert modules (aot_eager, on a mesh
     whose positions hold the ranks [[0, 2], [1, 3]]): the loss equals eager's, gradients summed over the ranks equal eager's; the expert bytes travel on the levels the domain spans, tokens only
     above it."""
     results = run_ranks(4, "gather", worker="gather_worker.py", shape=[2, 2],
                         cases=[["grouped_gemm", 0], ["grouped_gemm", 1], ["expert_loop", 0]],
-                        permuted_kind="expert_loop", inductor_kind="grouped_gemm")
+                        permuted_kind="expert_loop", inductor_case=["grouped_gemm", 1])
     for rank, res in enumerate(results):
         for key, r in res.items():
             where = (rank, key)

@@ -1,4 +1,4 @@
-"""The sample-axis rules of passes/sample_placement.py (``_out_axis``) against what the ops compute:
+"""The sample-axis rules of passes/sample_axis.py (``out_axis``) against what the ops compute:
 chains of shape ops, reductions and pointwise ops drawn by hypothesis run on a tensor whose every
 element holds its sample's index; wherever the rules say the samples sit in dim a of the result,
 slice b of dim a must hold sample b alone."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from moe_compile.passes.sample_placement import _out_axis
+from moe_compile.passes.sample_axis import out_axis
 
 B = 3  # samples
 SHAPE = (B, 4, 5, 2)
@@ -112,7 +112,7 @@ def test_where_the_rules_see_the_samples_they_are(chain: list[tuple[str, Any, in
             n.meta["example_value"] = n.meta["val"]
     axes = {next(iter(gm.graph.nodes)): 0}
     for node in nodes:
-        axis = _out_axis(node, axes, B)
+        axis = out_axis(node, axes, B)
         if axis is None:
             return  # the rules lose the samples here: nothing is claimed from here on
         axes[node] = axis

@@ -139,11 +139,12 @@ def test_placement_equals_eager_and_keeps_tokens_inside_nodes() -> None:
 
 
 def test_placement_on_8_ranks_equals_eager() -> None:
-    """8 gloo ranks (2 nodes x 4, one expert each), two layers: every one of the 16 samples moves to
-    the other node after the first layer and comes home after the second; loss, logits and summed
-    gradients equal eager's on every rank."""
+    """8 gloo ranks (2 nodes x 4, one expert each), two layers, the rewritten graph run by the eager
+    inner compiler (autograd through the ops' own registrations, no AOTAutograd): every one of the
+    16 samples moves to the other node after the first layer and comes home after the second; loss,
+    logits and summed gradients equal eager's on every rank."""
     results = run_ranks(8, "placement", worker="placement_worker.py", shape=[2, 4], layers=2, variants=[True],
-                        timeout_s=400)
+                        inner_compiler="eager", timeout_s=400)
     for rank, res in enumerate(results):
         on = res["True"]
         assert abs(on["loss"] - on["loss_ref"]) <= 1e-6 * abs(on["loss_ref"]), rank
