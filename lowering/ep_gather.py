@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -53,23 +53,6 @@ def _local_rows(w: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
     if not by_expert:
         return w
     return w.index_select(0, torch.tensor(lay.local_experts, dtype=torch.long, device=w.device))
-
-
-def _as_bytes(parts: Sequence[Tensor], rows: int) -> Tensor:
-    """[rows, n] uint8: each part reshaped to [rows, -1] and its bytes side by side."""
-    return torch.cat([p.contiguous().reshape(rows, -1).view(torch.uint8) for p in parts], dim=1)
-
-
-def _from_bytes(packed: Tensor, likes: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[Tensor]:
-    """The parts ``_as_bytes`` packed, each [rows, *shape] of its dtype (``likes``: dtype and the
-    shape of one row), each in storage of its own (an op's outputs may not alias)."""
-    out, offset = [], 0
-    for dtype, shape in likes:
-        n = int(np.prod(shape)) * dtype.itemsize
-        part = packed[:, offset:offset + n].clone(memory_format=torch.contiguous_format)
-        out.append(part.view(dtype).reshape(packed.shape[0], *shape))
-        offset += n
-    return out
 
 
 def _exchange(send: Tensor, group: Any) -> Tensor:
@@ -110,7 +93,7 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
         sent, sent_likes = _sr_encode(local, shared, ratio), _sr_likes(likes, ratio)
     else:
         sent, sent_likes = local, likes
-    have = _as_bytes(sent, per).reshape(1, -1)  # [positions held, B]: mine
+    have = runtime.as_bytes(sent, per).reshape(1, -1)  # [positions held, B]: mine
     lay.gather_step_bytes, lay.gather_exposed_s = {}, 0.0  # a new forward's
     held = [comm.position]
     phases = comm.inter[j:]
@@ -134,7 +117,7 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
                 held = [positions[i] for i in order]
         assert held == block, (held, block)
         lay.add_comm_time("forward", time.perf_counter() - t0)
-        gathered = _from_bytes(have.reshape(len(block) * per, -1), sent_likes)
+        gathered = runtime.from_bytes(have.reshape(len(block) * per, -1), sent_likes)
         if sr:
             gathered = _sr_decode(gathered, shared, likes)
             me = (comm.position - block[0]) * per  # this rank's own experts: exact
@@ -259,7 +242,7 @@ def _gather_backward_job(grads: list[Tensor], weights: list[Tensor], stamp: Tens
     comm = lay.comm
     per = len(lay.local_experts)
     flat = [(g.dtype, (per * int(np.prod(g.shape[1:])),)) for g in grads]  # one position's rows, flat
-    have = _as_bytes([g.reshape(len(block), -1) for g in grads], len(block))  # [positions held, B]
+    have = runtime.as_bytes([g.reshape(len(block), -1) for g in grads], len(block))  # [positions held, B]
     held = list(block)
     phases = list(reversed(comm.inter[j:]))
 
@@ -280,11 +263,11 @@ def _gather_backward_job(grads: list[Tensor], weights: list[Tensor], stamp: Tens
                 mine = comm.coords(comm.position)[level]
                 held = [p for p, c in zip(held, coord, strict=True) if c == mine]
                 summed = [t.reshape(len(peers), len(held), -1).float().sum(0).to(t.dtype)
-                          for t in _from_bytes(recv.view(len(peers) * len(held), -1), flat)]
-                have = _as_bytes(summed, len(held))
+                          for t in runtime.from_bytes(recv.view(len(peers) * len(held), -1), flat)]
+                have = runtime.as_bytes(summed, len(held))
         assert held == [comm.position], (held, comm.position)
         lay.add_comm_time("backward", time.perf_counter() - t0)
-        local = [t.reshape(per, *g.shape[1:]) for t, g in zip(_from_bytes(have, flat), grads, strict=True)]
+        local = [t.reshape(per, *g.shape[1:]) for t, g in zip(runtime.from_bytes(have, flat), grads, strict=True)]
         if not by_expert:
             return local
         idx = torch.tensor(lay.local_experts, dtype=torch.long, device=local[0].device)

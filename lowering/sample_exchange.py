@@ -111,6 +111,17 @@ def _derangement(n: int, device: torch.device) -> Tensor:
     return torch.roll(torch.arange(n, dtype=torch.int64, device=device), 1)
 
 
+def _record_of(lay: runtime.EPLayer, layer: int) -> PlacementRecord:
+    """The cut's record: the layer's, or the graph's own layer's when the graph runs another model's
+    weights (``runtime.remapped``)."""
+    return _records.get(lay.layer_id) or _records[layer]
+
+
+def _node_sizes(comm: Any) -> tuple[int, int]:
+    """(nodes, ranks per node) of a mesh: its slowest level, and every rank below it."""
+    return comm.sizes[0], int(np.prod(comm.sizes[1:]))
+
+
 def _traffic(lay: runtime.EPLayer, topk_idx: Tensor, samples: int, sizes: tuple[int, int]) -> np.ndarray:
     """[B, N + R]: units this rank's samples send to each node and each rank, deduplicated."""
     idx = topk_idx.detach().to("cpu", torch.int64).numpy()
@@ -133,13 +144,13 @@ def start_impl(topk_idx: Tensor, world: int, samples: int, layer: int) -> Tensor
     ticket = _tickets[0]
     if layer >= 0:
         lay = runtime.resolve(layer)
-        rec = _records.get(lay.layer_id) or _records[layer]
+        rec = _record_of(lay, layer)
         if rec.skip_left > 0:
             rec.skip_left -= 1
             rec.skipped += 1
         elif lay.domain is None:
             comm = lay.comm
-            sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
+            sizes = _node_sizes(comm)
             own = torch.from_numpy(_traffic(lay, topk_idx, samples, sizes).astype(np.int64)).reshape(-1)
             group, _ = _group_of(comm)
             every, work = runtime.exchange_with_all(own.to(comm.device), world, group, async_op=True)
@@ -155,7 +166,7 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
         perm = _derangement(world * samples, device)
         return perm, keys[perm]
     lay = runtime.resolve(layer)
-    rec = _records.get(lay.layer_id) or _records[layer]  # the graph's layer run with another model's weights
+    rec = _record_of(lay, layer)
     comm = lay.comm
     pending = _pending.pop(int(ticket.reshape(-1)[0]), None)
     if pending is None:  # a step that skips the decision, or an expert-gathering layer (tokens cross above it only)
@@ -164,7 +175,7 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
     work, every, width = pending
     work.wait()
     _, position_of = _group_of(comm)
-    sizes = (comm.sizes[0], int(np.prod(comm.sizes[1:])))
+    sizes = _node_sizes(comm)
     table = np.empty((world, width), dtype=np.float64)
     table[position_of] = every.cpu().numpy()
     table = table.reshape(world * samples, -1)
@@ -219,25 +230,6 @@ def _plan_fake(ticket: Tensor, keys: Tensor | None, world: int, samples: int, la
     return (like.new_empty((n,), dtype=torch.int64), like.new_empty((n,), dtype=torch.int64))
 
 
-def _pack(xs: Sequence[Tensor], samples: int) -> tuple[Tensor, list[int]]:
-    """[B, bytes]: sample b's rows of every value, as bytes, side by side."""
-    parts = []
-    for x in xs:
-        flat = x.detach().contiguous().reshape(samples, -1)
-        parts.append(flat.view(torch.uint8) if flat.numel() else flat.new_empty((samples, 0), dtype=torch.uint8))
-    widths = [p.shape[1] for p in parts]
-    return torch.cat(parts, dim=1), widths
-
-
-def _unpack(packed: Tensor, like: Sequence[Tensor], widths: list[int]) -> list[Tensor]:
-    out, col = [], 0
-    for x, w in zip(like, widths, strict=True):
-        piece = packed[:, col:col + w].contiguous()
-        col += w
-        out.append(piece.view(x.dtype).reshape(x.shape) if w else torch.empty_like(x))
-    return out
-
-
 def move_impl(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, direction: str = "forward") -> list[Tensor]:
     if not xs:
         return []
@@ -252,7 +244,7 @@ def move_impl(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, dire
     mine = slice(me * samples, (me + 1) * samples)
     if torch.equal(perm_cpu, torch.arange(world * samples)):
         return [x.clone() for x in xs]
-    packed, widths = _pack(xs, samples)
+    packed = runtime.as_bytes(xs, samples)  # [B, bytes]: sample b's rows of every value side by side
     group, position_of = _group_of(comm)
     group_index = _inverse(torch.tensor(position_of, dtype=torch.int64))  # [position] -> group rank
     flat = comm.intra[0]  # the flat world phase: the link level to each position
@@ -279,7 +271,8 @@ def move_impl(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, dire
         if level >= 0 and n:
             runtime.record_traffic(lay.layer_id, level, "samples", direction, payload_bytes=n * row_bytes,
                                    payload_messages=1, meta_bytes=0, meta_messages=0)
-    return _unpack(out, xs, widths)
+    return [y.reshape(x.shape) for x, y in zip(xs, runtime.from_bytes(out, [(x.dtype, (x.numel() // samples,))
+                                                                           for x in xs]), strict=True)]
 
 
 def _inverse(order: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ Pseudo-code:
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,17 +159,19 @@ def _bytes_per_sample(n: fx.Node, samples: int) -> int:
     return v.numel() * v.element_size() // samples if isinstance(v, torch.Tensor) else 0
 
 
-def _choose_cut(order: list[fx.Node], lo: int, hi: int, live: list[tuple[int, int, int]]) -> int:
-    """The position p in [lo, hi) (cut after order[p]) with the fewest live per-sample bytes (a
-    value that holds its samples in another dim than 0 counts as too many: it cannot move)."""
-    best, best_p = None, lo
-    for p in range(lo, hi):
-        if order[p].op == "placeholder":
-            continue
-        b = sum(nb for start, end, nb in live if start <= p < end)
-        if best is None or b < best:
-            best, best_p = b, p
-    return best_p
+def _choose_cut(order: list[fx.Node], lo: int, hi: int, live_bytes: list[int]) -> int:
+    """The position p in [lo, hi) (cut after order[p]) with the fewest live per-sample bytes
+    (``live_bytes[p]``: of the values defined at or before p and read after it)."""
+    return min((p for p in range(lo, hi) if order[p].op != "placeholder"), key=live_bytes.__getitem__, default=lo)
+
+
+def _live_bytes(length: int, live: list[tuple[int, int, int]]) -> list[int]:
+    """Per position, the bytes of the (defined, last read, bytes) intervals that span it."""
+    delta = [0] * (length + 1)
+    for start, end, nb in live:
+        delta[start] += nb
+        delta[end] -= nb
+    return list(itertools.accumulate(delta))[:length]
 
 
 Agree = Callable[[str | None, int, int], str | None]
@@ -282,6 +285,7 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
     live = [(pos[n], max(pos[u] for u in n.users),
              _bytes_per_sample(n, samples) if per_sample[n] == 0 else 1 << 60)
             for n in per_sample if n.users and isinstance(example_value(n), torch.Tensor)]
+    live_bytes = _live_bytes(len(order), live)
     # cuts: (position, layer index, home)
     cuts: list[tuple[int, int, bool]] = []
     for i, lay in enumerate(layers):
@@ -298,7 +302,7 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                     hi = q
                     break
                 ahead.add(n)
-        cuts.append((_choose_cut(order, lo, hi, live), i, last))
+        cuts.append((_choose_cut(order, lo, hi, live_bytes), i, last))
     first_cut, home_cut = cuts[0][0], cuts[-1][0]
     # displaced nodes: sample-wise, after the first cut and up to the home cut, reading the output of
     # a layer that cuts or a displaced value (generation: the last cut before them)

@@ -441,6 +441,27 @@ def resolve(layer_id: int) -> EPLayer:
     return _layers[ids.get(layer_id, layer_id) if ids else layer_id]
 
 
+def as_bytes(parts: Any, rows: int) -> Any:
+    """[rows, n] uint8: each part reshaped to [rows, -1] and its bytes side by side (one message
+    for tensors of any dtypes)."""
+    return torch.cat([p.contiguous().reshape(rows, p.numel() // rows).view(torch.uint8) for p in parts], dim=1)
+
+
+def from_bytes(packed: Any, likes: Any) -> list[Any]:
+    """The parts ``as_bytes`` packed, each [rows, *shape] of its dtype (``likes``: dtype and the
+    shape of one row), each in storage of its own (an op's outputs may not alias)."""
+    out, offset = [], 0
+    for dtype, shape in likes:
+        n = int(np.prod(shape)) * dtype.itemsize
+        if n == 0:  # an empty part (its bytes cannot be viewed as its dtype)
+            out.append(packed.new_empty((packed.shape[0], *shape), dtype=dtype))
+            continue
+        part = packed[:, offset:offset + n].clone(memory_format=torch.contiguous_format)
+        out.append(part.view(dtype).reshape(packed.shape[0], *shape))
+        offset += n
+    return out
+
+
 def exchange_with_all(send: Any, world: int, group: Any = None, async_op: bool = False) -> tuple[Any, Any]:
     """Every rank's ``send`` ([world, n], row = sender's global rank) and the collective's work
     (None unless ``async_op``), from one ``all_to_all_single`` of ``world`` copies: on gloo one
