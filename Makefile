@@ -21,6 +21,9 @@ STAMP := $(VENV)/.stamp
 TYPECHECK_TREE := build/typecheck
 
 PYTEST_ARGS ?=
+# Two pytest workers (the CI machine has 2 cores); tests marked `ranks` all go to one of them, in turn
+# (tests/conftest.py). PYTEST_WORKERS=0 runs in this process (e.g. to use a debugger).
+PYTEST_WORKERS ?= 2
 # One torch thread: the committed results were taken so (see bench/README.md, "Threads").
 BENCH_ARGS ?= --threads 1
 
@@ -69,7 +72,7 @@ typecheck: $(STAMP)
 		| sed -E 's#^moe_compile/(passes|lowering|cost|samples)/#\1/#'
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_single_process.py $(BENCH_ARGS)

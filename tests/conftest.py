@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # compile_utils lives beside the tests
@@ -14,3 +15,15 @@ _common = dict(deadline=None, database=None, print_blob=True,
 settings.register_profile("ci", max_examples=24, derandomize=True, **_common)
 settings.register_profile("large", max_examples=400, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``ranks`` start several processes (gloo ranks, torchrun, the emulated
+    cluster) that already keep both of CI's 2 cores busy. Under ``pytest -n 2 --dist loadgroup``
+    (what ``make pytest`` runs) they go to one worker, one after another, while the other worker
+    takes the single-process tests: two rank launches at once would oversubscribe the cores
+    (timeouts stretch, a module's shared launch would run twice)."""
+    for item in items:
+        if item.get_closest_marker("ranks") is not None:
+            item.add_marker(pytest.mark.xdist_group("ranks"))

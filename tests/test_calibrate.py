@@ -147,6 +147,7 @@ def test_build_topology_rejects_flat_times() -> None:
         build_topology(fit_measurements(ms), ("gpu",), (2,), flops_per_s=[1e12], mem_bw_bytes_per_s=[1e11], name="")
 
 
+@pytest.mark.ranks
 def test_torchrun_four_gloo_ranks(tmp_path: Path) -> None:
     """The real command: 4 CPU processes, mesh node=2 x gpu=2, three sizes up to 8 MiB (large enough
     that the bytes, not scheduling noise on 2 shared cores, set the time, so beta comes out > 0)."""

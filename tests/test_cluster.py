@@ -135,6 +135,7 @@ def _leftovers(marker: str) -> tuple[list[str], list[int]]:
     return names, procs
 
 
+@pytest.mark.ranks
 @needs_netns
 def test_all_to_all_and_calibration_across_two_nodes(tmp_path: Path) -> None:
     """2 nodes x 2 ranks at 400 Mbit/s, one run (starting torch in 4 processes is most of the time):
@@ -181,6 +182,7 @@ def test_all_to_all_and_calibration_across_two_nodes(tmp_path: Path) -> None:
     assert subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.count("\n") == host_links
 
 
+@pytest.mark.ranks
 @needs_netns
 def test_failure_and_timeout_tear_down(tmp_path: Path) -> None:
     """A rank that fails stops the run (its peers are stopped, not left waiting); a run past its
@@ -194,6 +196,7 @@ def test_failure_and_timeout_tear_down(tmp_path: Path) -> None:
     assert _leftovers(marker) == ([], [])
 
 
+@pytest.mark.ranks
 @needs_netns
 def test_sigterm_tears_down() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "moe_compile.tools.cluster", "up", "--prefix", PREFIX, "--nodes", "2",
@@ -209,6 +212,7 @@ def test_sigterm_tears_down() -> None:
     assert not any(pid == proc.pid for pid, _ in run_namespaces(PREFIX).values())
 
 
+@pytest.mark.ranks
 @needs_netns
 def test_cleanup_removes_dead_runs_only() -> None:
     dead = subprocess.Popen(["true"])

@@ -11,6 +11,7 @@ from moe_compile.cost.topology import Level, Topology
 from moe_compile.cost.workload import Workload
 
 
+@pytest.mark.ranks
 def test_gathered_layers_equal_eager_forward_and_backward() -> None:
     """gather0 (data-centric: no token moves) and gather1 (each node gathers, tokens cross nodes;
     compiled by Inductor) of stacked experts, gather0 of E expert modules (aot_eager, on a mesh
@@ -46,6 +47,7 @@ def test_gathered_layers_equal_eager_forward_and_backward() -> None:
                 assert r["gathered_bytes"] == [2 * piece] * 2, where
 
 
+@pytest.mark.ranks
 def test_gathered_shards_train_as_eager_ddp() -> None:
     """shard_experts + gather: 3 AdamW steps equal eager DDP of the unsharded model, and each rank's
     shard ends equal to the eager model's rows of its experts (the gradients were reduce-scattered
@@ -112,6 +114,7 @@ def test_planner_moves_experts_on_a_slow_link_with_small_experts() -> None:
     assert planner.plan(_topology(10.0), large, implemented=runnable).strategy.startswith("hd")
 
 
+@pytest.mark.ranks
 def test_gather_prefetch_starts_layers_ahead() -> None:
     """gather_prefetch = n: layer l+n's gather starts before layer l's experts run (right after
     layer l+n-1's gather was waited for, not earlier); 0: each gather where its layer is. With
@@ -136,6 +139,7 @@ def test_gather_prefetch_starts_layers_ahead() -> None:
             assert len(r["starts"]) == 3 + r["backward_gathers"], r["starts"]
 
 
+@pytest.mark.ranks
 def test_sr_compression_is_lossy_and_sends_less() -> None:
     """HybridEP's SR compression (gather_compress r), 4 AdamW steps of the tiny LM over the whole
     mesh: at r = 1 (every residual entry kept) the losses are the exact gather's; at r = 8 the

@@ -57,16 +57,19 @@ def check_matrix(results: list[dict], num_levels: int) -> None:
             assert disp == comb, f"{recs[0]['kind']} dedup {recs[0]['dedup']} d {recs[0]['d']} level {level}"
 
 
+@pytest.mark.ranks
 def test_op_matrix_4_ranks_2_levels() -> None:
     results = run_ranks(4, "op_matrix", shape=[2, 2], E=8, K=3, H=6, F=5, T=9, routings=ROUTINGS)
     check_matrix(results, 2)
 
 
+@pytest.mark.ranks
 def test_op_matrix_8_ranks_3_levels() -> None:
     results = run_ranks(8, "op_matrix", shape=[2, 2, 2], E=16, K=4, H=6, F=5, T=7, routings=ROUTINGS)
     check_matrix(results, 3)
 
 
+@pytest.mark.ranks
 def test_dedup_sends_less_than_flat() -> None:
     """At K=4 over 2 nodes, HD2's inter-node bytes are the dedup lower bound, below the flat
     non-dedup all-to-all's (one copy per (token, expert))."""
@@ -77,6 +80,7 @@ def test_dedup_sends_less_than_flat() -> None:
         assert by[(True, 2)] <= by[(True, 1)]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("options", [{"dimension": 2}, {"dimension": 1, "dedup": False},
                                      {"dimension": 2, "ep_backward": "resend"}])
 def test_compiled_samples_match_eager(options: dict) -> None:
@@ -109,6 +113,7 @@ def test_compiled_samples_match_eager(options: dict) -> None:
             assert s["combine backward payload"] == s["combine forward payload"], where
 
 
+@pytest.mark.ranks
 def test_local_stage_on_the_triton_kernels() -> None:
     """options kernels="triton" under a mesh (the Triton interpreter on CPU): each layer's local
     stage is one ESMM call over its dispatched rows and their [R, S] slots (non-local slots -1,
@@ -123,6 +128,7 @@ def test_local_stage_on_the_triton_kernels() -> None:
         assert r["grad_err"] < 1e-5, (rank, r)
 
 
+@pytest.mark.ranks
 def test_mesh_alone_probes_the_links() -> None:
     """options={"mesh": mesh} alone: the links are probed once at the first compile, every rank
     gets the same topology and plans on it alike, d* is predicted from it for a layer that runs
@@ -148,6 +154,7 @@ def test_mesh_alone_probes_the_links() -> None:
         assert r["grad_err"] < 1e-5, (rank, r)
 
 
+@pytest.mark.ranks
 def test_planner_choice_decides_what_runs() -> None:
     """The plan pass chooses among what the registered strategies run, and the choice is what
     runs: at H = 4 (fp32, equal links) a deduplicated row's two routing slots cost more than
@@ -178,6 +185,7 @@ def test_planner_choice_decides_what_runs() -> None:
         assert res["64 slow_node gather"]["plan"].startswith("gather"), res["64 slow_node gather"]["plan"]
 
 
+@pytest.mark.ranks
 def test_dimension_decided_off_the_critical_path() -> None:
     """d* per step decides from the previous forward's statistics of every rank (exchanged
     asynchronously on the mesh's statistics group), the first forward from its own; the last
@@ -194,6 +202,7 @@ def test_dimension_decided_off_the_critical_path() -> None:
         assert res["True"]["d"] == results[0]["True"]["d"], rank  # every rank decides alike
 
 
+@pytest.mark.ranks
 def test_tuned_dimension_agrees() -> None:
     """options['tune_dimension'] (moe_compile.ep.tuning): every rank explores the same d in the
     same steps, receives the same measurements (the least of the ranks', in the statistics
@@ -221,6 +230,7 @@ def test_tuned_dimension_agrees() -> None:
         assert s["d"] == dimension_rule(s["tuned"]), s
 
 
+@pytest.mark.ranks
 def test_setup_errors() -> None:
     results = run_ranks(4, "errors", shape=[2, 2])
     for res in results:
@@ -233,6 +243,7 @@ def test_setup_errors() -> None:
         assert res["world_ok"]
 
 
+@pytest.mark.ranks
 def test_explain_reports_dimension_predictions_and_bytes() -> None:
     results = run_ranks(4, "explain", shape=[2, 2])
     for rank, res in enumerate(results):
@@ -258,6 +269,7 @@ def test_explain_reports_dimension_predictions_and_bytes() -> None:
             assert r["tune_rounds"] == [3, 3]  # options['tune_dimension'] reached the layers
 
 
+@pytest.mark.ranks
 def test_training_matches_eager_ddp_on_8_ranks() -> None:
     """Three AdamW steps of the tiny LM on a 2x2x2 mesh, d* per step from a topology, against the
     eager model under DistributedDataParallel: same losses on every rank."""
@@ -268,6 +280,7 @@ def test_training_matches_eager_ddp_on_8_ranks() -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (rank, step, res)
 
 
+@pytest.mark.ranks
 def test_sharded_experts_train_under_ddp_after_prepare_ddp() -> None:
     """What a trainer does (model.compile, then DistributedDataParallel around it) with sharded
     experts: prepare_ddp keeps DDP from averaging the rank-local shards (and from broadcasting their
@@ -282,6 +295,7 @@ def test_sharded_experts_train_under_ddp_after_prepare_ddp() -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (rank, res["losses"])
 
 
+@pytest.mark.ranks
 def test_shard_experts_memory_equality_and_training() -> None:
     results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2)
     for rank, res in enumerate(results):
@@ -308,6 +322,7 @@ def test_shard_experts_memory_equality_and_training() -> None:
             assert r["weight_err"] < 1e-4, where
 
 
+@pytest.mark.ranks
 def test_stages_split_into_start_and_wait_with_independent_work_between() -> None:
     """Inductor, 2x2 mesh, DeepSeek-V3 layers (a shared expert beside the routed experts): every
     all-to-all stage with work beside it is split into start and wait, the shared expert's
@@ -330,6 +345,7 @@ def test_stages_split_into_start_and_wait_with_independent_work_between() -> Non
         assert on["bw_between"] == on["inductor_bw_between"] == 6, (rank, on)
 
 
+@pytest.mark.ranks
 def test_chunked_pipeline_equals_eager() -> None:
     """options pipeline = n: each layer's tokens in n chunks (one ep_begin choosing d for the
     step, n dispatch stages, all split into start and wait), loss and summed gradients equal

@@ -27,6 +27,7 @@ def invariants() -> list[dict]:
     return run_ranks(4, "invariants", timeout_s=300, worker="swap_worker.py", shape=[2, 2], E=8)
 
 
+@pytest.mark.ranks
 def test_swaps_keep_outputs_and_every_expert(invariants: list[dict]) -> None:
     first = invariants[0]["checks"]
     labels = [c["label"] for c in first]
@@ -52,6 +53,7 @@ def test_swaps_keep_outputs_and_every_expert(invariants: list[dict]) -> None:
     assert place["after recompile"] == place["swap 4<->5"]
 
 
+@pytest.mark.ranks
 def test_sharded_swaps_move_rows_only_between_the_two_ranks(invariants: list[dict]) -> None:
     # records: (0, 7) between positions 0 and 3, (1, 2) between 0 and 1, (4, 5) inside 2
     moved = [[r["moved_bytes"] for r in res["records"]] for res in invariants]
@@ -63,6 +65,7 @@ def test_sharded_swaps_move_rows_only_between_the_two_ranks(invariants: list[dic
         assert [tuple(r["ranks"]) for r in res["records"]] == [(0, 3), (0, 1), (2, 2)]
 
 
+@pytest.mark.ranks
 def test_interrupted_and_refused_swaps_raise_on_every_rank(invariants: list[dict]) -> None:
     for rank, res in enumerate(invariants):
         assert len(res["interrupted"]) == 1, f"rank {rank} did not raise for the interrupted swap"
@@ -71,11 +74,13 @@ def test_interrupted_and_refused_swaps_raise_on_every_rank(invariants: list[dict
     assert any("injected" in res["interrupted"][0] for res in invariants)
 
 
+@pytest.mark.ranks
 def test_backward_refuses_a_placement_swapped_after_its_forward(invariants: list[dict]) -> None:
     for res in invariants:
         assert res["stale_backward"] and "swapped between this forward and its backward" in res["stale_backward"]
 
 
+@pytest.mark.ranks
 def test_explain_shows_swaps_and_placement(invariants: list[dict]) -> None:
     res = invariants[0]
     text = res["explain"]
@@ -86,6 +91,7 @@ def test_explain_shows_swaps_and_placement(invariants: list[dict]) -> None:
     assert par["swappable"]
 
 
+@pytest.mark.ranks
 def test_two_models_of_one_class_keep_their_own_experts() -> None:
     """Dynamo runs both models on one compiled graph; the backend must map it to each model's
     own shards and placement."""
@@ -99,6 +105,7 @@ def test_two_models_of_one_class_keep_their_own_experts() -> None:
         assert all(p == [0, 0, 1, 1, 2, 2, 3, 3] for p in res["placement_b"].values()), "model b's placement moved"
 
 
+@pytest.mark.ranks
 def test_overlapped_swaps_keep_the_losses() -> None:
     """Overlap mode (collectives in flight across training steps, decisions dropped when a forced
     swap changed the layer's placement meanwhile) trains exactly like eager DDP."""
@@ -113,6 +120,7 @@ def test_overlapped_swaps_keep_the_losses() -> None:
         assert r["placement"] == results[0]["adam/shard"]["placement"], "ranks disagree on the placement"
 
 
+@pytest.mark.ranks
 def test_overlapped_swap_interrupted_on_one_rank_moves_nothing() -> None:
     """Overlap mode, one side of a decided swap fails after the rows crossed: step() returns on
     every rank and every rank raises at its next forward, where it reads the outcome (the same
@@ -133,6 +141,7 @@ def test_overlapped_swap_interrupted_on_one_rank_moves_nothing() -> None:
             assert abs(got - want) <= TOL * abs(want), f"rank {rank}: loss {got} vs {want} without swaps"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("kind", ["grouped_gemm", "expert_loop"])
 def test_training_with_swaps_equals_training_without(kind: str) -> None:
     modes = ["shard", "replicated"] if kind == "grouped_gemm" else ["replicated"]
@@ -151,6 +160,7 @@ def test_training_with_swaps_equals_training_without(kind: str) -> None:
             assert r["placement"] == results[0][key]["placement"], f"{key}: ranks disagree on the placement"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("overlap", [False, True])
 def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(overlap: bool) -> None:
     """Overlap mode applies a decision two calls after the routing it used: two more steps."""
@@ -170,6 +180,7 @@ def test_hierd_es_lowers_inter_node_bytes_on_skewed_routing(overlap: bool) -> No
         assert not results[0]["history"][0]["swaps"] and not results[0]["history"][1]["swaps"]
 
 
+@pytest.mark.ranks
 def test_hysteresis_keeps_a_pair_from_swapping_back() -> None:
     """Each node's tokens prefer expert 0 on one step and expert 4 on the next (K = 1): HierD-ES
     on each step's routing alone swaps a pair and swaps it back at the next call, paying two
@@ -251,6 +262,7 @@ def test_expert_swap_needs_a_mesh() -> None:
     assert parse_options({"expert_swap": False}).expert_swap is None
 
 
+@pytest.mark.ranks
 def test_migrate_fits_the_announced_bound_in_one_round() -> None:
     """A swap's two ranks move [signature | rows] in one exchange when the announced bound holds
     both messages, in two (the header, then the rows) when it does not (no bound, or one side
@@ -270,6 +282,7 @@ def test_migrate_fits_the_announced_bound_in_one_round() -> None:
         assert r["rounds"] == 2 and "hold different things" in (r["error"] or ""), f"rank {rank}: {r}"
 
 
+@pytest.mark.ranks
 def test_payback_rule_keeps_only_swaps_that_repay_their_migration() -> None:
     """Without the rule HierD-ES swaps on this routing; each swap's predicted migration time is the
     alpha-beta time of one expert's rows over the slowest link between its two ranks. A payback

@@ -17,6 +17,7 @@ tolerance.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from compile_utils import rel_err
 from dist_utils import run_ranks
@@ -118,6 +119,7 @@ def rank_cases(draw: st.DrawFn) -> dict:
     return {"cfg": cfg.as_dict(), "sizes": sizes, "nan_rank": nan}
 
 
+@pytest.mark.ranks
 @settings(max_examples=max(1, settings.default.max_examples // 24))  # one 4-rank launch per example
 @given(cases=st.lists(rank_cases(), min_size=3, max_size=3))
 def test_ranks_agree_under_nan_and_empty_batches(cases: list[dict]) -> None:

@@ -49,6 +49,7 @@ def _rank_main() -> None:
     sys.exit(1 if failures else 0)
 
 
+@pytest.mark.ranks
 def test_matches_library_all_to_all_on_four_gloo_ranks() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", __file__]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,

@@ -167,6 +167,7 @@ def test_verify_false_warns() -> None:
     cmp.assert_close()
 
 
+@pytest.mark.ranks
 def test_ranks_agree_on_nan_and_empty_first_batches() -> None:
     """Defect: each rank verified on its own first batch; a NaN (or, for gathered bmm, 0 tokens)
     on one rank left its layer local while the others waited in expert-parallel collectives.
@@ -192,12 +193,14 @@ def test_ranks_agree_on_nan_and_empty_first_batches() -> None:
                                                              ["verified"]], (kind, per_rank)
 
 
+@pytest.mark.ranks
 def test_ranks_with_different_options_fail_alike() -> None:
     results = run_ranks(4, "options_differ", timeout_s=300, worker="reliability_worker.py", shape=[2, 2])
     for rank, res in enumerate(results):
         assert "different expert-parallel options" in res["error"] and "rank 0: mesh" in res["error"], (rank, res)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_a_stopped_rank_makes_the_others_raise_within_the_timeout(how: str) -> None:
     """Defect: expert-parallel subgroups were made without a timeout, so a rank that hung blocked

@@ -114,6 +114,7 @@ def test_one_sample_per_rank_is_refused() -> None:
     assert res.reason is not None and "1 sample per rank" in res.reason
 
 
+@pytest.mark.ranks
 def test_placement_equals_eager_and_keeps_tokens_inside_nodes() -> None:
     """4 gloo ranks (2 nodes x 2), Mixtral of 3 layers whose samples prefer the other node's experts,
     attention masks with padding and labels with ignored positions: with sample placement the loss
@@ -138,6 +139,7 @@ def test_placement_equals_eager_and_keeps_tokens_inside_nodes() -> None:
         assert "sample placement" not in off["report"]
 
 
+@pytest.mark.ranks
 def test_placement_on_8_ranks_equals_eager() -> None:
     """8 gloo ranks (2 nodes x 4, one expert each), two layers, the rewritten graph run by the eager
     inner compiler (autograd through the ops' own registrations, no AOTAutograd): every one of the
