@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.optimize import nnls
 
 from moe_compile.cost.topology import EfficiencyCurve
 
@@ -60,6 +59,8 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tu
         raise ValueError("fit_alpha_beta needs samples at two or more distinct sizes to separate alpha from beta")
     design = np.stack([np.ones_like(n), n], axis=1)
     scale = np.array([1.0, n.max()])  # columns of one magnitude for the solver
+    from scipy.optimize import nnls  # here, not with the module: see netmoe._balanced_assignment
+
     (alpha, beta_scaled), _ = nnls(design / scale, t)
     beta = beta_scaled / scale[1]
     residual = t - design @ np.array([alpha, beta])

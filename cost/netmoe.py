@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from moe_compile.cost.topology import Topology
 
@@ -140,6 +139,10 @@ def level_bytes(rank_S: np.ndarray, inter_SN: np.ndarray, intra_SR: np.ndarray, 
 
 def _balanced_assignment(cost_SC: np.ndarray, per_column: int) -> np.ndarray:
     """Column of each row, every column taking ``per_column`` rows, minimising the summed cost."""
+    # imported here, not with the module: scipy.optimize takes ~0.2 s to import, and every process
+    # that imports moe_compile (each rank of a launch) would pay it whether it places samples or not
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(np.repeat(cost_SC, per_column, axis=1))
     out = np.empty(cost_SC.shape[0], dtype=np.int64)
     out[rows] = cols // per_column
