@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -441,16 +442,17 @@ def resolve(layer_id: int) -> EPLayer:
     return _layers[ids.get(layer_id, layer_id) if ids else layer_id]
 
 
-def as_bytes(parts: Any, rows: int) -> Any:
+def as_bytes(parts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
     """[rows, n] uint8: each part reshaped to [rows, -1] and its bytes side by side (one message
     for tensors of any dtypes)."""
     return torch.cat([p.contiguous().reshape(rows, p.numel() // rows).view(torch.uint8) for p in parts], dim=1)
 
 
-def from_bytes(packed: Any, likes: Any) -> list[Any]:
+def from_bytes(packed: torch.Tensor, likes: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
     """The parts ``as_bytes`` packed, each [rows, *shape] of its dtype (``likes``: dtype and the
     shape of one row), each in storage of its own (an op's outputs may not alias)."""
-    out, offset = [], 0
+    out: list[torch.Tensor] = []
+    offset = 0
     for dtype, shape in likes:
         n = int(np.prod(shape)) * dtype.itemsize
         if n == 0:  # an empty part (its bytes cannot be viewed as its dtype)
