@@ -12,6 +12,11 @@ transformers integration calls in eager mode, and the one the Triton kernels rep
 
 Only for calls whose every matmul can be one grouped_mm (``grouped_mm_ok``): the per-expert
 loop of the opaque op reads the block sizes into Python, which a trace cannot.
+
+``hiermoe::experts_composite_list`` is the same with the weights as lists of E tensors (experts
+stored as E modules): its matmuls are ``hiermoe::grouped_linear`` calls, so the E weights are
+never stacked into a copy, in forward or backward, and each weight's gradient is its own tensor
+in its own layout (``lowering/grouped_mm.py``).
 """
 
 from __future__ import annotations
@@ -19,33 +24,53 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe_compile.lowering.experts_ref import _GROUPED_MM_DTYPES, _acc_dtype, _ffn, _route, check_activation
+from moe_compile.lowering.experts_ref import (
+    _GROUPED_MM_DTYPES,
+    Weights,
+    _acc_dtype,
+    _ffn,
+    _route,
+    check_activation,
+)
 
 _lib = torch.library.Library("hiermoe", "FRAGMENT")
 _lib.define(
     "experts_composite(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_up, Tensor? w_gate, "
     "Tensor w_down, Tensor? b_up, Tensor? b_gate, Tensor? b_down, str activation) -> Tensor"
 )
+_lib.define(
+    "experts_composite_list(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor[] w_up, Tensor[]? w_gate, "
+    "Tensor[] w_down, Tensor? b_up, Tensor? b_gate, Tensor? b_down, str activation) -> Tensor"
+)
 
 
 def experts_composite(
     x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor,
-    w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    w_up_EFH: Weights, w_gate_EFH: Weights | None, w_down_EHF: Weights,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
     activation: str,
 ) -> Tensor:
-    """``experts_ref.experts_reference``'s forward with every matmul grouped (traceable)."""
+    """``experts_ref.experts_reference``'s forward with every matmul grouped (traceable); the
+    weights stacked [E, ...] or (``experts_composite_list``) lists of E tensors."""
     check_activation(activation)
-    r = _route(topk_idx_TK, w_up_EFH.shape[0], grouped=True)
+    num_experts = len(w_up_EFH) if isinstance(w_up_EFH, list) else w_up_EFH.shape[0]
+    r = _route(topk_idx_TK, num_experts, grouped=True)
     ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation)
     assert ffn.y_NH is not None
     acc = _acc_dtype(x_TH, topk_weights_TK)
-    weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
-    y_TH = x_TH.new_zeros(x_TH.shape, dtype=acc).index_add(0, r.tok_N, ffn.y_NH.to(acc) * weight_N[:, None])
+    # The combine as a gather: slot t*K+k sits at sorted position inv[t*K+k], so
+    # y[t] = sum_k w[t, k] * y_N[inv[t*K+k]]. Inductor fuses it into one reduction over K (an
+    # index_add into zeros is a scatter), and the forward makes no [T, H] zeros that AOTAutograd
+    # would merge with the backward's and keep alive from forward to backward.
+    num_n = r.order_N.shape[0]
+    inv_N = torch.empty_like(r.order_N).scatter(0, r.order_N, torch.arange(num_n, device=r.order_N.device))
+    y_TKH = ffn.y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, -1).to(acc)
+    y_TH = (y_TKH * topk_weights_TK.to(acc)[..., None]).sum(1)
     return y_TH.to(x_TH.dtype)
 
 
 _lib.impl("experts_composite", experts_composite, "CompositeImplicitAutograd")
+_lib.impl("experts_composite_list", experts_composite, "CompositeImplicitAutograd")
 
 
 def grouped_mm_ok(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor) -> bool:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_compile.lowering.activation import is_expression, parse
-from moe_compile.lowering.grouped_mm import grouped_mm
+from moe_compile.lowering.grouped_mm import grouped_linear, grouped_mm
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 
@@ -196,14 +196,20 @@ class _Ffn(NamedTuple):
     y_NH: Tensor | None  # None when not asked for (backward needs h, not y)
 
 
-def _linear(a_NI: Tensor, w_EOI: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
+Weights = Tensor | list[Tensor]  # [E, O, I], or E separate [O, I] (``experts_composite_list``)
+
+
+def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing) -> Tensor:
     """Each sorted slot's row through its expert's nn.Linear-layout weight (and bias)."""
-    out_NO = _seg_mm(a_NI, w_EOI.mT, r)
+    if isinstance(w_EOI, list):
+        out_NO = grouped_linear(a_NI, w_EOI, r.offs_E, True)
+    else:
+        out_NO = _seg_mm(a_NI, w_EOI.mT, r)
     return out_NO if b_EO is None else out_NO + b_EO.index_select(0, r.expert_N)
 
 
 def _ffn(
-    x_TH: Tensor, r: _Routing, w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
+    x_TH: Tensor, r: _Routing, w_up_EFH: Weights, w_gate_EFH: Weights | None, w_down_EHF: Weights,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None, activation: str,
     output: bool = True, kept: Kept | None = None,
 ) -> _Ffn:

@@ -1,9 +1,17 @@
-"""``hiermoe::grouped_mm``: a grouped matmul over expert-sorted rows, with a fake that traces.
+"""``hiermoe::grouped_mm``: a grouped matmul over expert-sorted rows, with a fake that traces;
+``hiermoe::grouped_linear``: the same over E separate weights (experts stored as E modules).
 
 torch's ``_grouped_mm`` runs fp32 and fp16 on CPU, but its meta function (what a trace with
 fake tensors runs) accepts bf16 only, so a graph that calls it on fp32 tokens cannot be traced.
 This op wraps it with shapes-only fake kernels and an autograd formula in the same two grouped
 matmuls, so ``experts_composite`` traces on every dtype ``experts_ref`` runs grouped.
+
+``grouped_linear`` takes the E weights as a list, so experts kept as E ``nn.Linear`` modules are
+never stacked into one [E, O, I] copy (forward or backward), and each weight's gradient is its
+own row-major [O, I] tensor, as eager's ``nn.Linear`` backward gives it: AccumulateGrad takes it
+as the parameter's ``.grad`` without a copy. It runs one ``mm`` per expert block, which on CPU is
+what ``_grouped_mm`` does too; the block bounds are read to the host (a sync on CUDA, where
+``lower_kernels`` does not choose it).
 
 Shape legend: N rows sorted by expert, E experts, I input and O output features; ``offs_E`` the
 int32 end offset of each expert's block of rows.
@@ -48,8 +56,76 @@ def _backward(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, Tensor | None, Non
     a_NI, b_EIO, offs_E = ctx.saved_tensors
     g_NO = g_NO.contiguous()  # an expanded gradient (strides 0) is no layout grouped_mm takes
     d_a = grouped_mm(g_NO, b_EIO.mT, offs_E) if ctx.needs_input_grad[0] else None
-    d_b = grouped_mm_wgrad(a_NI, g_NO, offs_E) if ctx.needs_input_grad[1] else None
+    d_b = None
+    if ctx.needs_input_grad[1]:
+        if b_EIO.stride(-2) == 1 and b_EIO.stride(-1) != 1:
+            # b is the transpose of an [E, O, I] weight (nn.Linear's layout): compute its gradient
+            # in that layout (g^T a), so it comes out with the weight's strides and AccumulateGrad
+            # keeps it as .grad instead of copying a column-major a^T g into row-major.
+            d_b = grouped_mm_wgrad(g_NO, a_NI, offs_E).mT
+        else:
+            d_b = grouped_mm_wgrad(a_NI, g_NO, offs_E)
     return d_a, d_b, None
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def _blocks(offs_E: Tensor) -> list[tuple[int, int]]:
+    ends = [int(e) for e in offs_E.tolist()]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+@torch.library.custom_op("hiermoe::grouped_linear", mutates_args=())
+def grouped_linear(a_NI: Tensor, w_E: list[Tensor], offs_E: Tensor, transpose: bool) -> Tensor:
+    """Rows of expert e's block times w[e]^T (``transpose``: nn.Linear's [O, I] weights) or times
+    w[e] ([I, O]): [N, I] x E weights -> [N, O]. Rows past the last offset are not written."""
+    num_o = w_E[0].shape[0] if transpose else w_E[0].shape[1]
+    out_NO = a_NI.new_empty((a_NI.shape[0], num_o))
+    for w, (start, end) in zip(w_E, _blocks(offs_E), strict=True):
+        if start < end:  # an empty expert costs nothing
+            torch.mm(a_NI[start:end], w.t() if transpose else w, out=out_NO[start:end])
+    return out_NO
+
+
+@grouped_linear.register_fake
+def _grouped_linear_fake(a_NI: Tensor, w_E: list[Tensor], offs_E: Tensor, transpose: bool) -> Tensor:
+    return a_NI.new_empty((a_NI.shape[0], w_E[0].shape[0] if transpose else w_E[0].shape[1]))
+
+
+@torch.library.custom_op("hiermoe::grouped_linear_wgrad", mutates_args=())
+def grouped_linear_wgrad(g_NO: Tensor, a_NI: Tensor, offs_E: Tensor) -> list[Tensor]:
+    """Per expert g^T a over its block: E separate row-major [O, I] tensors (zero for an empty
+    block)."""
+    out = []
+    for start, end in _blocks(offs_E):
+        if start < end:
+            out.append(torch.mm(g_NO[start:end].t(), a_NI[start:end]))
+        else:
+            out.append(g_NO.new_zeros((g_NO.shape[1], a_NI.shape[1])))
+    return out
+
+
+@grouped_linear_wgrad.register_fake
+def _grouped_linear_wgrad_fake(g_NO: Tensor, a_NI: Tensor, offs_E: Tensor) -> list[Tensor]:
+    return [g_NO.new_empty((g_NO.shape[1], a_NI.shape[1])) for _ in range(offs_E.shape[0])]
+
+
+def _setup_linear(ctx: Any, inputs: tuple[Tensor, list[Tensor], Tensor, bool], output: Tensor) -> None:
+    a_NI, w_E, offs_E, transpose = inputs
+    ctx.save_for_backward(a_NI, offs_E, *w_E)
+    ctx.transpose = transpose
+
+
+def _backward_linear(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, list[Tensor] | None, None, None]:
+    a_NI, offs_E, *w_E = ctx.saved_tensors
+    g_NO = g_NO.contiguous()
+    d_a = grouped_linear(g_NO, w_E, offs_E, not ctx.transpose) if ctx.needs_input_grad[0] else None
+    d_w = None
+    if ctx.needs_input_grad[1]:
+        # y = a w^T: dw = g^T a ([O, I]); y = a w: dw = a^T g ([I, O]); each its weight's layout
+        d_w = grouped_linear_wgrad(g_NO, a_NI, offs_E) if ctx.transpose else grouped_linear_wgrad(a_NI, g_NO, offs_E)
+    return d_a, d_w, None, None
+
+
+grouped_linear.register_autograd(_backward_linear, setup_context=_setup_linear)

@@ -56,8 +56,10 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
       guarantees  the graph computes the same function (same arguments, same semantics); each op is
                   counted once, under "triton" (retargeted), "composite" (the torch lowering as
                   ``hiermoe::experts_composite``, aten ops the inner compiler traces, fuses and
-                  differentiates, where every matmul can be one grouped_mm) or "torch" (left as
-                  the opaque ``hiermoe::experts``).
+                  differentiates, where every matmul can be one grouped_mm; on CPU, an op whose
+                  weights are stacks of E modules' weights takes them as lists instead,
+                  ``hiermoe::experts_composite_list``: no stacked copy, per-module gradients) or
+                  "torch" (left as the opaque ``hiermoe::experts``).
                   "auto" is Triton when x is on CUDA, the triton package is installed, the
                   kernels compute the op's activation (not an ``expr:`` one) and the measured
                   table (``lowering.kernel_table``: this device, the nearest shape, forward+backward
@@ -77,7 +79,8 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
         for n in ops with choice triton: experts -> experts_triton,          # Step 3
                                          or experts_triton_keep(..., blk)[0] when trained,
                                          ep_local_experts(..., triton=True)
-        for n in ops with choice torch: experts -> experts_composite where grouped_mm takes them
+        for n in ops with choice torch: experts -> experts_composite where grouped_mm takes them,
+                                        -> experts_composite_list on CPU where weights are stacks
         return {"triton": #retargeted, "composite": #traceable, "torch": #left}
     """
     if kernels not in KERNEL_CHOICES:
@@ -114,6 +117,7 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
             n.target = torch.ops.hiermoe.experts_triton.default
         elif n.target is not local and _composite_ok(n):
             n.target = torch.ops.hiermoe.experts_composite.default
+            _to_list_form(gm, n)
             choice = "composite"
         counts[choice] += 1
     if counts["triton"] or counts["composite"]:
@@ -180,6 +184,33 @@ def _to_keep_form(gm: fx.GraphModule, n: fx.Node) -> None:
     y.meta.update(n.meta)
     n.replace_all_uses_with(y)
     gm.graph.erase_node(n)
+
+
+def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> None:
+    """On CPU, where every weight of composite op ``n`` is a ``torch.stack`` of E tensors (experts
+    stored as E modules, ``passes/emit.py``), call ``experts_composite_list`` on the E tensors
+    instead: nothing is stacked (a copy of every expert weight in the forward, again in the
+    backward) and each module's weight gets its own gradient (``lowering/grouped_mm.py``,
+    ``grouped_linear``). Stays as it is elsewhere: on CUDA one grouped_mm beats E matmuls."""
+    x = _arg(n, 0)
+    device = _device_of(x) if isinstance(x, fx.Node) else None
+    if device is None or device.type != "cpu":
+        return
+    slots = [_NAMES.index(name) for name in ("w_up", "w_gate", "w_down")]
+    stacks = [_arg(n, i) for i in slots]
+    if not all(s is None or (isinstance(s, fx.Node) and s.target is torch.stack and len(s.args) == 1
+                             and not s.kwargs and isinstance(s.args[0], (list, tuple)))
+               for s in stacks):
+        return
+    args = [_arg(n, i) for i in range(len(_NAMES))]
+    for i, s in zip(slots, stacks, strict=True):
+        if isinstance(s, fx.Node):
+            args[i] = list(cast(list[fx.Node], s.args[0]))
+    n.args, n.kwargs = tuple(cast(list[fx.node.Argument], args)), {}
+    n.target = torch.ops.hiermoe.experts_composite_list.default
+    for s in stacks:
+        if isinstance(s, fx.Node) and not s.users:
+            gm.graph.erase_node(s)
 
 
 def _composite_ok(n: fx.Node) -> bool:

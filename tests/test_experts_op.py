@@ -162,7 +162,8 @@ def check_against_loop(
     grad_TH = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     names = list(leaves)
     g_op = torch.autograd.grad(y_op, [lv_op[k] for k in names], grad_TH.to(dtype))
-    g_ref = torch.autograd.grad(y_ref, [lv_ref[k] for k in names], grad_TH)
+    # the loop never touches an expert no token chose: its gradient is zero, not absent
+    g_ref = torch.autograd.grad(y_ref, [lv_ref[k] for k in names], grad_TH, materialize_grads=True)
     for name, a, b in zip(names, g_op, g_ref, strict=True):
         assert a.dtype == leaves[name].dtype and a.shape == b.shape, name
         scale = max(1.0, b.abs().max().item())
@@ -267,6 +268,70 @@ def test_opcheck_grouped_mm() -> None:
     ga = torch.randn(7, FF, generator=g)
     torch.library.opcheck(torch.ops.hiermoe.grouped_mm_wgrad.default, (a.detach(), ga, offs),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def _as_modules(leaves: dict[str, Tensor], build: Build) -> tuple[dict[str, Tensor], Build]:
+    """The same case with every expert's weight its own leaf (experts stored as E modules): build
+    gives the weights as lists of E tensors, which ``experts_composite_list`` takes and
+    ``loop_reference`` indexes alike."""
+    names = [n for n in ("w_up", "w_gate", "w_down") if n in leaves]
+    per = {k: v for k, v in leaves.items() if k not in names}
+    per |= {f"{n}.{e}": leaves[n][e].clone() for n in names for e in range(leaves[n].shape[0])}
+
+    def build_lists(lv: dict[str, Tensor]) -> list[Any]:
+        args = build({k: v for k, v in lv.items() if "." not in k} | {n: leaves[n] for n in names})
+        for i, n in ((3, "w_up"), (4, "w_gate"), (5, "w_down")):
+            args[i] = [lv[f"{n}.{e}"] for e in range(E)] if n in names else None
+        return args
+
+    return per, build_lists
+
+
+@pytest.mark.parametrize("routing", ["random", "repeated_expert", "t1", "empty_experts", "int32_idx"])
+@pytest.mark.parametrize(("gated", "bias"), [(True, False), (True, True), (False, True)])
+def test_composite_list_matches_loop(routing: str, gated: bool, bias: bool) -> None:
+    """``experts_composite_list`` (weights as E separate tensors, ``grouped_linear``): forward and
+    every gradient against the float64 loop, empty experts included."""
+    leaves, _, build = make_case("contiguous", gated, bias, ROUTINGS[routing])
+    per, build_lists = _as_modules(leaves, build)
+    check_against_loop(per, build_lists, "silu" if gated else "gelu", op="experts_composite_list")
+
+
+def test_composite_weight_grads_keep_the_weights_layout() -> None:
+    """Each weight's gradient comes out with the weight's own strides, so AccumulateGrad keeps it as
+    ``.grad`` (no copy): separate row-major [O, I] tensors for E modules, and for a stacked
+    nn.Linear-layout [E, O, I] weight a contiguous [E, O, I] (grouped_mm computes g^T a for it)."""
+    leaves, _, build = make_case("contiguous", True, False, ROUTINGS["random"])
+    per, build_lists = _as_modules(leaves, build)
+    for op, lv, bld in (("experts_composite", leaves, build), ("experts_composite_list", per, build_lists)):
+        lv = {k: v.detach().clone().requires_grad_() for k, v in lv.items()}
+        getattr(torch.ops.hiermoe, op)(*bld(lv), "silu").square().sum().backward()
+        for name, leaf in lv.items():
+            if name.startswith("w_"):
+                assert leaf.grad is not None and leaf.grad.is_contiguous(), (op, name, leaf.grad)
+
+
+def test_opcheck_grouped_linear() -> None:
+    """The list form of the grouped matmul (E separate weights), both orientations, and its
+    weight gradient: fake kernels, schema and autograd, on blocks with an empty expert."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(7, H, generator=g, requires_grad=True)
+    w_oi = [torch.randn(FF, H, generator=g, requires_grad=True) for _ in range(E)]
+    w_io = [torch.randn(H, FF, generator=g, requires_grad=True) for _ in range(E)]
+    offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
+    for w, transpose in ((w_oi, True), (w_io, False)):
+        torch.library.opcheck(torch.ops.hiermoe.grouped_linear.default, (a, w, offs, transpose),
+                              test_utils=OPCHECK_TESTS)
+        y = torch.ops.hiermoe.grouped_linear(a, w, offs, transpose)
+        blocks = [(0, 2), (2, 2), (2, 5), (5, 7)]
+        ref = torch.cat([a[s:t] @ (w[e].t() if transpose else w[e]) for e, (s, t) in enumerate(blocks)])
+        torch.testing.assert_close(y, ref)
+    ga = torch.randn(7, FF, generator=g)
+    torch.library.opcheck(torch.ops.hiermoe.grouped_linear_wgrad.default, (ga, a.detach(), offs),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    dw = torch.ops.hiermoe.grouped_linear_wgrad(ga, a.detach(), offs)
+    assert torch.equal(dw[1], torch.zeros(FF, H))  # the empty expert
+    torch.testing.assert_close(dw[2], ga[2:5].t() @ a.detach()[2:5])
 
 
 def test_reference_matches_op_and_rejects_unknown_activation() -> None:
