@@ -133,7 +133,7 @@ def capacity_proportions(times: Sequence[float]) -> list[float]:
     return [v / sum(inv) for v in inv]
 
 
-def _hier_all_gather_s(topology: Topology, piece_bytes: float) -> float:
+def hier_all_gather_s(topology: Topology, piece_bytes: float) -> float:
     """All-gather where each device contributes ``piece_bytes``: slowest level first, each level
     exchanging what was gathered above it (equal to the ring formula on one level)."""
     total, piece = 0.0, piece_bytes
@@ -157,7 +157,7 @@ def data_centric_time_s(topology: Topology, workload: Workload, *, pre_moe_s: fl
         n * workload.num_tokens, rates, speeds=True)
     expert = max(b * workload.top_k * _expert_flops_per_pair(workload) / f for b, f in zip(split, rates))
     shard = workload.num_experts * workload.expert_bytes / n
-    ag_w = _hier_all_gather_s(topology, shard)
+    ag_w = hier_all_gather_s(topology, shard)
     name = "data_centric_train" if training else "data_centric_forward"
     return float(_compose_fn(name)(pre_moe_s, ag_w, ag_w, 0.0, 0.0, expert))
 
@@ -172,8 +172,8 @@ def model_centric_time_s(topology: Topology, workload: Workload, *, pre_moe_s: f
         workload.ffn_size, rates, speeds=True)
     per_column = _expert_flops_per_pair(workload) / workload.ffn_size
     expert = max(n * workload.num_tokens * workload.top_k * per_column * h / f for h, f in zip(split, rates))
-    ag_x = _hier_all_gather_s(topology, workload.num_tokens * workload.token_bytes)
-    ar_y = 2 * _hier_all_gather_s(topology, workload.num_tokens * workload.token_bytes)
+    ag_x = hier_all_gather_s(topology, workload.num_tokens * workload.token_bytes)
+    ar_y = 2 * hier_all_gather_s(topology, workload.num_tokens * workload.token_bytes)
     name = "model_centric_train" if training else "model_centric_forward"
     return float(_compose_fn(name)(pre_moe_s, 0.0, 0.0, ag_x, ar_y, expert))
 

@@ -16,6 +16,9 @@ Candidates and where their times come from (seconds of one layer's forward on on
                        domain sizes 1 above level j, the level sizes from j on), tokens cross
                        levels 0..j-1 by HD-(j+1)'s deduplicating inter-level phases (hiermoe.py);
                        gather0 is HEXA-MoE's data-centric mode
+    model0             the model-centric mode the lowering runs (``lowering.strategies.model``):
+                       every rank's tokens all-gathered and the partial outputs reduce-scattered,
+                       hierarchically (hexa.py's AllGather per level), plus the compute
     hexa_{data,model}_centric   HEXA-MoE's execution modes (hexa.py, Section 4.3)
 
 Assumptions: the dispatch models give one direction; the combine is its mirror, so dispatch
@@ -138,6 +141,9 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_
     for j in range(len(topology.levels)):
         predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + compute_s
         params[f"gather{j}"] = {"domain_level": j, "domain_size": math.prod(topology.sizes[j:])}
+    # the executable model-centric mode over the whole mesh
+    predicted["model0"] = model_time_s(topology, workload) + compute_s
+    params["model0"] = {"ffn_columns": workload.ffn_size // topology.world_size}
     # HEXA-MoE: data- vs model-centric (its model includes the compute)
     hx = hexa.choose_execution(topology, workload)
     predicted["hexa_data_centric"] = float(hx.data_centric_s)
@@ -165,6 +171,17 @@ def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int
     for w in (workload, replace(workload, slot_bytes=0)):  # dispatch, combine
         tokens += sum(a + b for a, b in phase_times_s(level + 1, topology, w, stats)[:level])
     return float(ag) + tokens
+
+
+def model_time_s(topology: Topology, workload: Workload) -> float:
+    """Communication seconds of one layer's forward under ``model0`` (``lowering.ep_model``): the
+    hierarchical all-gather of every rank's tokens with their routing slots (HEXA-MoE's AG of the
+    tokens, Section 4.3; ``hexa.hier_all_gather_s``) and the reduce-scatter of the partial outputs,
+    the all-gather's adjoint with the same bytes per level (HEXA all-reduces, twice that). The
+    expert compute is the other candidates': each rank runs S*T tokens on F/S columns."""
+    tokens = workload.num_tokens * (workload.token_bytes + workload.top_k * workload.slot_bytes)
+    outputs = workload.num_tokens * workload.token_bytes
+    return hexa.hier_all_gather_s(topology, tokens) + hexa.hier_all_gather_s(topology, outputs)
 
 
 _HD_MODELS: dict[tuple[str, Workload], HDCostModel] = {}

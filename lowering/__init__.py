@@ -7,6 +7,7 @@ kernels, same arguments and semantics) when the ``triton`` package is importable
 import torch
 
 from moe_compile.lowering.ep_gather import ep_expert_rows, ep_gather
+from moe_compile.lowering.ep_model import ep_model_outputs, ep_model_tokens
 from moe_compile.lowering.ep_stages import ep_combine, ep_dispatch, ep_local_experts
 from moe_compile.lowering.expert_parallel import ep_experts, ep_experts_backward
 from moe_compile.lowering.experts import (
@@ -42,5 +43,6 @@ def triton_kernels_error(device: torch.device) -> str | None:
     return triton_experts.interpreter_error(device)
 
 
-__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_expert_rows", "ep_gather", "ep_local_experts", "ep_experts_backward", "experts", "experts_backward",
+__all__ = ["ACTIVATIONS", "HAS_TRITON", "ep_combine", "ep_dispatch", "ep_experts", "ep_expert_rows", "ep_gather", "ep_local_experts", "ep_experts_backward",
+           "ep_model_outputs", "ep_model_tokens", "experts", "experts_backward",
            "experts_flops", "experts_reference", "grouped_mm_ok", "sample_move", "sample_plan", "triton_keep_blk", "triton_kernels_error"]

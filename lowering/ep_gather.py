@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,11 +66,67 @@ def _exchange(send: Tensor, group: Any) -> Tensor:
     return recv
 
 
-def _count(lay: runtime.EPLayer, phase: Any, piece_bytes: int, direction: str) -> None:
+def _count(lay: runtime.EPLayer, phase: Any, piece_bytes: int, direction: str, what: str = "gather") -> None:
     for level in phase.peer_level:
         if level >= 0:
-            runtime.record_traffic(lay.layer_id, level, "gather", direction, payload_bytes=piece_bytes,
+            runtime.record_traffic(lay.layer_id, level, what, direction, payload_bytes=piece_bytes,
                                    payload_messages=1, meta_bytes=0, meta_messages=0)
+
+
+def all_gather_levels(lay: runtime.EPLayer, have: Tensor, j: int, what: str = "gather", direction: str = "forward"
+                      ) -> Generator[Any, None, Tensor]:
+    """Every rank of this rank's block at mesh level ``j`` (``EPLayer.domain_positions`` for the
+    gathers; the whole mesh for j = 0) contributes its row of ``have`` ([1, B] bytes, the same B
+    everywhere); returns [block positions, B] in ascending position order. Hierarchical, slowest
+    level first, each level one exchange on that level's group (a generator for the worker's
+    lanes: it yields each phase's group before using it). Traffic is counted under ``what`` and
+    ``direction``."""
+    comm = lay.comm
+    held = [comm.position]
+    for level, phase in enumerate(comm.inter[j:], start=j):
+        yield phase.group
+        recv = _exchange(have.reshape(-1), phase.group).view(len(phase.peer_pos), *have.shape)
+        _count(lay, phase, have.numel(), direction, what)
+        # each peer holds what I hold with its coordinate at this level: sort by position
+        positions = []
+        for peer in phase.peer_pos:
+            c = comm.coords(peer)[level]
+            positions += [_with_coord(comm, p, level, c) for p in held]
+        order = np.argsort(positions, kind="stable")
+        have = recv.reshape(-1, have.shape[1])[torch.from_numpy(order).to(recv.device)]
+        held = [positions[i] for i in order]
+    first = comm.position - comm.position % math.prod(comm.sizes[j:])
+    assert held == list(range(first, first + len(held))), (held, first)
+    return have
+
+
+def reduce_scatter_levels(lay: runtime.EPLayer, have: Tensor, flat: Sequence[tuple[torch.dtype, tuple[int, ...]]],
+                          j: int, what: str = "gather", direction: str = "backward") -> Generator[Any, None, Tensor]:
+    """The adjoint of ``all_gather_levels``: ``have`` [block positions, B] bytes (rows in ascending
+    position order, each row the tensors ``flat`` describes, packed by ``runtime.as_bytes``) summed
+    over the block's ranks onto this rank's row; returns [1, B]. Fastest level first; the sums run
+    in float32 or wider (``from_bytes`` unpacks, each level adds its peers' rows)."""
+    comm = lay.comm
+    first = comm.position - comm.position % math.prod(comm.sizes[j:])
+    held = list(range(first, first + have.shape[0]))
+    phases = list(reversed(comm.inter[j:]))
+    for i, phase in enumerate(phases):
+        level = len(comm.sizes) - 1 - i
+        yield phase.group
+        peers = [comm.coords(p)[level] for p in phase.peer_pos]
+        coord = [comm.coords(p)[level] for p in held]
+        # the rows of the positions each peer keeps, in group-rank order: equal splits
+        send = torch.cat([have[[k for k, c in enumerate(coord) if c == pc]] for pc in peers])
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=phase.group)
+        _count(lay, phase, send.numel() // len(peers), direction, what)
+        mine = comm.coords(comm.position)[level]
+        held = [p for p, c in zip(held, coord, strict=True) if c == mine]
+        summed = [t.reshape(len(peers), len(held), -1).to(torch.promote_types(t.dtype, torch.float32)).sum(0)
+                  .to(t.dtype) for t in runtime.from_bytes(recv.view(len(peers) * len(held), -1), flat)]
+        have = runtime.as_bytes(summed, len(held))
+    assert held == [comm.position], (held, comm.position)
+    return have
 
 
 # -- gather ----------------------------------------------------------------------------------------
@@ -93,29 +149,16 @@ def _gather_job(weights: list[Tensor], layer: int, by_expert: bool) -> Job:
         sent, sent_likes = _sr_encode(local, shared, ratio), _sr_likes(likes, ratio)
     else:
         sent, sent_likes = local, likes
-    have = runtime.as_bytes(sent, per).reshape(1, -1)  # [positions held, B]: mine
+    mine = runtime.as_bytes(sent, per).reshape(1, -1)  # [1, B]: my rows
     lay.gather_step_bytes, lay.gather_exposed_s = {}, 0.0  # a new forward's
-    held = [comm.position]
     phases = comm.inter[j:]
     stamp = torch.tensor([lay.version, lay.layer_id], dtype=torch.long)
 
     def job() -> Generator[Any, None, list[Tensor]]:
-        nonlocal have, held
         t0 = time.perf_counter()
         with collective(lay, "the all-gather of its expert weights"):
-            for level, phase in enumerate(phases, start=j):
-                yield phase.group
-                recv = _exchange(have.reshape(-1), phase.group).view(len(phase.peer_pos), *have.shape)
-                _count(lay, phase, have.numel(), "forward")
-                # each peer holds what I hold with its coordinate at this level: sort by position
-                positions = []
-                for peer in phase.peer_pos:
-                    c = comm.coords(peer)[level]
-                    positions += [_with_coord(comm, p, level, c) for p in held]
-                order = np.argsort(positions, kind="stable")
-                have = recv.reshape(-1, have.shape[1])[torch.from_numpy(order).to(recv.device)]
-                held = [positions[i] for i in order]
-        assert held == block, (held, block)
+            have = yield from all_gather_levels(lay, mine, j)
+        assert have.shape[0] == len(block), (have.shape, block)
         lay.add_comm_time("forward", time.perf_counter() - t0)
         gathered = runtime.from_bytes(have.reshape(len(block) * per, -1), sent_likes)
         if sr:
@@ -242,30 +285,13 @@ def _gather_backward_job(grads: list[Tensor], weights: list[Tensor], stamp: Tens
     comm = lay.comm
     per = len(lay.local_experts)
     flat = [(g.dtype, (per * int(np.prod(g.shape[1:])),)) for g in grads]  # one position's rows, flat
-    have = runtime.as_bytes([g.reshape(len(block), -1) for g in grads], len(block))  # [positions held, B]
-    held = list(block)
+    rows = runtime.as_bytes([g.reshape(len(block), -1) for g in grads], len(block))  # [positions held, B]
     phases = list(reversed(comm.inter[j:]))
 
     def job() -> Generator[Any, None, list[Tensor]]:
-        nonlocal have, held
         t0 = time.perf_counter()
         with collective(lay, "the reduce-scatter of its gathered expert weights' gradients"):
-            for i, phase in enumerate(phases):
-                level = len(comm.sizes) - 1 - i
-                yield phase.group
-                peers = [comm.coords(p)[level] for p in phase.peer_pos]
-                coord = [comm.coords(p)[level] for p in held]
-                # the rows of the positions each peer keeps, in group-rank order: equal splits
-                send = torch.cat([have[[k for k, c in enumerate(coord) if c == pc]] for pc in peers])
-                recv = torch.empty_like(send)
-                dist.all_to_all_single(recv, send, group=phase.group)
-                _count(lay, phase, send.numel() // len(peers), "backward")
-                mine = comm.coords(comm.position)[level]
-                held = [p for p, c in zip(held, coord, strict=True) if c == mine]
-                summed = [t.reshape(len(peers), len(held), -1).float().sum(0).to(t.dtype)
-                          for t in runtime.from_bytes(recv.view(len(peers) * len(held), -1), flat)]
-                have = runtime.as_bytes(summed, len(held))
-        assert held == [comm.position], (held, comm.position)
+            have = yield from reduce_scatter_levels(lay, rows, flat, j)
         lay.add_comm_time("backward", time.perf_counter() - t0)
         local = [t.reshape(per, *g.shape[1:]) for t, g in zip(runtime.from_bytes(have, flat), grads, strict=True)]
         if not by_expert:

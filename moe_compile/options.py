@@ -73,6 +73,13 @@ class Options:
         below it (the slowest level's name: the whole mesh, no token moves; on ("node", "gpu"),
         "gpu": each node). Not with a fixed 'dimension' (that fixes a token all-to-all) nor
         with 'expert_swap' (with it, "auto" weighs the all-to-alls only).
+    model_centric: with a mesh, whether a layer may run model-centric
+        (``lowering.strategies.model``, HEXA-MoE's model-centric mode: the tokens of every rank
+        all-gathered, each rank computing them on its columns of every expert's FFN, the partial
+        outputs reduce-scattered): "auto" (default) = weighed against the other candidates per
+        layer, False = never, "always" = every layer. It needs every expert whole on every rank,
+        so a model sharded by ``shard_experts`` never runs it ("always" is then an error), nor
+        does one compiled with 'expert_swap'.
     gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
         (``passes.overlap``): it runs during the layers before it, and the weights of this
         many further layers are in memory at once (default 1; 0 = where the layer starts).
@@ -113,6 +120,7 @@ class Options:
     gather_keep_bytes: int | None = None
     gather_compress: float | None = None
     sample_placement: bool = False
+    model_centric: str | bool = "auto"
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -188,6 +196,13 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
                                  "token all-to-all: give one of them")
             if names:
                 kw["expert_gather"] = names.index(gather)
+    if "model_centric" in kw:
+        mc = kw["model_centric"]
+        if mc is not False and mc not in ("auto", "always"):
+            raise ValueError(f"option 'model_centric' must be 'auto', False or 'always', got {mc!r}")
+        if mc == "always" and (dim is not None or kw.get("expert_gather", "auto") not in ("auto", False)):
+            raise ValueError("option 'model_centric' = 'always' runs every layer model-centric; options 'dimension' "
+                             "and 'expert_gather' (a level) fix another way: give one of them")
     if "gather_keep_bytes" in kw:
         keep = kw["gather_keep_bytes"]
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
@@ -207,10 +222,11 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
                                    or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw
                                    or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw
-                                   or "gather_compress" in kw or kw.get("sample_placement")):
+                                   or "gather_compress" in kw or kw.get("sample_placement")
+                                   or "model_centric" in kw):
         raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
-                         "'expert_gather', 'gather_prefetch', 'gather_keep_bytes', 'gather_compress' and "
-                         "'sample_placement' set how "
+                         "'expert_gather', 'gather_prefetch', 'gather_keep_bytes', 'gather_compress', "
+                         "'model_centric' and 'sample_placement' set how "
                          "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])

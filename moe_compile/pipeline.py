@@ -130,7 +130,7 @@ def _agreement(ctx: PassContext) -> Agree:
             return None
         lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
                         dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=_gather(opts),
-                        gather_compress=opts.gather_compress)
+                        gather_compress=opts.gather_compress, model_centric=_model_centric(ctx))
         ctx.own_plans[d.region.name] = lp
         return lp.choice
 
@@ -171,7 +171,8 @@ def _plan(ctx: PassContext) -> dict[str, int]:
     opts = ctx.options
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
                           dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans,
-                          chunks=_chunks(opts), gather=_gather(opts), gather_compress=opts.gather_compress)
+                          chunks=_chunks(opts), gather=_gather(opts), gather_compress=opts.gather_compress,
+                          model_centric=_model_centric(ctx))
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1
@@ -194,6 +195,21 @@ def _gather(opts: Options) -> str | bool | int:
     experts the all-to-alls send tokens to, "auto" weighs no gather (a gathering layer has no
     placement to improve)."""
     return False if opts.expert_swap is not None and opts.expert_gather == "auto" else opts.expert_gather
+
+
+def _model_centric(ctx: PassContext) -> str | bool:
+    """options['model_centric'] as the plan may use it (``lowering.strategies.model``): False with
+    expert_swap (a model-centric layer has no placement to improve) and where a rank does not hold
+    every expert whole (``shard_experts``' shards: it reads every expert's columns)."""
+    opts = ctx.options
+    sharded = any(shard.lookup(ex) is not None for ex in ctx.example_inputs)
+    why = ("its experts are sharded (moe_compile.shard_experts) and a model-centric layer reads every expert's "
+           "columns on every rank" if sharded else
+           "option 'expert_swap' moves experts between ranks, which a model-centric layer does not use"
+           if opts.expert_swap is not None else None)
+    if why is not None and opts.model_centric == "always":
+        raise ValueError(f"option 'model_centric' = 'always' cannot run this model: {why}; use 'auto' or False")
+    return False if why is not None else opts.model_centric
 
 
 def _mesh_levels(opts: Options) -> int | None:

@@ -95,7 +95,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
                           num_experts=num_experts, top_k=reg.top_k, hidden_size=reg.hidden_size,
                           ffn_size=r.layout.ffn_size, gated=r.layout.gated, dtype=getattr(torch, reg.dtype),
                           device=x_meta.device, tensors=tuple(value[n] for n in weight_inputs),
-                          domain=settings.domain)
+                          domain=settings.domain, model_centric=settings.model_centric)
         inputs[lay.layer_id] = tuple(placeholders.index(n) for n in weight_inputs)
         if expert_swap is not None:
             lay.swap_options = expert_swap
@@ -121,7 +121,9 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             elif stack is not None:
                 items = list(stack.args[0])  # type: ignore[arg-type]
                 sharded_modules = any(isinstance(i, fx.Node) and _root(i) in shards for i in items)
-                mode = expert_swap is not None and not sharded_modules
+                # every module's weights stay stacked where they may move (expert swap) or where
+                # every rank reads every expert (model-centric)
+                mode = (expert_swap is not None or settings.model_centric) and not sharded_modules
                 if not mode and stack not in restacked:  # only this rank's modules, in slot order
                     stack.args = ([items[e] for e in lay.local_experts], *stack.args[1:])
                     restacked.add(stack)

@@ -59,6 +59,9 @@ class LayerPlan:
         "hd2 (hd, d* per step, 4 chunks)"."""
         if self.strategy is None or self.settings is None:
             return self.plan.strategy
+        if self.settings.model_centric:
+            return (f"{self.plan.strategy} ({self.strategy.name}, every rank computes every token on its columns "
+                    "of the experts)")
         if self.settings.domain is not None:
             j = self.settings.domain
             return (f"{self.plan.strategy} ({self.strategy.name}, experts all-gathered "
@@ -89,14 +92,15 @@ class LayerPlan:
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
                agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto",
-               gather_compress: float | None = None) -> LayerPlan:
+               gather_compress: float | None = None, model_centric: str | bool = "auto") -> LayerPlan:
     """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None (uniform
     random routing: what every rank plans expert parallelism on, so that ranks with the same
     shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
     ``LayerPlan.choice``), which overrides this rank's; the predictions stay this rank's.
     ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n) or n.
     ``gather``: options['expert_gather'] ("auto", False, or a domain level); ``gather_compress``
-    options['gather_compress'] (the gathers' predicted bytes)."""
+    options['gather_compress'] (the gathers' predicted bytes); ``model_centric``: options'
+    ``model_centric`` as this model may use it (``strategies.executable``)."""
     agreed, _, agreed_chunks = (agreed or "").partition("@")
     agreed = agreed or None
     work = Workload(num_tokens=region.num_tokens, hidden_size=region.hidden_size, ffn_size=layout.ffn_size,
@@ -105,7 +109,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                     slot_bytes=SLOT_BYTES if mesh_levels is not None else 0)
     if mesh_levels is None:
         return LayerPlan(plan(topology, work, routing))
-    runnable = executable(mesh_levels, dimension, dedup, gather)
+    runnable = executable(mesh_levels, dimension, dedup, gather, model_centric)
     if topology is None:
         assert dimension is not None, "a mesh without topology and dimension is probed before planning"
         name = dispatch_strategy(dimension, True if dedup is None else dedup)
@@ -120,7 +124,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                           notes=(*decided.notes, f"{agreed}: agreed with the other ranks (this rank's own "
                                                  "token count predicts another candidate)"))
     strategy, settings = runnable[decided.strategy]
-    if settings.domain is not None:  # the gathers are not chunked
+    if settings.domain is not None or settings.model_centric:  # the gathers and model-centric are not chunked
         return LayerPlan(decided, strategy, settings)
     pipe = None if topology is None else _pipeline(topology, work, decided, settings)
     if isinstance(chunks, int):  # the user's n: the same option on every rank
@@ -160,7 +164,8 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool) -> P
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,
               dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
               known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1,
-              gather: str | bool | int = "auto", gather_compress: float | None = None) -> dict[str, LayerPlan]:
+              gather: str | bool | int = "auto", gather_compress: float | None = None,
+              model_centric: str | bool = "auto") -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
@@ -175,7 +180,8 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
         routing = r.routing.cpu().numpy() if r.routing is not None and mesh_levels is None else None
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
                                         dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name),
-                                        chunks=chunks, gather=gather, gather_compress=gather_compress)
+                                        chunks=chunks, gather=gather, gather_compress=gather_compress,
+                                        model_centric=model_centric)
     return out
 
 

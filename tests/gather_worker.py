@@ -166,6 +166,62 @@ def case_compress() -> dict[str, Any]:
     return out
 
 
+def case_model() -> dict[str, Any]:
+    """Compiled tiny LM with every layer model-centric (options model_centric "always"), per kind of
+    ``kinds`` (``permuted_kind`` on a mesh whose positions hold the ranks in another order,
+    ``inductor_kind`` compiled by Inductor, the others by aot_eager): loss and gradients summed over
+    the ranks against eager, the token bytes each level carried, the plans; then the same model
+    given a batch of another length on one rank only: the error every rank raises."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    standard = make_mesh(PARAMS["shape"])
+    permuted = DeviceMesh("cpu", torch.arange(dist.get_world_size()).reshape(PARAMS["shape"][::-1]).t(),
+                          mesh_dim_names=standard.mesh_dim_names)
+    out: dict[str, Any] = {}
+    for kind in PARAMS["kinds"]:
+        mesh = permuted if kind == PARAMS.get("permuted_kind") else standard
+        torch._dynamo.reset()
+        model = tiny(kind, 8)
+        ref = copy.deepcopy(model)
+        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "model_centric": "always",
+                "inner_compiler": "inductor" if kind == PARAMS.get("inductor_kind") else "aot_eager"}
+        compiled = torch.compile(model, backend="hiermoe", options=opts)
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
+        with collect_reports() as graphs:
+            runtime.reset_counters()
+            loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+            loss.backward()
+            loss_ref.backward()
+        code = "\n".join(g.after for g in graphs)
+        regions = [r for g in graphs for r in g.regions]
+        out[kind] = {
+            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+            "sent": _sent("payload"), "plans": [r.plan for r in regions],
+            "token_gathers": code.count("hiermoe.ep_model_tokens.default"),
+            "dispatches": code.count("hiermoe.ep_dispatch"), "weight_gathers": code.count("hiermoe.ep_gather")}
+        if kind == PARAMS["kinds"][0]:  # one rank brings 7 tokens per sample, the others 8
+            short = ids[:, :7] if rank == 1 else ids
+            try:
+                compiled(short, short)
+                out["uneven"] = None
+            except Exception as e:  # noqa: BLE001 (the test reads the message)
+                out["uneven"] = str(e)
+    # experts sharded by shard_experts: "always" cannot run (each rank holds a quarter of the experts)
+    torch._dynamo.reset()
+    model = tiny("grouped_gemm", 8)
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+    moe_compile.shard_experts(model, standard, ids[:, :-1], ids[:, 1:])
+    opts = {"mesh": standard, "topology": topology_for(standard, 1.0, 10.0), "model_centric": "always",
+            "inner_compiler": "aot_eager"}
+    try:
+        torch.compile(model, backend="hiermoe", options=opts)(ids[:, :-1], ids[:, 1:])
+        out["sharded"] = None
+    except Exception as e:  # noqa: BLE001 (the test reads the message)
+        out["sharded"] = str(e)
+    return out
+
+
 if __name__ == "__main__":
     assert moe_compile is not None
     main(globals())

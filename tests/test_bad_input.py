@@ -67,8 +67,11 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"pipeline": "fast"}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": True}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
-        ({"pipeline": 2}, r"'gather_compress' and 'sample_placement' set how expert-parallel layers "
-                          r"communicate; they need options\['mesh'\]"),
+        ({"pipeline": 2}, r"'gather_compress', 'model_centric' and 'sample_placement' set how expert-parallel "
+                          r"layers communicate; they need options\['mesh'\]"),
+        ({"model_centric": True}, r"'model_centric' must be 'auto', False or 'always'"),
+        ({"model_centric": "always", "dimension": 2}, r"give one of them"),
+        ({"model_centric": False}, r"they need options\['mesh'\]"),
         ({"sample_placement": True}, r"they need options\['mesh'\]"),
         ({"sample_placement": "auto"}, r"'sample_placement' must be True or False"),
         ({"gather_compress": 0.5}, r"'gather_compress' must be None \(off\) or a compression ratio >= 1"),

@@ -159,3 +159,39 @@ def test_sr_compression_is_lossy_and_sends_less() -> None:
             else:
                 assert gaps[0] > 1e-4, (where, gaps)  # the compressed experts are what ran
                 assert max(gaps) < 0.03, (where, gaps, r["losses"], exact["losses"])
+
+
+@pytest.mark.ranks
+def test_model_centric_layers_equal_eager_forward_and_backward() -> None:
+    """model0 (HEXA-MoE's model-centric mode: every rank's tokens all-gathered, each rank computing
+    them on its 12 of the experts' 48 FFN columns, the partial outputs reduce-scattered) on a 2 x 2
+    mesh: stacked experts compiled by Inductor, E expert modules by aot_eager on a mesh whose
+    positions hold the ranks [[0, 2], [1, 3]]. The loss equals eager's and the gradients summed
+    over the ranks equal eager's; no expert weight and no dispatch moves, each level carries the
+    tokens' hierarchical all-gather and the outputs' reduce-scatter (forward and backward); a rank
+    with fewer tokens than the others makes every rank fail with a message that says so."""
+    results = run_ranks(4, "model", worker="gather_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"],
+                        permuted_kind="expert_loop", inductor_kind="grouped_gemm")
+    # 16 tokens per rank: 32 fp32 hidden + 2 int64 ids + 2 fp32 weights = 152 B each with its routing
+    tokens, rows = 16 * (32 * 4 + 2 * 8 + 2 * 4), 16 * 32 * 4
+    for rank, res in enumerate(results):
+        uneven = res.pop("uneven")
+        assert uneven is not None and "same number of tokens on every rank" in uneven, (rank, uneven)
+        sharded = res.pop("sharded")
+        assert sharded is not None and "'model_centric' = 'always' cannot run this model" in sharded, (rank, sharded)
+        for kind, r in res.items():
+            where = (rank, kind)
+            assert abs(r["loss"] - r["loss_ref"]) <= 1e-6 * abs(r["loss_ref"]), where
+            assert r["grad_err"] < 1e-5, where
+            assert all(p.startswith("model0 ") for p in r["plans"]), (where, r["plans"])
+            assert r["token_gathers"] == 2 and r["dispatches"] == 0 and r["weight_gathers"] == 0, where
+            sent = r["sent"]
+            # per layer, forward: the tokens' all-gather sends 1 piece across sockets then 2 inside,
+            # the outputs' reduce-scatter 2 rows' worth inside then 1 across; backward the mirror
+            # (output gradients all-gathered, token gradients reduce-scattered: hidden + weights)
+            grads = 16 * (32 * 4 + 2 * 4)
+            assert sent["socket"]["dispatch"] == 2 * (tokens + rows), where
+            assert sent["gpu"]["dispatch"] == 2 * 2 * (tokens + rows), where
+            assert sent["socket"]["combine"] == 2 * (rows + grads), where
+            assert sent["gpu"]["combine"] == 2 * 2 * (rows + grads), where
+            assert all(sent[lv]["gather"] == 0 for lv in sent), where

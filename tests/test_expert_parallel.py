@@ -171,7 +171,7 @@ def test_planner_choice_decides_what_runs() -> None:
             assert r["err"] < TOL, where
             assert r["plans_made"] == 1, where  # the agreement's plan is the one that runs
             gathers = {"gather0", "gather1"} if case.endswith("gather") else set()
-            assert set(r["executable"]) == {"hd1", "hd2", "flat_a2a", "hier_a2a"} | gathers, where
+            assert set(r["executable"]) == {"hd1", "hd2", "flat_a2a", "hier_a2a", "model0"} | gathers, where
             chosen = r["plan"].split()[0]
             runnable = {k: v for k, v in r["predicted"].items() if k in r["executable"]}
             assert chosen == min(runnable, key=runnable.__getitem__), where  # the argmin, on every rank

@@ -27,7 +27,7 @@ def two_level(inter_gbps: float = 40.0, intra_gbps: float = 2400.0) -> Topology:
 
 WORK = Workload(num_tokens=4096, hidden_size=2048, ffn_size=1024, num_experts=64, top_k=8, dtype_bytes=2)
 ALL = ("local", "flat_a2a", "hier_a2a", "hd1", "hd2", "monta_O1", "monta_O2", "monta_O3", "hybridep",
-       "hexa_data_centric", "hexa_model_centric", "gather0", "gather1")
+       "hexa_data_centric", "hexa_model_centric", "gather0", "gather1", "model0")
 
 
 def test_single_process_plan_is_local() -> None:
@@ -107,7 +107,7 @@ def test_moe_plan_prints_the_choice_and_bytes_per_level(tmp_path: Path, capsys: 
     topo = moe_plan.scale_nodes(Topology.load(str(DGX)), 4)
     assert topo.sizes == (4, 8)
     decided, _ = moe_plan.plan_table(shape, topo, 2048, 2)
-    assert decided.strategy in ("hd1", "hd2", "flat_a2a", "hier_a2a", "gather0", "gather1")
+    assert decided.strategy in ("hd1", "hd2", "flat_a2a", "hier_a2a", "gather0", "gather1", "model0")
     assert f"{decided.strategy} <- chosen" in out and f"4 MoE layers, each: {decided.strategy}" in out
     for name in decided.predicted:
         assert name in out

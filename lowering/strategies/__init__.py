@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.lowering.strategies import gather, hd, nodedup
+from moe_compile.lowering.strategies import gather, hd, model, nodedup
 from moe_compile.lowering.strategies.common import Settings
 
 
@@ -33,26 +33,35 @@ class Strategy:
     emit: Callable[[fx.Graph, list[Any], int, bool, str, Settings, int], fx.Node]
 
 
-_MODULES = (hd, nodedup, gather)
+_MODULES = (hd, nodedup, gather, model)
 REGISTRY: dict[str, Strategy] = {m.NAME: Strategy(m.NAME, m.SUMMARY, m.COST_MODEL, m.candidates, m.emit)
                                  for m in _MODULES}
 
 
 def executable(num_levels: int, dimension: int | None, dedup: bool | None,
-               gather: str | bool | int = "auto") -> dict[str, tuple[Strategy, Settings]]:
+               gather: str | bool | int = "auto", model_centric: str | bool = "auto"
+               ) -> dict[str, tuple[Strategy, Settings]]:
     """Every candidate the registered strategies can run on a mesh of ``num_levels`` levels under
     the user's constraints (a fixed dimension; dedup forced on or off; None: free; options'
     ``expert_gather``: "auto" = the gather candidates too, False = none, j = only the gather of
-    domain level j), by candidate name."""
+    domain level j; ``model_centric``: options' ``model_centric`` where every rank holds every
+    expert whole, "auto" = the model-centric candidate too, False = not it, "always" = only it),
+    by candidate name."""
     out: dict[str, tuple[Strategy, Settings]] = {}
     for strategy in REGISTRY.values():
         for name, settings in strategy.candidates(num_levels, dimension).items():
+            if settings.model_centric:
+                if model_centric is not False and not (isinstance(gather, int) and not isinstance(gather, bool)):
+                    out[name] = (strategy, settings)
+                continue
             gathers = settings.domain is not None
             if gather is False and gathers or not isinstance(gather, bool) and isinstance(gather, int) and (
                     not gathers or settings.domain != gather):
                 continue
             if gathers or dedup is None or settings.dedup == dedup:
                 out[name] = (strategy, settings)
+    if model_centric == "always":
+        return {k: v for k, v in out.items() if v[1].model_centric}
     return out
 
 

@@ -16,13 +16,15 @@ import moe_compile.lowering.ep_stages  # noqa: F401  (registers the staged ops)
 class Settings:
     """How one layer's runtime runs: the all-to-all dimension (None: d* per step, HierMoE Eq. 6 /
     Alg. 1), whether a token travels once per destination group (dedup) or once per expert, and
-    the chunks its tokens run in (the pipeline, ``cost.pipeline``; 1 = not chunked), and the mesh
-    level whose blocks gather their experts (``strategies.gather``; None: experts stay)."""
+    the chunks its tokens run in (the pipeline, ``cost.pipeline``; 1 = not chunked), the mesh
+    level whose blocks gather their experts (``strategies.gather``; None: experts stay), and
+    whether every rank runs every token on its columns of the experts (``strategies.model``)."""
 
     dimension: int | None
     dedup: bool
     chunks: int = 1
     domain: int | None = None
+    model_centric: bool = False
 
 
 def emit_stages(graph: fx.Graph, args: list[Any], layer_id: int, by_expert: bool, name: str, slots: int,

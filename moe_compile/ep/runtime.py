@@ -156,6 +156,10 @@ class EPLayer:
     # all-gather their experts, so that tokens cross only levels 0..j-1 (j = 0: the whole mesh,
     # no token moves); None: experts stay where they are (all-to-all expert parallelism)
     domain: int | None = None
+    # model-centric execution (``lowering.ep_model``): every rank computes every token on its
+    # columns of the experts' F (ffn_size); no token goes to an expert's owner
+    model_centric: bool = False
+    ffn_size: int = 0
     # bytes of expert weights this rank received in its last forward's gathers
     gathered_bytes: int = 0
     # payload bytes the last forward's gather (and its backward's reduce-scatter) sent, like

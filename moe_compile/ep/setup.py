@@ -67,7 +67,7 @@ def mesh_comm(mesh: Any) -> Any:
 def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: int | None, dedup: bool,
                 num_experts: int, top_k: int, hidden_size: int, ffn_size: int, gated: bool,
                 dtype: torch.dtype, device: torch.device, tensors: tuple[Any, ...] = (),
-                domain: int | None = None) -> runtime.EPLayer:
+                domain: int | None = None, model_centric: bool = False) -> runtime.EPLayer:
     """The runtime state of one layer: contiguous placement (expert e on position e // (E/G),
     HierMoE Fig. 6), the local experts, and the lambdified HD-d model when d is chosen per step.
 
@@ -75,7 +75,8 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
     (the same tensors) gets the layer it had, with its current placement (expert swaps may have
     moved experts since), and this compile's settings. ``domain``: the mesh level whose blocks
     gather the layer's experts (``lowering.ep_gather``); its tokens then cross levels
-    0..domain-1 (the layer's fixed dimension is that many inter-level hops)."""
+    0..domain-1 (the layer's fixed dimension is that many inter-level hops). ``model_centric``:
+    the layer runs model-centric (``lowering.ep_model``)."""
     world = math.prod(int(s) for s in mesh.mesh.shape)
     if num_experts % world:
         raise ValueError(f"layer {name}: {num_experts} experts do not split evenly over {world} ranks; "
@@ -107,7 +108,8 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
             raise ValueError(f"layer {name}: recompiled with {num_experts} experts top-{top_k} but its weights were "
                              f"compiled before as {old.num_experts} experts top-{old.top_k}")
         old_topology = old.cost.topology if old.cost is not None else None
-        if (old.dedup, old.dimension, old_topology, old.domain) == (dedup, dimension, topology, domain):
+        if ((old.dedup, old.dimension, old_topology, old.domain, old.model_centric)
+                == (dedup, dimension, topology, domain, model_centric)):
             return old
         if old.version:
             raise ValueError(f"layer {name}: its experts were swapped under the expert-parallel options it was first "
@@ -122,7 +124,16 @@ def build_layer(*, name: str, mesh: Any, topology: Topology | None, dimension: i
     local = tuple(range(comm.position * per_rank, (comm.position + 1) * per_rank))
     return runtime.register_layer(tensors=tensors, name=name, num_experts=num_experts, top_k=top_k, comm=comm,
                                   expert_pos_E=expert_pos, local_experts=local, dedup=dedup, dimension=dimension,
-                                  cost=cost, domain=domain,
-                                  swap_blocker=blocker or (None if domain is None else
-                                                           "it gathers its experts (expert_gather): no token travels "
-                                                           "to them, so where they live does not matter"))
+                                  cost=cost, domain=domain, model_centric=model_centric, ffn_size=ffn_size,
+                                  swap_blocker=blocker or _no_swap(domain, model_centric))
+
+
+def _no_swap(domain: int | None, model_centric: bool) -> str | None:
+    """Why a layer's experts need no swapping (None: they may), from how it runs."""
+    if model_centric:
+        return ("it runs model-centric: every rank computes every token on its columns of every expert, so "
+                "where an expert lives does not matter")
+    if domain is not None:
+        return ("it gathers its experts (expert_gather): no token travels to them, so where they live does not "
+                "matter")
+    return None

@@ -108,7 +108,15 @@ def phase_bytes(topology: Topology, work: Workload, candidate: str, stats: Any) 
     model's n of Eq. 2-5: phases over a level's link, padded to the busiest destination); for an
     expert gather ``gather{j}``, its tokens' Inter-level-1..j phases plus the expert weights the
     hierarchical all-gather sends over each level from j on (s_l - 1 peers, the pieces gathered
-    so far: HybridEP Eq. 4 per level)."""
+    so far: HybridEP Eq. 4 per level); for ``model0``, its tokens' hierarchical all-gather (with
+    their routing slots) and the outputs' reduce-scatter, which sends the same rows per level."""
+    if candidate == "model0":
+        out = {lv.name: 0.0 for lv in topology.levels}
+        rows = float(work.num_tokens)  # rows of one position, then of the positions gathered so far
+        for lv in topology.levels:
+            out[lv.name] += (lv.size - 1) * rows * (2 * work.token_bytes + work.top_k * work.slot_bytes)
+            rows *= lv.size
+        return out
     gather = candidate.startswith("gather")
     dedup = candidate.startswith("hd") or gather
     named = {"flat_a2a": 1, "hier_a2a": 2}
@@ -158,7 +166,8 @@ def plan_table(shape: MoEShape, topology: Topology, tokens: int, dtype_bytes: in
         how = ""
         if name in runnable:
             strategy, settings = runnable[name]
-            how = f"{strategy.name}" + (", d* per step" if settings.dimension is None else
+            how = f"{strategy.name}" + (", every token on every rank" if settings.model_centric else
+                                         ", d* per step" if settings.dimension is None else
                                          f", domain level {settings.domain}" if settings.domain is not None else "")
         sent = phase_bytes(topology, work, name, stats) if name in runnable else {}
         mark = " <- chosen" if name == decided.strategy else ""
