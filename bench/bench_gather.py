@@ -12,12 +12,16 @@ top-K, T tokens per rank as [batch, T / batch, H], each rank its own, a seeded u
 the layer compiled with hiermoe (the links fitted at start as bench_e2e does, the compute rate
 measured; inner compiler aot_eager) once per variant, each a copy of the same layer:
 
-  a2a (HD d*)  options {"expert_gather": False}: the planner's choice among the token all-to-alls
+  a2a (HD d*)  options {"expert_gather": False, "model_centric": False}: the planner's choice among
+               the token all-to-alls
   gather1      {"expert_gather": "gpu"} (level 1): each node's ranks
                all-gather their experts, tokens cross nodes
   gather0      {"expert_gather": "node"} (level 0): the whole mesh gathers the experts, no token
                moves (data-centric)
-  planner      {} (expert_gather "auto"): the planner chooses among all of them
+  model0       {"model_centric": "always"}: HEXA-MoE's model-centric mode (lowering/strategies/model.py):
+               every rank's tokens all-gathered, each rank computing its F/S columns of every
+               expert, the partial outputs reduce-scattered (--no-model leaves it out)
+  planner      {} (expert_gather and model_centric "auto"): the planner chooses among all of them
 
 Untimed warmup steps (the first compiles and is the check: every variant's output and input
 gradient against the a2a variant's, rel. err < 1e-5), more untimed steps while a variant's layer
@@ -56,7 +60,8 @@ from cluster_bench import rate_header  # noqa: E402
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 # name=H:F:E:K:T (T tokens per rank)
 DEFAULT_SHAPES = "small experts=256:128:8:4:1024,large experts=256:1024:8:2:128"
-LABELS = {"a2a": "a2a (HD d*)", "gather1": "gather1", "gather0": "gather0", "planner": "planner"}
+LABELS = {"a2a": "a2a (HD d*)", "gather1": "gather1", "gather0": "gather0", "model0": "model0", "planner": "planner"}
+MOVING = ("gather1", "gather0", "model0")  # the variants that force one candidate
 WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured fastest
 
 
@@ -69,9 +74,11 @@ def worker(args: argparse.Namespace) -> None:
 
     rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
     # gather j needs mesh level j: a one-level mesh (--ranks-per-node 1) has no gather1
-    gathers: dict[str, dict[str, Any]] = {"a2a": {"expert_gather": False}}
+    gathers: dict[str, dict[str, Any]] = {"a2a": {"expert_gather": False, "model_centric": False}}
     gathers.update({f"gather{j}": {"expert_gather": names[j]} for j in (1, 0) if j < len(names)})
-    gathers["planner"] = {}
+    if args.model:
+        gathers["model0"] = {"expert_gather": False, "model_centric": "always"}
+    gathers["planner"] = {} if args.model else {"model_centric": False}
     results = []
     for shape in args.shapes:
         torch._dynamo.reset()
@@ -114,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
                                    f"{[(s.name, s.reason) for gr in graphs for s in gr.skipped]})")
             (region,) = regions
             ran = region.plan.split()[0]
-            if name != "planner" and (ran != name if name.startswith("gather") else ran.startswith("gather")):
+            if name != "planner" and (ran != name if name in MOVING else ran.startswith(("gather", "model"))):
                 raise RuntimeError(f"{shape['name']} at {args.rate}: the {name} variant runs {region.plan}")
             layer_of[name] = runtime.layer(region.ep_layer) if region.ep_layer is not None else runtime.layers()[-1]
             plans[name], predicted[name] = region.plan, dict(region.predicted_s)
@@ -203,8 +210,8 @@ def _machine() -> str:
 
 
 def _class(candidate: str) -> str:
-    """The variant that runs a planner candidate: gather0/gather1 themselves, any token all-to-all a2a."""
-    return candidate if candidate.startswith("gather") else "a2a"
+    """The variant that runs a planner candidate: gather0/gather1/model0 themselves, any token all-to-all a2a."""
+    return candidate if candidate in MOVING else "a2a"
 
 
 def _a2a_predicted(c: dict[str, Any]) -> tuple[str, float] | None:
@@ -262,8 +269,10 @@ def report(payload: dict[str, Any]) -> str:
              + (f",gpu={args['ranks_per_node']}" if args["ranks_per_node"] > 1 else "")
              + ", inner compiler aot_eager; variants: a2a = expert_gather False (the planner's token all-to-all, "
              "HD-d with d* per step), gather1 = expert_gather level 1 (experts all-gathered inside each node, tokens "
-             "across nodes), gather0 = expert_gather level 0 (the whole mesh gathers, no token moves), planner = the "
-             f"default \"auto\". {args['warmup']} untimed step(s) per variant, more while its dimension tuner "
+             "across nodes), gather0 = expert_gather level 0 (the whole mesh gathers, no token moves)"
+             + (", model0 = model_centric \"always\" (every rank's tokens all-gathered, each rank computing its F/S "
+                "columns of every expert, the partial outputs reduce-scattered)" if args.get("model", False) else "")
+             + f", planner = the default \"auto\". {args['warmup']} untimed step(s) per variant, more while its dimension tuner "
              f"explores (up to {args['tune_cap']}), then {args['reps']} repetitions each timing one forward + "
              "backward of every variant (rotated order, barrier first, slowest rank's time); medians in ms.", "",
              "Predicted: the planner's forward times (communication + expert compute, cost/planner.py; the "
@@ -274,10 +283,10 @@ def report(payload: dict[str, Any]) -> str:
     crossings: dict[str, dict[str, list[tuple[float, str, float, float]]]] = {}
     for run in payload["runs"]:
         lines += rate_header(run)
-        lines.append("| shape | a2a ms | gather1 ms | gather0 ms | planner ms (its pick) | measured fastest |"
-                     " planner pick within 10 % of fastest? | predicted fw ms: a2a (best) / gather1 / gather0 |"
+        lines.append("| shape | a2a ms | gather1 ms | gather0 ms | model0 ms | planner ms (its pick) | measured fastest |"
+                     " planner pick within 10 % of fastest? | predicted fw ms: a2a (best) / gather1 / gather0 / model0 |"
                      " gather wait fw ms: gather1 / gather0 | a2a plan |")
-        lines.append("|" + "---|" * 10)
+        lines.append("|" + "---|" * 11)
         for c in run["configs"]:
             med = c["median_s"]
             pred = c["predicted_s"]["planner"]
@@ -287,11 +296,11 @@ def report(payload: dict[str, Any]) -> str:
             a2a_pred = _a2a_predicted(c)
             gathers = [n for n in ("gather1", "gather0") if n in med]
             pred_txt = (f"{a2a_pred[1] * 1e3:.3g} ({a2a_pred[0]})" if a2a_pred else "-") + " / " + " / ".join(
-                f"{pred[n] * 1e3:.3g}" if n in pred else "-" for n in ("gather1", "gather0"))
+                f"{pred[n] * 1e3:.3g}" if n in pred else "-" for n in ("gather1", "gather0", "model0"))
             wait = c.get("gather_exposed_s", {})
             wait_txt = " / ".join(f"{wait[n] * 1e3:.1f}" if n in wait else "-" for n in ("gather1", "gather0"))
             lines.append(f"| {c['shape']['name']} | " + " | ".join(
-                f"{med[n] * 1e3:.0f}" if n in med else "-" for n in ("a2a", "gather1", "gather0"))
+                f"{med[n] * 1e3:.0f}" if n in med else "-" for n in ("a2a", "gather1", "gather0", "model0"))
                 + f" | {med['planner'] * 1e3:.0f} ({c['pick']}) | {LABELS[fastest]} | {words} | {pred_txt} |"
                 f" {wait_txt} | {c['plans']['a2a']} |")
             if gathers:
@@ -351,6 +360,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tune-cap", type=int, default=12,
                    help="at most this many more untimed steps while a variant's dimension tuner explores "
                         "(default 12; 0: none)")
+    p.add_argument("--no-model", dest="model", action="store_false",
+                   help="leave out the model-centric variant (and the planner's model0 candidate)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="results path without suffix (default bench/results/gather; "
                                                "--quick: none)")
