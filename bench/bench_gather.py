@@ -91,6 +91,8 @@ def worker(args: argparse.Namespace) -> None:
         variants: dict[str, Any] = {}
         for name, extra in gathers.items():
             options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", **extra}
+            if args.pipeline != "auto":
+                options["pipeline"] = False if args.pipeline == "off" else int(args.pipeline)
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles.
             # The backend as a callable of its own per variant, not backend="hiermoe" with options:
             # Dynamo reuses a compile whose backend compares equal (torch._TorchCompileWrapper.__eq__
@@ -362,6 +364,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(default 12; 0: none)")
     p.add_argument("--no-model", dest="model", action="store_false",
                    help="leave out the model-centric variant (and the planner's model0 candidate)")
+    p.add_argument("--pipeline", default="auto",
+                   help="options['pipeline'] of every variant: auto (default, the cost model's chunk count), "
+                        "off, or a chunk count")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="results path without suffix (default bench/results/gather; "
                                                "--quick: none)")
