@@ -31,42 +31,55 @@ def _sent(kind: str) -> dict[str, dict[str, int]]:
                  for ph in ("dispatch", "combine", "gather")} for lv in c}
 
 
+def _meshes() -> tuple[Any, Any]:
+    """The mesh of PARAMS["shape"], and the same shape with the ranks in another order (mesh
+    positions != ranks: a domain's rows follow its mesh positions, whatever the ranks' numbers)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    standard = make_mesh(PARAMS["shape"])
+    permuted = DeviceMesh("cpu", torch.arange(dist.get_world_size()).reshape(PARAMS["shape"][::-1]).t(),
+                          mesh_dim_names=standard.mesh_dim_names)
+    return standard, permuted
+
+
+def _compiled_step(kind: str, mesh: Any, options: dict[str, Any], inductor: bool) -> tuple[Any, Any, dict[str, Any]]:
+    """The tiny LM of ``kind`` compiled over ``mesh`` with ``options`` (Inductor or aot_eager), one
+    forward + backward beside eager: (the compiled model, its input ids, the loss and the eager
+    loss, the gradients summed over the ranks against eager's, this step's bytes per level, the
+    plans, and the rewritten graphs' code)."""
+    torch._dynamo.reset()
+    model = tiny(kind, 8)
+    ref = copy.deepcopy(model)
+    opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), **options,
+            "inner_compiler": "inductor" if inductor else "aot_eager"}
+    compiled = torch.compile(model, backend="hiermoe", options=opts)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + dist.get_rank()))
+    with collect_reports() as graphs:
+        runtime.reset_counters()
+        loss, loss_ref = compiled(ids, ids), ref(ids, ids)
+        loss.backward()
+        loss_ref.backward()
+    return compiled, ids, {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+                           "sent": _sent("payload"), "plans": [r.plan for g in graphs for r in g.regions],
+                           "code": "\n".join(g.after for g in graphs)}
+
+
 def case_gather() -> dict[str, Any]:
     """Compiled tiny LM with every layer gathering its experts over the blocks of mesh level j
     (0: the whole mesh; 1: each node), per (kind, j) of ``cases`` (``permuted_kind`` on
     a mesh whose positions hold the ranks in another order, ``inductor_case`` ([kind, j]) compiled by Inductor,
     the others by aot_eager): loss and gradients summed over the ranks against eager; the bytes
     each level carried; the plans."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    rank = dist.get_rank()
-    standard = make_mesh(PARAMS["shape"])
-    # the same shape with the ranks in another order (mesh positions != ranks): a domain's rows
-    # follow its mesh positions, whatever the ranks' numbers
-    permuted = DeviceMesh("cpu", torch.arange(dist.get_world_size()).reshape(PARAMS["shape"][::-1]).t(),
-                          mesh_dim_names=standard.mesh_dim_names)
+    standard, permuted = _meshes()
     out: dict[str, Any] = {}
     for kind, level in PARAMS["cases"]:
         mesh = permuted if kind == PARAMS.get("permuted_kind") else standard
-        torch._dynamo.reset()
-        model = tiny(kind, 8)
-        ref = copy.deepcopy(model)
-        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "expert_gather": mesh.mesh_dim_names[level],
-                "inner_compiler": "inductor" if [kind, level] == PARAMS.get("inductor_case") else "aot_eager"}
-        compiled = torch.compile(model, backend="hiermoe", options=opts)
-        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
-        with collect_reports() as graphs:
-            runtime.reset_counters()
-            loss, loss_ref = compiled(ids, ids), ref(ids, ids)
-            loss.backward()
-            loss_ref.backward()
-        code = "\n".join(g.after for g in graphs)
-        regions = [r for g in graphs for r in g.regions]
-        out[f"{kind} {level}"] = {
-            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-            "sent": _sent("payload"), "plans": [r.plan for r in regions],
-            "gathers": code.count("hiermoe.ep_gather.default"), "dispatches": code.count("hiermoe.ep_dispatch"),
-            "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
+        _, _, r = _compiled_step(kind, mesh, {"expert_gather": mesh.mesh_dim_names[level]},
+                                 [kind, level] == PARAMS.get("inductor_case"))
+        code = r.pop("code")
+        out[f"{kind} {level}"] = {**r, "gathers": code.count("hiermoe.ep_gather.default"),
+                                  "dispatches": code.count("hiermoe.ep_dispatch"),
+                                  "gathered_bytes": [lay.gathered_bytes for lay in runtime.layers()][-2:]}
     return out
 
 
@@ -172,34 +185,15 @@ def case_model() -> dict[str, Any]:
     ``inductor_kind`` compiled by Inductor, the others by aot_eager): loss and gradients summed over
     the ranks against eager, the token bytes each level carried, the plans; then the same model
     given a batch of another length on one rank only: the error every rank raises."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     rank = dist.get_rank()
-    standard = make_mesh(PARAMS["shape"])
-    permuted = DeviceMesh("cpu", torch.arange(dist.get_world_size()).reshape(PARAMS["shape"][::-1]).t(),
-                          mesh_dim_names=standard.mesh_dim_names)
+    standard, permuted = _meshes()
     out: dict[str, Any] = {}
     for kind in PARAMS["kinds"]:
         mesh = permuted if kind == PARAMS.get("permuted_kind") else standard
-        torch._dynamo.reset()
-        model = tiny(kind, 8)
-        ref = copy.deepcopy(model)
-        opts = {"mesh": mesh, "topology": topology_for(mesh, 1.0, 10.0), "model_centric": "always",
-                "inner_compiler": "inductor" if kind == PARAMS.get("inductor_kind") else "aot_eager"}
-        compiled = torch.compile(model, backend="hiermoe", options=opts)
-        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(10 + rank))
-        with collect_reports() as graphs:
-            runtime.reset_counters()
-            loss, loss_ref = compiled(ids, ids), ref(ids, ids)
-            loss.backward()
-            loss_ref.backward()
-        code = "\n".join(g.after for g in graphs)
-        regions = [r for g in graphs for r in g.regions]
-        out[kind] = {
-            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-            "sent": _sent("payload"), "plans": [r.plan for r in regions],
-            "token_gathers": code.count("hiermoe.ep_model_tokens.default"),
-            "dispatches": code.count("hiermoe.ep_dispatch"), "weight_gathers": code.count("hiermoe.ep_gather")}
+        compiled, ids, r = _compiled_step(kind, mesh, {"model_centric": "always"}, kind == PARAMS.get("inductor_kind"))
+        code = r.pop("code")
+        out[kind] = {**r, "token_gathers": code.count("hiermoe.ep_model_tokens.default"),
+                     "dispatches": code.count("hiermoe.ep_dispatch"), "weight_gathers": code.count("hiermoe.ep_gather")}
         if kind == PARAMS["kinds"][0]:  # one rank brings 7 tokens per sample, the others 8
             short = ids[:, :7] if rank == 1 else ids
             try:
