@@ -40,10 +40,6 @@ from moe_compile.lowering.ep_gather import all_gather_levels, reduce_scatter_lev
 from moe_compile.lowering.ep_stages import Job, check_device, collective, stage_ops
 
 
-def _world(lay: runtime.EPLayer) -> int:
-    return lay.comm.world
-
-
 def _check_counts(lay: runtime.EPLayer, num_tokens: int) -> None:
     every = runtime.gather_by_position(torch.tensor([num_tokens], dtype=torch.long), lay.comm)[:, 0]
     if (every != num_tokens).any():
@@ -55,6 +51,24 @@ def _check_counts(lay: runtime.EPLayer, num_tokens: int) -> None:
 
 # -- tokens: all-gather forward, reduce-scatter backward ------------------------------------------
 
+def _gather_rows_job(parts: list[Tensor], layer: int, direction: str, what: str) -> Job:
+    """Every rank's ``parts`` (each [T, ...], packed into one message) all-gathered over the mesh:
+    each [S*T, ...], rows in position order."""
+    lay = runtime.resolve(layer)
+    num_t = parts[0].shape[0]
+    likes = [(t.dtype, tuple(t.shape[1:])) for t in parts]
+    mine = runtime.as_bytes([t.detach() for t in parts], num_t).reshape(1, -1)
+
+    def job() -> Generator[Any, None, list[Tensor]]:
+        t0 = time.perf_counter()
+        with collective(lay, what):
+            have = yield from all_gather_levels(lay, mine, 0, "dispatch", direction)
+        lay.add_comm_time(direction, time.perf_counter() - t0)
+        return runtime.from_bytes(have.reshape(have.shape[0] * num_t, -1), likes)
+
+    return parts[0].device, job(), [p.group for p in lay.comm.inter]
+
+
 def _tokens_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int) -> Job:
     lay = runtime.resolve(layer)
     check_device(lay, x)
@@ -62,22 +76,12 @@ def _tokens_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int) -
     _check_counts(lay, x.shape[0])
     lay.last_topk = topk_idx.detach()
     lay.begin_step(0)
-    likes = [(t.dtype, tuple(t.shape[1:])) for t in (x, topk_idx, topk_weights)]
-    mine = runtime.as_bytes([x.detach(), topk_idx, topk_weights.detach()], x.shape[0]).reshape(1, -1)
-    num_t = x.shape[0]
-
-    def job() -> Generator[Any, None, list[Tensor]]:
-        t0 = time.perf_counter()
-        with collective(lay, "the all-gather of its tokens (model-centric)"):
-            have = yield from all_gather_levels(lay, mine, 0, "dispatch")
-        lay.add_comm_time("forward", time.perf_counter() - t0)
-        return runtime.from_bytes(have.reshape(have.shape[0] * num_t, -1), likes)
-
-    return x.device, job(), [p.group for p in lay.comm.inter]
+    return _gather_rows_job([x, topk_idx, topk_weights], layer, "forward",
+                            "the all-gather of its tokens (model-centric)")
 
 
 def _tokens_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int) -> list[Tensor]:
-    s = _world(runtime.resolve(layer))
+    s = runtime.resolve(layer).comm.world
     return [t.new_empty((s * t.shape[0], *t.shape[1:])) for t in (x, topk_idx, topk_weights)]
 
 
@@ -89,7 +93,7 @@ def _sum_rows_job(grads: list[Tensor], layer: int, direction: str, what: str) ->
     """Each of ``grads`` ([S*T, ...], rows in position order) summed over the ranks onto this
     rank's T rows."""
     lay = runtime.resolve(layer)
-    s = _world(lay)
+    s = lay.comm.world
     num_t = grads[0].shape[0] // s
     flat = [(g.dtype, (num_t * g[0].numel(),)) for g in grads]
     rows = runtime.as_bytes([g.detach().contiguous().reshape(s, -1) for g in grads], s)
@@ -110,7 +114,7 @@ def _tokens_backward_job(d_x: Tensor, d_weights: Tensor, layer: int) -> Job:
 
 
 def _tokens_backward_fake(d_x: Tensor, d_weights: Tensor, layer: int) -> list[Tensor]:
-    s = _world(runtime.resolve(layer))
+    s = runtime.resolve(layer).comm.world
     return [t.new_empty((t.shape[0] // s, *t.shape[1:])) for t in (d_x, d_weights)]
 
 
@@ -147,7 +151,7 @@ def _outputs_job(y_all: Tensor, layer: int) -> Job:
 
 
 def _outputs_fake(y_all: Tensor, layer: int) -> Tensor:
-    s = _world(runtime.resolve(layer))
+    s = runtime.resolve(layer).comm.world
     return y_all.new_empty((y_all.shape[0] // s, *y_all.shape[1:]))
 
 
@@ -155,23 +159,18 @@ ep_model_outputs = stage_ops("ep_model_outputs", "Tensor y_all, int layer", "Ten
 
 
 def _outputs_backward_job(d_y: Tensor, layer: int) -> Job:
-    lay = runtime.resolve(layer)
-    mine = runtime.as_bytes([d_y.contiguous()], d_y.shape[0]).reshape(1, -1)
-    likes = [(d_y.dtype, tuple(d_y.shape[1:]))]
-    num_t = d_y.shape[0]
+    device, steps, groups = _gather_rows_job([d_y], layer, "backward",
+                                             "the all-gather of its output gradients (model-centric)")
 
     def job() -> Generator[Any, None, Tensor]:
-        t0 = time.perf_counter()
-        with collective(lay, "the all-gather of its output gradients (model-centric)"):
-            have = yield from all_gather_levels(lay, mine, 0, "dispatch", "backward")
-        lay.add_comm_time("backward", time.perf_counter() - t0)
-        return runtime.from_bytes(have.reshape(have.shape[0] * num_t, -1), likes)[0]
+        (d_y_all,) = yield from steps
+        return d_y_all
 
-    return d_y.device, job(), [p.group for p in lay.comm.inter]
+    return device, job(), groups
 
 
 def _outputs_backward_fake(d_y: Tensor, layer: int) -> Tensor:
-    s = _world(runtime.resolve(layer))
+    s = runtime.resolve(layer).comm.world
     return d_y.new_empty((s * d_y.shape[0], *d_y.shape[1:]))
 
 
@@ -190,33 +189,8 @@ def _outputs_backward(ctx: Any, d_y: Tensor) -> tuple[Any, ...]:
 ep_model_outputs.register_autograd(_outputs_backward, setup_context=_outputs_setup)
 
 
-def model_centric_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weights: list[Tensor | None],
-                          activation: str, layer: int) -> Tensor:
-    """A model-centric layer as ``strategies.model`` emits it, called eagerly (tests, benchmarks).
-    ``weights``: w_up, w_gate, w_down, b_up, b_gate, b_down, every expert whole."""
-    lay = runtime.resolve(layer)
-    x_all, idx_all, w_all = torch.ops.hiermoe.ep_model_tokens(x, topk_idx, topk_weights, layer)
-    sliced = column_slices(weights, lay.comm.position, lay.comm.world)
-    y_all = torch.ops.hiermoe.experts(x_all, idx_all, w_all, *sliced, activation)
-    return torch.ops.hiermoe.ep_model_outputs(y_all, layer)
-
-
 def ffn_columns(ffn_size: int, position: int, world: int) -> tuple[int, int]:
     """(start, length) of mesh position ``position``'s columns of F: an even split (the remainder
     to the first positions; HEXA's Eq. 2 with equal device speeds, ``hexa.heterogeneous_split``)."""
     sizes = heterogeneous_split(ffn_size, [1.0] * world, speeds=True)
     return sum(sizes[:position]), sizes[position]
-
-
-def column_slices(weights: list[Tensor | None], position: int, world: int) -> list[Tensor | None]:
-    """The expert op's weight arguments (w_up, w_gate, w_down, b_up, b_gate, b_down; nn.Linear
-    layouts) narrowed to this position's columns of F; b_down on position 0 only (added once)."""
-    w_up, w_gate, w_down, b_up, b_gate, b_down = weights
-    assert w_up is not None and w_down is not None
-    start, length = ffn_columns(w_up.shape[1], position, world)
-
-    def cols(t: Tensor | None, dim: int) -> Tensor | None:
-        return None if t is None else t.narrow(dim, start, length)
-
-    return [cols(w_up, 1), cols(w_gate, 1), cols(w_down, 2), cols(b_up, 1), cols(b_gate, 1),
-            b_down if position == 0 else None]

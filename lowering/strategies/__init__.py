@@ -48,15 +48,15 @@ def executable(num_levels: int, dimension: int | None, dedup: bool | None,
     expert whole, "auto" = the model-centric candidate too, False = not it, "always" = only it),
     by candidate name."""
     out: dict[str, tuple[Strategy, Settings]] = {}
+    level = gather if isinstance(gather, int) and not isinstance(gather, bool) else None  # one forced gather
     for strategy in REGISTRY.values():
         for name, settings in strategy.candidates(num_levels, dimension).items():
             if settings.model_centric:
-                if model_centric is not False and not (isinstance(gather, int) and not isinstance(gather, bool)):
+                if model_centric is not False and level is None:
                     out[name] = (strategy, settings)
                 continue
             gathers = settings.domain is not None
-            if gather is False and gathers or not isinstance(gather, bool) and isinstance(gather, int) and (
-                    not gathers or settings.domain != gather):
+            if gather is False and gathers or level is not None and settings.domain != level:
                 continue
             if gathers or dedup is None or settings.dedup == dedup:
                 out[name] = (strategy, settings)
