@@ -139,15 +139,19 @@ ep_model_tokens.register_autograd(_tokens_backward, setup_context=_tokens_setup)
 
 # -- outputs: reduce-scatter forward, all-gather backward -----------------------------------------
 
-def _outputs_job(y_all: Tensor, layer: int) -> Job:
-    device, steps, groups = _sum_rows_job([y_all], layer, "forward",
-                                          "the reduce-scatter of its partial outputs (model-centric)")
+def _one(parts: Job) -> Job:
+    """A job of one-tensor lists as a job of that tensor (the ops with one output)."""
+    device, steps, groups = parts
 
     def job() -> Generator[Any, None, Tensor]:
-        (y,) = yield from steps
-        return y
+        (t,) = yield from steps
+        return t
 
     return device, job(), groups
+
+
+def _outputs_job(y_all: Tensor, layer: int) -> Job:
+    return _one(_sum_rows_job([y_all], layer, "forward", "the reduce-scatter of its partial outputs (model-centric)"))
 
 
 def _outputs_fake(y_all: Tensor, layer: int) -> Tensor:
@@ -159,14 +163,7 @@ ep_model_outputs = stage_ops("ep_model_outputs", "Tensor y_all, int layer", "Ten
 
 
 def _outputs_backward_job(d_y: Tensor, layer: int) -> Job:
-    device, steps, groups = _gather_rows_job([d_y], layer, "backward",
-                                             "the all-gather of its output gradients (model-centric)")
-
-    def job() -> Generator[Any, None, Tensor]:
-        (d_y_all,) = yield from steps
-        return d_y_all
-
-    return device, job(), groups
+    return _one(_gather_rows_job([d_y], layer, "backward", "the all-gather of its output gradients (model-centric)"))
 
 
 def _outputs_backward_fake(d_y: Tensor, layer: int) -> Tensor:
