@@ -10,7 +10,9 @@ options["sample_placement"], the inter-node bytes each sends, and their step tim
 Per node link rate (a fresh emulated cluster each: bench/clusters/two_node.toml with its rate
 overridden; mesh node=2,gpu=2), routing and K: the model of moe_compile.samples.sample_affine
 (Mixtral, fp32, token embeddings along one of G directions, one per block of E / G experts (default
-G = 4, one per rank; --groups 2: one per node); routers scoring each expert by its block's direction) and each rank's batch drawn with that routing:
+G = min(ranks, E / K): one per rank while a rank's block holds K experts, else fewer, larger blocks
+(K=8 of E=16: one per node), so that a sample's K experts can share a block; --groups fixes G); routers scoring each expert by its block's direction) and each rank's batch drawn with that routing
+(every rank's batch from one generator, this rank's taken: samples.sample_affine.rank_token_ids):
 "affine" (each sample's tokens from one group), "balanced" (the same, a rank's samples taking the
 groups in turn: every rank holds samples of every group), "zipf" (each sample draws its tokens' groups with
 Zipf(1.2) weights over its own ranking of the groups), "uniform" (every token's group at random: no
@@ -58,23 +60,23 @@ def worker(args: argparse.Namespace) -> None:
     from moe_compile.backend import hiermoe_backend
     from moe_compile.ep import runtime
     from moe_compile.lowering import sample_exchange
-    from moe_compile.samples.sample_affine import affine_mixtral, token_groups, token_ids
+    from moe_compile.samples.sample_affine import affine_mixtral, rank_token_ids
     from moe_compile.samples.train_tiny_lm import counting_batch
 
     rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
-    groups = args.groups or world
     results = []
     for routing in args.routings:
         for k in args.ks:
             torch._dynamo.reset()
-            gen = torch.Generator().manual_seed(1000 + rank)
+            groups = args.groups or min(world, args.experts // k)
             if routing == "trained":
                 base = trained_tiny_lm(args, k)  # the same on every rank: one seed, one data stream
-                ids, labels = counting_batch(args.batch, args.seq, args.vocab, gen)
+                gen = torch.Generator().manual_seed(1000)  # every rank's batch from one stream, this rank's taken
+                ids, labels = [counting_batch(args.batch, args.seq, args.vocab, gen) for _ in range(world)][rank]
             else:
                 base = affine_mixtral(layers=args.layers, experts=args.experts, top_k=k, groups=groups,
                                       hidden=args.hidden, ffn=args.ffn, vocab=args.vocab)
-                ids = token_ids(token_groups(routing, args.batch, args.seq, groups, gen), groups, args.vocab, gen)
+                ids = rank_token_ids(routing, rank, world, args.batch, args.seq, groups, args.vocab)
                 labels = ids
             models = {}
             for name, place in VARIANTS.items():
@@ -126,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
             say(f"  {routing} K={k}: " + "  ".join(
                 f"{n} {med[n] * 1e3:.0f} ms, {sent[n]['tokens'] / 1024:.0f} KiB tokens + "
                 f"{sent[n]['samples'] / 1024:.0f} KiB samples across nodes" for n in models), flush=True)
-            results.append({"routing": routing, "top_k": k, "loss": losses, "sent": sent, "times_s": times,
+            results.append({"routing": routing, "top_k": k, "groups": groups, "loss": losses, "sent": sent, "times_s": times,
                             "median_s": med})
             del models
     if rank == 0:
@@ -173,7 +175,7 @@ def report(payload: dict[str, Any]) -> str:
              f"{a['ranks_per_node']}), 1 torch thread each; {payload['date']}; wall time {payload['wall_s'] / 60:.1f} "
              f"min; 1-min load average at the end {payload['load_avg_end']:.1f}.", "",
              f"Model: moe_compile.samples.sample_affine Mixtral, fp32, {a['layers']} layers, H={a['hidden']}, "
-             f"{a.get('groups') or 2 * a['ranks_per_node']} routing groups (each a block of E / groups experts), "
+             "G routing groups (each a block of E / G experts; G per row), "
              f"F={a['ffn']}, E={a['experts']}, vocab {a['vocab']}; each rank {a['batch']} samples of {a['seq']} "
              "tokens drawn with the routing named (module docstring); one step = forward + loss + backward. "
              f"{a['reps']} repetitions per variant, medians in ms (slowest rank). Bytes: one step, summed over the "
@@ -182,16 +184,17 @@ def report(payload: dict[str, Any]) -> str:
              "Cuts moved: the exchanges (one per MoE layer but the last) that moved samples in that step.", ""]
     for run in payload["runs"]:
         lines += rate_header(run)
-        lines.append("| routing | K | HD d* ms | placement ms | speedup | inter-node tokens KiB: HD d* -> placement "
+        lines.append("| routing | K | G | HD d* ms | placement ms | speedup | inter-node tokens KiB: HD d* -> placement "
                      "(ratio) | + samples KiB | all inter-node bytes ratio | cuts moved | samples moved | solve ms |")
-        lines.append("|" + "---|" * 11)
+        lines.append("|" + "---|" * 12)
         for c in run["configs"]:
             med, sent = c["median_s"], c["sent"]
             base, place = sent["HD d*"], sent["placement + HD d*"]
             tok_ratio = place["tokens"] / max(base["tokens"], 1)
             all_ratio = (place["tokens"] + place["samples"]) / max(base["tokens"], 1)
             lines.append(
-                f"| {c['routing']} | {c['top_k']} | {med['HD d*'] * 1e3:.0f} | {med['placement + HD d*'] * 1e3:.0f} | "
+                f"| {c['routing']} | {c['top_k']} | {c.get('groups', a.get('groups') or 2 * a['ranks_per_node'])} | "
+                f"{med['HD d*'] * 1e3:.0f} | {med['placement + HD d*'] * 1e3:.0f} | "
                 f"{med['HD d*'] / med['placement + HD d*']:.2f}x | {base['tokens'] / 1024:.0f} -> "
                 f"{place['tokens'] / 1024:.0f} ({tok_ratio:.2f}x) | {place['samples'] / 1024:.0f} | {all_ratio:.2f}x | "
                 f"{place['moves']} of {place['cuts']} | {place['moved_samples']} | {place['solve_ms']:.2f} |")
@@ -206,8 +209,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rates", default=None, help="node link rates, tc syntax, comma-separated (default 100mbit,400mbit; quick 400mbit)")
     p.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # the rank's run
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2: mesh node=2,gpu=2)")
-    p.add_argument("--routings", default="affine,zipf,uniform,trained",
-                   help="of affine, balanced, zipf, uniform, trained (default affine,zipf,uniform,trained)")
+    p.add_argument("--routings", default="affine,balanced,zipf,uniform,trained",
+                   help="of affine, balanced, zipf, uniform, trained (default all)")
     p.add_argument("--ks", default="2,4,8", help="top-K values (default 2,4,8)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -215,7 +218,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--groups", type=int, default=None,
                    help="routing groups: directions the experts are scored by, each a block of E / groups experts "
-                        "(default: one per rank; 2: one per node, so that K up to E / 2 stays inside a node)")
+                        "(default: min(ranks, E / K), so that a block holds a token's K experts; 2: one per node)")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--train-steps", type=int, default=150, help="the trained tiny LM's steps (routing 'trained')")
     p.add_argument("--batch", type=int, default=4, help="samples per rank (default 4)")

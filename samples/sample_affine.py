@@ -77,4 +77,17 @@ def token_ids(groups_BS: torch.Tensor, groups: int, vocab: int, gen: torch.Gener
     return torch.randint(0, vocab // groups, tuple(groups_BS.shape), generator=gen) * groups + groups_BS
 
 
-__all__ = ["ROUTINGS", "affine_mixtral", "token_groups", "token_ids"]
+def rank_token_ids(routing: str, rank: int, world: int, samples: int, seq: int, groups: int, vocab: int,
+                   seed: int = 1000) -> torch.Tensor:
+    """[samples, seq] the token ids of rank ``rank``'s samples: every rank's batch drawn from one
+    generator (as a distributed sampler deals one shuffled corpus), this rank's taken.
+
+    Not one generator per rank seeded ``seed + rank``: torch's Mersenne Twister gives nearby seeds
+    correlated first draws (seeds 1000..1003 all draw groups [1, 1, 1, 0] for 4 samples in 2
+    groups), so every rank would hold the same groups and the batch would not be the routing named."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = [token_ids(token_groups(routing, samples, seq, groups, gen), groups, vocab, gen) for _ in range(world)]
+    return batches[rank]
+
+
+__all__ = ["ROUTINGS", "affine_mixtral", "rank_token_ids", "token_groups", "token_ids"]
