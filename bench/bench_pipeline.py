@@ -8,12 +8,14 @@ Per link rate (a fresh emulated cluster each, bench/clusters/two_node.toml with 
 overridden) and top-k: the layer (moe_compile.samples grouped GEMM, fp32, E experts, H, F,
 T tokens per rank, each rank its own) compiled with hiermoe (mesh node=2,gpu=2, the links fitted
 at start as bench_e2e does, the compute rate measured; inner compiler aot_eager) once per chunk
-count n = 1..max and once with pipeline "auto" (the cost model's n); untimed warmup steps, then
+count n = 1..max, once with pipeline "auto" (the cost model's n) and once with "tune" (n measured at
+compile time, passes/tune_chunks.py); untimed warmup steps, then
 repetitions that each time one forward + backward of every variant in an order rotated per
 repetition, after a barrier; a step's time is its slowest rank's. Every variant's first output
 and input gradient are checked against n = 1's (rel. err < 1e-5).
 
-Reported: median per n, the speedup of the measured-fastest n and of "auto" over n = 1, the
+Reported: median per n, the speedup of the measured-fastest n and of "auto" over n = 1, whether
+"auto" and "tune" ran within 5 % of the fastest n, the
 model's predicted time per n (cost.pipeline.layer_s), and the bound a perfect overlap gives,
 measured: the serial step split on each rank into its dispatch + combine wall time (comm) and
 the rest (compute), the bound max(comm, compute) + min(comm, compute) / n (one chunk's fill) at
@@ -63,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
         variants: dict[str, Any] = {}
         plans: dict[str, str] = {}
         predicted: dict[str, str] = {}
-        for n in [*args.chunks, "auto"]:
+        for n in [*args.chunks, "auto", "tune"]:
             options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n,
                        "expert_gather": False}  # the chunked token all-to-alls, not an expert gather
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
@@ -118,10 +120,11 @@ def worker(args: argparse.Namespace) -> None:
         comm_s = statistics.median(c for c, _ in serial_split)
         compute_s = statistics.median(r for _, r in serial_split)
         chosen = int(plans["auto"].split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plans["auto"] else 1
+        tuned = int(predicted["tune"].rsplit("runs n=", 1)[1]) if "runs n=" in predicted["tune"] else 1
         # the model's prediction per n, from the layer's stage times in the "auto" plan's search
         say(f"  K={top_k}: " + "  ".join(f"n={n} {med[n] * 1e3:.0f} ms" for n in names)
-            + f"  (auto ran n={chosen}; {predicted['auto']})", flush=True)
-        results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen,
+            + f"  (auto ran n={chosen}; {predicted['auto']}; tune ran n={tuned})", flush=True)
+        results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen, "tune_chunks": tuned,
                         "plans": plans, "predicted": predicted, "serial_comm_s": comm_s,
                         "serial_compute_s": compute_s,
                         "cpu_floor_s": {n: statistics.median(v) / min(world, _cores()) for n, v in cpu_s.items()}})
@@ -150,15 +153,16 @@ def report(payload: dict[str, Any]) -> str:
              f"Layer: moe_compile.samples grouped_gemm, fp32, E={args['experts']}, H={args['hidden']}, "
              f"F={args['ffn']}, {args['tokens']} tokens per rank; hiermoe over mesh node=2"
              + (f",gpu={args['ranks_per_node']}" if args["ranks_per_node"] > 1 else "") + ", inner compiler "
-             f"aot_eager, options pipeline = n or \"auto\". {args['reps']} repetitions each timing one forward + "
+             f"aot_eager, options pipeline = n, \"auto\" or \"tune\". {args['reps']} repetitions each timing one forward + "
              "backward of every variant (rotated order, barrier first, slowest rank's time).", ""]
     for run in payload["runs"]:
         lines += rate_header(run)
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
                      " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
+                     " tune ms (n) | tune within 5 % of fastest |"
                      " n=1 comm / compute ms | perfect-overlap bound at the fastest n ms | fastest / bound |"
                      " CPU floor n=1 / fastest n ms | predicted by the model |")
-        lines.append("|" + "---|" * (len(args["chunks"]) + 11))
+        lines.append("|" + "---|" * (len(args["chunks"]) + 13))
         for c in run["configs"]:
             med = c["median_s"]
             chunks = [str(n) for n in args["chunks"]]
@@ -173,9 +177,11 @@ def report(payload: dict[str, Any]) -> str:
                          f"{med[fastest] / bound:.2f}")
             floor = c.get("cpu_floor_s")  # runs before it was measured have none
             floor_txt = f"{floor['1'] * 1e3:.0f} / {floor[fastest] * 1e3:.0f}" if floor else "-"
+            tune_txt = (f"{med['tune'] * 1e3:.0f} ({c['tune_chunks']}) | "
+                        f"{'yes' if med['tune'] <= 1.05 * med[fastest] else 'no'}") if "tune" in med else "- | -"
             lines.append(f"| {c['top_k']} | " + " | ".join(f"{med[n] * 1e3:.0f}" for n in chunks)
                          + f" | {med['auto'] * 1e3:.0f} ({c['auto_chunks']}) | {fastest} | {serial / med[fastest]:.2f}x"
-                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {' | '.join(split)} |"
+                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {tune_txt} | {' | '.join(split)} |"
                          f" {floor_txt} | {c['predicted']['auto']} |")
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -88,7 +88,9 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             plan=ctx.plans[reg.name].describe() if reg.name in ctx.plans else "not planned",
             predicted_s=dict(ctx.plans[reg.name].plan.predicted) if reg.name in ctx.plans else {},
             executable=list(ctx.plans[reg.name].plan.implemented) if reg.name in ctx.plans else [],
-            pipeline=ctx.plans[reg.name].describe_pipeline() if reg.name in ctx.plans else "",
+            pipeline="; ".join(d for d in (ctx.plans[reg.name].describe_pipeline(),
+                                           ctx.plans[reg.name].describe_measured()) if d)
+            if reg.name in ctx.plans else "",
             layout=lay.describe(), drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),

@@ -55,7 +55,10 @@ class Options:
     pipeline: with a mesh, run each expert-parallel layer's tokens in n chunks whose dispatch,
         expert compute and combine overlap (MoNTA; ``cost.pipeline``): "auto" (default) = n per
         layer from the cost model on the topology (1 where chunking does not pay, or with no
-        topology and a fixed dimension), an int n = that many chunks, False = 1. Needs overlap.
+        topology and a fixed dimension), "tune" = n per layer measured at compile time on the
+        ranks (every candidate n up to 4 and the model's, timed forward + backward on a throwaway
+        copy of the layer; ``passes.tune_chunks``: seconds of compile time per distinct layer
+        shape), an int n = that many chunks, False = 1. Needs overlap.
     tune_dimension: with a mesh and d chosen per step (no fixed 'dimension'), run every d the
         model finds close to the best this many steps early in training, measuring the step's
         span over the MoE layers (first forward to last backward), and from then on decide on
@@ -172,9 +175,9 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         pipe = kw["pipeline"]
         if pipe is False:
             kw["pipeline"] = 1
-        elif pipe != "auto" and (isinstance(pipe, bool) or not isinstance(pipe, int) or pipe < 1):
-            raise ValueError(f"option 'pipeline' must be 'auto', a chunk count n >= 1 or False, got {pipe!r}")
-        if kw["pipeline"] not in ("auto", 1) and kw.get("overlap") is False:
+        elif pipe not in ("auto", "tune") and (isinstance(pipe, bool) or not isinstance(pipe, int) or pipe < 1):
+            raise ValueError(f"option 'pipeline' must be 'auto', 'tune', a chunk count n >= 1 or False, got {pipe!r}")
+        if kw["pipeline"] not in ("auto", "tune", 1) and kw.get("overlap") is False:
             raise ValueError("option 'pipeline' overlaps the chunks' stages, which needs overlap=True; "
                              "leave 'overlap' out or set 'pipeline': False")
     if "tune_dimension" in kw:

@@ -182,7 +182,8 @@ def _plan(ctx: PassContext) -> dict[str, int]:
 def _chunks(opts: Options) -> str | int:
     """options['pipeline'] where the layer can run chunks: the staged ops with their stages split
     into start and wait (else chunks would only add latency); "auto" is 1 on CUDA, where a stage
-    still runs where it is started (``ep.worker``: no side stream yet), an explicit n stays."""
+    still runs where it is started (``ep.worker``: no side stream yet), an explicit n or "tune"
+    (which measures) stays."""
     if not opts.overlap or opts.ep_backward != "stages":
         return 1
     if opts.pipeline == "auto" and getattr(opts.mesh, "device_type", "cpu") == "cuda":
@@ -226,6 +227,7 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
                                backward=opts.ep_backward, gather_keep_bytes=opts.gather_keep_bytes,
                                gather_compress=opts.gather_compress)
     ctx.ep_layers.update(out.pop("layers"))
+    ctx.plans.update(out.pop("tuned_plans"))
     ctx.input_swaps.update(out.pop("input_swaps"))
     ctx.layer_inputs.update(out.pop("layer_inputs"))
     if ctx.placement is not None and ctx.placement.cuts:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from moe_compile.cost.topology import Topology
 from moe_compile.ep import runtime, shard
 from moe_compile.ep.setup import build_layer
 from moe_compile.ep.tuning import DimensionTuner
+from moe_compile.passes import tune_chunks
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.graph_index import fake_tensor, tensor_meta
 from moe_compile.passes.plan import LayerPlan
@@ -74,6 +76,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
     options["gather_keep_bytes"] (``plan_regathers``); ``gather_compress`` options["gather_compress"]
     (``lowering.ep_gather``'s SR compression, on the layers that gather)."""
     ids: dict[str, int] = {}
+    tuned: dict[str, LayerPlan] = {}  # the plans whose chunk count was measured (options pipeline "tune")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))
     shards = {n: s for n, ex in value.items() if (s := shard.lookup(ex)) is not None}
@@ -138,6 +141,9 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
                 raise ValueError(f"layer {name}: some expert weights are sharded (moe_compile.shard_experts) and "
                                  "others are not; shard the whole model or none of it")
             by_expert = mode
+        if planned.tune and settings.domain is None and not settings.model_centric and backward == "stages":
+            tuned[name] = _tuned(planned, args, bool(by_expert), name, reg, r.layout, mesh, topology, x_meta)
+            settings = replace(settings, chunks=tuned[name].settings.chunks)  # type: ignore[union-attr]
         # Step 3
         with gm.graph.inserting_before(op):
             if backward == "resend" and settings.domain is None:
@@ -145,6 +151,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
                                             (*args, lay.layer_id, bool(by_expert)))
                 y = gm.graph.call_function(operator.getitem, (ep, 0))
             else:
+                assert planned.strategy is not None
                 y = planned.strategy.emit(gm.graph, args, lay.layer_id, bool(by_expert), name, settings, reg.top_k)
         op.replace_all_uses_with(y)
         gm.graph.erase_node(op)
@@ -160,7 +167,30 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
     gm.graph.lint()
     gm.recompile()
     return {"expert_parallel": len(ids), "regathered": len(regathered), "sharded_weights": len(swaps), "layers": ids,
-            "input_swaps": swaps, "layer_inputs": inputs}
+            "input_swaps": swaps, "layer_inputs": inputs, "tuned_plans": tuned}
+
+
+def _tuned(planned: LayerPlan, args: Sequence[Any], by_expert: bool, name: str, reg: Any, layout: Any, mesh: Any,
+           topology: Topology | None, x_meta: torch.Tensor) -> LayerPlan:
+    """The plan with its chunk count measured on the ranks (``passes.tune_chunks``)."""
+    settings = planned.settings
+    assert settings is not None and planned.strategy is not None
+    dtype = getattr(torch, reg.dtype)
+
+    def probe_layer() -> runtime.EPLayer:
+        return build_layer(name=f"{name} (chunk tuning)", mesh=mesh, topology=topology, dimension=settings.dimension,
+                           dedup=settings.dedup, num_experts=reg.num_experts, top_k=reg.top_k,
+                           hidden_size=reg.hidden_size, ffn_size=layout.ffn_size, gated=layout.gated, dtype=dtype,
+                           device=x_meta.device)
+
+    shapes = tuple((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else a
+                   for a in args if isinstance(a, fx.Node))
+    key = (planned.strategy.name, settings.dimension, settings.dedup, by_expert, shapes, id(mesh), repr(topology),
+           reg.top_k, reg.num_experts)
+    measured = tune_chunks.measure(key=key, op_args=args, strategy=planned.strategy, settings=settings,
+                                   pipe=planned.pipeline, by_expert=by_expert, name=name, top_k=reg.top_k,
+                                   num_experts=reg.num_experts, num_tokens=reg.num_tokens, probe_layer=probe_layer)
+    return replace(planned, settings=replace(settings, chunks=measured.chunks), measured=measured)
 
 
 def _weight_inputs(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[fx.Node, ...]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from moe_compile.lowering.strategies import REGISTRY, Settings, Strategy, execut
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.regions import ExpertLayout, MoERegion
 
+if TYPE_CHECKING:
+    from moe_compile.passes.tune_chunks import Measured
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -47,6 +50,8 @@ class LayerPlan:
     strategy: Strategy | None = None  # None: one process ("local")
     settings: Settings | None = None
     pipeline: PipelineChoice | None = None  # the chunk counts searched (None: not predicted)
+    tune: bool = False  # options pipeline "tune": the chunk count is measured (passes.tune_chunks)
+    measured: Measured | None = None  # what the measurement found (set by the expert-parallel pass)
 
     @property
     def choice(self) -> str:
@@ -88,6 +93,14 @@ class LayerPlan:
         return (f"n={p.chunks}: predicted fw+bw {p.serial_s * 1e3:.3g} ms serial, "
                 f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{top})")
 
+    def describe_measured(self) -> str:
+        """What the chunk tuning measured: "measured n=1 12.3, n=2 10.1 ms fw+bw: runs n=2" ("" if none)."""
+        m = self.measured
+        if m is None or not m.times_s:
+            return ""
+        each = ", ".join(f"n={n} {t * 1e3:.1f}" for n, t in sorted(m.times_s.items()))
+        return f"measured {each} ms fw+bw (slowest rank, median): runs n={m.chunks}"
+
 
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
@@ -97,7 +110,8 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
     random routing: what every rank plans expert parallelism on, so that ranks with the same
     shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
     ``LayerPlan.choice``), which overrides this rank's; the predictions stay this rank's.
-    ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n) or n.
+    ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n), "tune"
+    (the model's n until the expert-parallel pass measures the candidates) or n.
     ``gather``: options['expert_gather'] ("auto", False, or a domain level); ``gather_compress``
     options['gather_compress'] (the gathers' predicted bytes); ``model_centric``: options'
     ``model_centric`` as this model may use it (``strategies.executable``)."""
@@ -133,7 +147,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
         n = int(agreed_chunks or 1)
     else:
         n = pipe.chunks if pipe is not None else 1
-    return LayerPlan(decided, strategy, replace(settings, chunks=n), pipe)
+    return LayerPlan(decided, strategy, replace(settings, chunks=n), pipe, tune=chunks == "tune")
 
 
 _PIPELINES: dict[tuple[str, Workload, int, bool], PipelineChoice] = {}

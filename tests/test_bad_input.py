@@ -63,9 +63,9 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"disable_passes": ["fuse"]}, r"'disable_passes' names unknown pass\(es\) \['fuse'\]"),
         ({"disable_passes": "canonicalize"}, r"'disable_passes' must be a list"),
         ({"verify": "yes"}, r"'verify' must be True or False"),
-        ({"pipeline": 0}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
-        ({"pipeline": "fast"}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
-        ({"pipeline": True}, r"'pipeline' must be 'auto', a chunk count n >= 1 or False"),
+        ({"pipeline": 0}, r"'pipeline' must be 'auto', 'tune', a chunk count n >= 1 or False"),
+        ({"pipeline": "fast"}, r"'pipeline' must be 'auto', 'tune', a chunk count n >= 1 or False"),
+        ({"pipeline": True}, r"'pipeline' must be 'auto', 'tune', a chunk count n >= 1 or False"),
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
         ({"pipeline": 2}, r"'gather_compress', 'model_centric' and 'sample_placement' set how expert-parallel "
                           r"layers communicate; they need options\['mesh'\]"),

@@ -80,3 +80,17 @@ def test_lanes_overlap_the_levels() -> None:
     one = schedule_s([(0, inter), (0, intra)], 0.0, [], 4, 0.0)
     assert two == pytest.approx(4 * inter + intra)
     assert one == pytest.approx(4 * (inter + intra))
+
+
+def test_tuning_candidates() -> None:
+    """options pipeline "tune" times 1 .. min(MoNTA's bound, 4) and the model's n, never more
+    chunks than tokens (passes.tune_chunks)."""
+    from moe_compile.cost.pipeline import PipelineChoice
+    from moe_compile.passes.tune_chunks import TUNE_MAX, candidates
+
+    wide = PipelineChoice(6, {n: 1.0 for n in range(1, 9)})
+    assert candidates(wide, 4096) == [*range(1, TUNE_MAX + 1), 6]
+    assert candidates(PipelineChoice(1, {1: 1.0, 2: 1.1}), 4096) == [1, 2]  # the bound
+    assert candidates(wide, 3) == [1, 2, 3]  # a chunk holds a token
+    assert candidates(PipelineChoice(1, {1: 1.0}), 4096) == [1]  # nothing to measure
+    assert candidates(None, 4096) == list(range(1, TUNE_MAX + 1))  # no model: up to TUNE_MAX

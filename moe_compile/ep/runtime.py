@@ -18,9 +18,10 @@ rows) apart from metadata (split sizes, expert ids, weights).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -513,3 +514,25 @@ def layer_for(template: EPLayer, tensors: tuple[Any, ...]) -> EPLayer:
 
 def layers() -> list[EPLayer]:
     return list(_layers)
+
+
+@contextlib.contextmanager
+def probing(lay: EPLayer) -> Iterator[None]:
+    """Runs of a throwaway layer (``lay``, registered last: a compile-time measurement,
+    ``passes.tune_chunks``) that leave no trace: their traffic is not counted, the step clock the
+    d tuner reads (``STEP_CLOCK``) does not advance, and the layer is dropped afterwards."""
+    global STEP_CLOCK
+    clock = STEP_CLOCK
+    with _lock:
+        counts = {k: list(v) for k, v in _counts.items()}
+    STEP_CLOCK = StepClock()
+    try:
+        yield
+    finally:
+        STEP_CLOCK = clock
+        with _lock:
+            _counts.clear()
+            _counts.update(counts)
+            if not _layers or _layers[-1] is not lay:
+                raise RuntimeError(f"probe layer {lay.name}: another layer was registered while it ran")
+            _layers.pop()
