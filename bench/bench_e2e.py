@@ -111,7 +111,8 @@ class Variant:
 
 
 def variants(num_levels: int, model: str) -> list[Variant]:
-    out = [Variant("hiermoe d*", "hiermoe"), Variant("hiermoe d* resend", "hiermoe", (("ep_backward", "resend"),))]
+    out = [Variant("hiermoe d*", "hiermoe"), Variant("hiermoe d* resend", "hiermoe", (("ep_backward", "resend"),)),
+           Variant("hiermoe d* tune", "hiermoe", (("pipeline", "tune"),))]
     out += [Variant(f"hiermoe HD{d}", "hiermoe", (("dimension", d),)) for d in range(num_levels, 0, -1)]
     out += [Variant(f"hiermoe HD{d} serial", "hiermoe", (("dimension", d), ("pipeline", False)))
             for d in range(num_levels, 0, -1)]
@@ -284,7 +285,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
     wanted = [v for v in variants(len(names), model_kind)
-              if v.name in args.variants or v.kind == "eager" or not (args.variants or v.name.endswith((" serial", " inline")))]
+              if v.name in args.variants or v.kind == "eager" or not (args.variants or v.name.endswith((" serial", " inline", " tune")))]
     # eager DDP first: its first-step loss is the reference of the check
     wanted = wanted[-1:] + wanted[:-1]
     failed: dict[str, str] = {}

@@ -67,7 +67,8 @@ def worker(args: argparse.Namespace) -> None:
         predicted: dict[str, str] = {}
         for n in [*args.chunks, "auto", "tune"]:
             options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n,
-                       "expert_gather": False}  # the chunked token all-to-alls, not an expert gather
+                       "expert_gather": False, "model_centric": False}  # the chunked token all-to-alls
+            # (with model_centric left "auto" the planner ran model0 at K=8, which has no chunks)
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
             variants[str(n)] = torch.compile(copy.deepcopy(layer), backend="hiermoe", options=options)
 
