@@ -22,6 +22,9 @@ measured; inner compiler aot_eager) once per variant, each a copy of the same la
                every rank's tokens all-gathered, each rank computing its F/S columns of every
                expert, the partial outputs reduce-scattered (--no-model leaves it out)
   planner      {} (expert_gather and model_centric "auto"): the planner chooses among all of them
+  tuned        the planner's options and tune_strategy: the candidates it predicts within 2x of its
+               best timed at compile time on the ranks, the fastest runs (passes/autotune.py;
+               --no-tune leaves it out)
 
 Untimed warmup steps (the first compiles and is the check: every variant's output and input
 gradient against the a2a variant's, rel. err < 1e-5), more untimed steps while a variant's layer
@@ -60,7 +63,8 @@ from cluster_bench import rate_header  # noqa: E402
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 # name=H:F:E:K:T (T tokens per rank)
 DEFAULT_SHAPES = "small experts=256:128:8:4:1024,large experts=256:1024:8:2:128"
-LABELS = {"a2a": "a2a (HD d*)", "gather1": "gather1", "gather0": "gather0", "model0": "model0", "planner": "planner"}
+LABELS = {"a2a": "a2a (HD d*)", "gather1": "gather1", "gather0": "gather0", "model0": "model0", "planner": "planner",
+          "tuned": "tuned"}
 MOVING = ("gather1", "gather0", "model0")  # the variants that force one candidate
 WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured fastest
 
@@ -79,6 +83,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.model:
         gathers["model0"] = {"expert_gather": False, "model_centric": "always"}
     gathers["planner"] = {} if args.model else {"model_centric": False}
+    if args.tune:
+        gathers["tuned"] = {**gathers["planner"], "tune_strategy": True}
     results = []
     for shape in args.shapes:
         torch._dynamo.reset()
@@ -123,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
                                    f"{[(s.name, s.reason) for gr in graphs for s in gr.skipped]})")
             (region,) = regions
             ran = region.plan.split()[0]
-            if name != "planner" and (ran != name if name in MOVING else ran.startswith(("gather", "model"))):
+            if name not in ("planner", "tuned") and (ran != name if name in MOVING else ran.startswith(("gather", "model"))):
                 raise RuntimeError(f"{shape['name']} at {args.rate}: the {name} variant runs {region.plan}")
             layer_of[name] = runtime.layer(region.ep_layer) if region.ep_layer is not None else runtime.layers()[-1]
             plans[name], predicted[name] = region.plan, dict(region.predicted_s)
@@ -164,14 +170,17 @@ def worker(args: argparse.Namespace) -> None:
                 dims[name].append(lay.last_dimension if lay.domain is None else None)
         med = {n: statistics.median(v) for n, v in times.items()}
         pick = plans["planner"].split()[0]
+        tuned_pick = plans["tuned"].split()[0] if "tuned" in plans else None
         # this rank's payload bytes per level in its last step (forward + backward): tokens, and the
         # expert weights and their gradients of a gather
         sent = {n: {"tokens": lay.last_step_bytes(),
                     "experts": lay.last_step_bytes(gather=True) if lay.domain is not None else {},
                     "gathered_bytes": lay.gathered_bytes} for n, lay in layer_of.items()}
         say(f"  {shape['name']}: " + "  ".join(f"{n} {med[n] * 1e3:.0f} ms" for n in order_names)
-            + f"  (planner ran {plans['planner']})", flush=True)
+            + f"  (planner ran {plans['planner']}" + (f"; tuned ran {plans['tuned']}" if tuned_pick else "") + ")",
+            flush=True)
         results.append({"shape": shape, "times_s": times, "median_s": med, "plans": plans, "pick": pick,
+                        "tuned_pick": tuned_pick,
                         "predicted_s": predicted, "executable": executable, "pipeline": pipelines,
                         "first_step_rel_err": errors, "warmup_steps": warmups,
                         "gather_exposed_s": {n: statistics.median(v) for n, v in exposed.items() if v},
@@ -228,16 +237,16 @@ def _a2a_predicted(c: dict[str, Any]) -> tuple[str, float] | None:
 
 
 def _fastest(med: dict[str, float]) -> str:
-    return min((n for n in med if n != "planner"), key=med.__getitem__)
+    return min((n for n in med if n not in ("planner", "tuned")), key=med.__getitem__)
 
 
-def _verdict(c: dict[str, Any]) -> tuple[bool, str]:
-    """Whether the planner's pick is the measured fastest strategy or the planner variant ran within
-    10 % of it, and the words for the table."""
+def _verdict(c: dict[str, Any], variant: str = "planner") -> tuple[bool, str]:
+    """Whether the planner's pick (``variant`` "tuned": tune_strategy's) is the measured fastest
+    strategy or the variant ran within 10 % of it, and the words for the table."""
     med = c["median_s"]
     fastest = _fastest(med)
-    over = med["planner"] / med[fastest] - 1
-    if _class(c["pick"]) == fastest:
+    over = med[variant] / med[fastest] - 1
+    if _class(c["pick" if variant == "planner" else "tuned_pick"]) == fastest:
         return True, f"yes (the fastest; {over * 100:+.0f} %)"
     return over <= WITHIN - 1, f"{'yes' if over <= WITHIN - 1 else 'no'} ({over * 100:+.0f} %)"
 
@@ -274,27 +283,33 @@ def report(payload: dict[str, Any]) -> str:
              "across nodes), gather0 = expert_gather level 0 (the whole mesh gathers, no token moves)"
              + (", model0 = model_centric \"always\" (every rank's tokens all-gathered, each rank computing its F/S "
                 "columns of every expert, the partial outputs reduce-scattered)" if args.get("model", False) else "")
-             + f", planner = the default \"auto\". {args['warmup']} untimed step(s) per variant, more while its dimension tuner "
+             + ", planner = the default \"auto\"" + (", tuned = the same with tune_strategy" if args.get("tune") else "")
+             + f". {args['warmup']} untimed step(s) per variant, more while its dimension tuner "
              f"explores (up to {args['tune_cap']}), then {args['reps']} repetitions each timing one forward + "
              "backward of every variant (rotated order, barrier first, slowest rank's time); medians in ms.", "",
              "Predicted: the planner's forward times (communication + expert compute, cost/planner.py; the "
              "gathers' without prefetch) from the topology fitted at start; the measured step is forward + "
              "backward, so compare ratios. Gather wait: the seconds the forward waited for its gather "
              "(EPLayer.gather_exposed_s; a single layer has nothing to prefetch behind), slowest rank, median.", ""]
-    good = total = 0
+    good = total = tuned_good = tuned_total = 0
     crossings: dict[str, dict[str, list[tuple[float, str, float, float]]]] = {}
     for run in payload["runs"]:
         lines += rate_header(run)
         lines.append("| shape | a2a ms | gather1 ms | gather0 ms | model0 ms | planner ms (its pick) | measured fastest |"
                      " planner pick within 10 % of fastest? | predicted fw ms: a2a (best) / gather1 / gather0 / model0 |"
-                     " gather wait fw ms: gather1 / gather0 | a2a plan |")
-        lines.append("|" + "---|" * 11)
+                     " gather wait fw ms: gather1 / gather0 | a2a plan | tuned ms (its pick) | tuned within 10 %? |")
+        lines.append("|" + "---|" * 13)
         for c in run["configs"]:
             med = c["median_s"]
             pred = c["predicted_s"]["planner"]
             fastest = _fastest(med)
             ok, words = _verdict(c)
             good, total = good + ok, total + 1
+            tuned_txt = "- | -"
+            if c.get("tuned_pick"):
+                t_ok, t_words = _verdict(c, "tuned")
+                tuned_good, tuned_total = tuned_good + t_ok, tuned_total + 1
+                tuned_txt = f"{med['tuned'] * 1e3:.0f} ({c['tuned_pick']}) | {t_words}"
             a2a_pred = _a2a_predicted(c)
             gathers = [n for n in ("gather1", "gather0") if n in med]
             pred_txt = (f"{a2a_pred[1] * 1e3:.3g} ({a2a_pred[0]})" if a2a_pred else "-") + " / " + " / ".join(
@@ -304,7 +319,7 @@ def report(payload: dict[str, Any]) -> str:
             lines.append(f"| {c['shape']['name']} | " + " | ".join(
                 f"{med[n] * 1e3:.0f}" if n in med else "-" for n in ("a2a", "gather1", "gather0", "model0"))
                 + f" | {med['planner'] * 1e3:.0f} ({c['pick']}) | {LABELS[fastest]} | {words} | {pred_txt} |"
-                f" {wait_txt} | {c['plans']['a2a']} |")
+                f" {wait_txt} | {c['plans']['a2a']} | {tuned_txt} |")
             if gathers:
                 per = crossings.setdefault(c["shape"]["name"], {"measured": [], "predicted": []})
                 bits = parse_rate(run["rate"])
@@ -316,7 +331,9 @@ def report(payload: dict[str, Any]) -> str:
     lines.append("## Summary")
     lines.append("")
     lines.append(f"The planner's pick is the measured fastest strategy or within 10 % of it at {good} of {total} "
-                 "(rate, shape) points.")
+                 "(rate, shape) points." + (f" With tune_strategy (every candidate within 2x of the planner's best "
+                                            f"timed at compile time): {tuned_good} of {tuned_total}."
+                                            if tuned_total else ""))
     lines.append("")
     if crossings:
         lines.append("Crossover (the lowest node rate at which the token all-to-all is faster than the best gather; "
@@ -364,6 +381,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(default 12; 0: none)")
     p.add_argument("--no-model", dest="model", action="store_false",
                    help="leave out the model-centric variant (and the planner's model0 candidate)")
+    p.add_argument("--no-tune", dest="tune", action="store_false",
+                   help="leave out the tuned variant (options tune_strategy: the candidates timed at compile time)")
     p.add_argument("--pipeline", default="auto",
                    help="options['pipeline'] of every variant: auto (default, the cost model's chunk count), "
                         "off, or a chunk count")

@@ -9,7 +9,7 @@ overridden) and top-k: the layer (moe_compile.samples grouped GEMM, fp32, E expe
 T tokens per rank, each rank its own) compiled with hiermoe (mesh node=2,gpu=2, the links fitted
 at start as bench_e2e does, the compute rate measured; inner compiler aot_eager) once per chunk
 count n = 1..max, once with pipeline "auto" (the cost model's n) and once with "tune" (n measured at
-compile time, passes/tune_chunks.py); untimed warmup steps, then
+compile time, passes/autotune.py); untimed warmup steps, then
 repetitions that each time one forward + backward of every variant in an order rotated per
 repetition, after a barrier; a step's time is its slowest rank's. Every variant's first output
 and input gradient are checked against n = 1's (rel. err < 1e-5).
@@ -121,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
         comm_s = statistics.median(c for c, _ in serial_split)
         compute_s = statistics.median(r for _, r in serial_split)
         chosen = int(plans["auto"].split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plans["auto"] else 1
-        tuned = int(predicted["tune"].rsplit("runs n=", 1)[1]) if "runs n=" in predicted["tune"] else 1
+        tuned = int(predicted["tune"].rsplit("runs ", 1)[1]) if "measured chunks" in predicted["tune"] else 1
         # the model's prediction per n, from the layer's stage times in the "auto" plan's search
         say(f"  K={top_k}: " + "  ".join(f"n={n} {med[n] * 1e3:.0f} ms" for n in names)
             + f"  (auto ran n={chosen}; {predicted['auto']}; tune ran n={tuned})", flush=True)

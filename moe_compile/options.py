@@ -57,13 +57,18 @@ class Options:
         layer from the cost model on the topology (1 where chunking does not pay, or with no
         topology and a fixed dimension), "tune" = n per layer measured at compile time on the
         ranks (every candidate n up to 4 and the model's, timed forward + backward on a throwaway
-        copy of the layer; ``passes.tune_chunks``: seconds of compile time per distinct layer
+        copy of the layer; ``passes.autotune``: seconds of compile time per distinct layer
         shape), an int n = that many chunks, False = 1. Needs overlap.
     tune_dimension: with a mesh and d chosen per step (no fixed 'dimension'), run every d the
         model finds close to the best this many steps early in training, measuring the step's
         span over the MoE layers (first forward to last backward), and from then on decide on
         the model's t_d corrected by what was measured (``moe_compile.ep.tuning``); default 3;
         0 = the model alone (HierMoE Eq. 6).
+    tune_strategy: with a mesh and a topology, time at compile time, on the ranks, every
+        strategy the planner predicts within 2x of its best (one per distinct runtime: the
+        token all-to-alls, the expert gathers, model-centric), forward + backward on a throwaway
+        copy of each layer shape, and run the fastest (``passes.autotune``); default False (the
+        planner's prediction alone). Seconds of compile time per distinct layer shape.
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,
@@ -117,6 +122,7 @@ class Options:
     overlap: bool = True
     pipeline: str | int = "auto"
     tune_dimension: int = TUNE_ROUNDS
+    tune_strategy: bool = False
     expert_swap: SwapOptions | None = None
     expert_gather: str | bool | int = "auto"
     gather_prefetch: int = 1
@@ -185,6 +191,8 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"option 'tune_dimension' must be an int >= 0 (measurements of each close d; 0 = the "
                              f"cost model alone), got {rounds!r}")
+    if "tune_strategy" in kw and not isinstance(kw["tune_strategy"], bool):
+        raise ValueError(f"option 'tune_strategy' must be True or False, got {kw['tune_strategy']!r}")
     if "expert_gather" in kw:
         # a level's name, not its index: torch.compile compares option dicts with ==, and False == 0
         gather = kw["expert_gather"]
@@ -224,11 +232,12 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         raise ValueError(f"option 'sample_placement' must be True or False, got {kw['sample_placement']!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw
                                    or "overlap" in kw or "pipeline" in kw or "tune_dimension" in kw
+                                   or "tune_strategy" in kw
                                    or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw
                                    or "gather_compress" in kw or kw.get("sample_placement")
                                    or "model_centric" in kw):
         raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
-                         "'expert_gather', 'gather_prefetch', 'gather_keep_bytes', 'gather_compress', "
+                         "'tune_strategy', 'expert_gather', 'gather_prefetch', 'gather_keep_bytes', 'gather_compress', "
                          "'model_centric' and 'sample_placement' set how "
                          "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:

@@ -130,7 +130,8 @@ def _agreement(ctx: PassContext) -> Agree:
             return None
         lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
                         dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=_gather(opts),
-                        gather_compress=opts.gather_compress, model_centric=_model_centric(ctx))
+                        gather_compress=opts.gather_compress, model_centric=_model_centric(ctx),
+                        tune_strategy=opts.tune_strategy)
         ctx.own_plans[d.region.name] = lp
         return lp.choice
 
@@ -172,7 +173,7 @@ def _plan(ctx: PassContext) -> dict[str, int]:
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
                           dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans,
                           chunks=_chunks(opts), gather=_gather(opts), gather_compress=opts.gather_compress,
-                          model_centric=_model_centric(ctx))
+                          model_centric=_model_centric(ctx), tune_strategy=opts.tune_strategy)
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1

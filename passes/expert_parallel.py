@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -51,7 +51,8 @@ from moe_compile.cost.topology import Topology
 from moe_compile.ep import runtime, shard
 from moe_compile.ep.setup import build_layer
 from moe_compile.ep.tuning import DimensionTuner
-from moe_compile.passes import tune_chunks
+from moe_compile.lowering.strategies import Settings
+from moe_compile.passes import autotune
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.graph_index import fake_tensor, tensor_meta
 from moe_compile.passes.plan import LayerPlan
@@ -93,7 +94,12 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         # Step 1
         planned = plans[name]
         assert planned.strategy is not None and planned.settings is not None, f"layer {name} has no EP plan"
+        if planned.alternatives and backward == "stages":
+            planned = tuned[name] = _autotuned(planned, args, name, reg, r.layout, mesh, topology, x_meta.device,
+                                               _probe_by_expert(weight_nodes, shards, num_experts, expert_swap),
+                                               strategy=True)
         settings = planned.settings
+        assert settings is not None
         lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=settings.dimension, dedup=settings.dedup,
                           num_experts=num_experts, top_k=reg.top_k, hidden_size=reg.hidden_size,
                           ffn_size=r.layout.ffn_size, gated=r.layout.gated, dtype=getattr(torch, reg.dtype),
@@ -142,8 +148,9 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
                                  "others are not; shard the whole model or none of it")
             by_expert = mode
         if planned.tune and settings.domain is None and not settings.model_centric and backward == "stages":
-            tuned[name] = _tuned(planned, args, bool(by_expert), name, reg, r.layout, mesh, topology, x_meta)
-            settings = replace(settings, chunks=tuned[name].settings.chunks)  # type: ignore[union-attr]
+            planned = tuned[name] = _autotuned(planned, args, name, reg, r.layout, mesh, topology, x_meta.device,
+                                               _constant(bool(by_expert)), strategy=False)
+            settings = replace(settings, chunks=planned.settings.chunks)  # type: ignore[union-attr]
         # Step 3
         with gm.graph.inserting_before(op):
             if backward == "resend" and settings.domain is None:
@@ -170,28 +177,59 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             "input_swaps": swaps, "layer_inputs": inputs, "tuned_plans": tuned}
 
 
-def _tuned(planned: LayerPlan, args: Sequence[Any], by_expert: bool, name: str, reg: Any, layout: Any, mesh: Any,
-           topology: Topology | None, x_meta: torch.Tensor) -> LayerPlan:
-    """The plan with its chunk count measured on the ranks (``passes.tune_chunks``)."""
-    settings = planned.settings
-    assert settings is not None and planned.strategy is not None
+def _measure_key(args: Sequence[Any], mesh: Any, topology: Topology | None, reg: Any) -> tuple[Any, ...]:
+    """What a layer's autotuning measurement depends on besides its candidates."""
+    shapes = tuple((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else a.name
+                   for a in args if isinstance(a, fx.Node))
+    return shapes, id(mesh), repr(topology), reg.top_k, reg.num_experts
+
+
+def _autotuned(planned: LayerPlan, args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any,
+               topology: Topology | None, device: torch.device, by_expert: Callable[[Settings], bool],
+               strategy: bool) -> LayerPlan:
+    """The plan with its strategy (``strategy``: from ``planned.alternatives``) or its chunk count
+    measured on the ranks (``passes.autotune``)."""
     dtype = getattr(torch, reg.dtype)
 
-    def probe_layer() -> runtime.EPLayer:
-        return build_layer(name=f"{name} (chunk tuning)", mesh=mesh, topology=topology, dimension=settings.dimension,
+    def probe_layer(settings: Settings) -> runtime.EPLayer:
+        return build_layer(name=f"{name} (autotune)", mesh=mesh, topology=topology, dimension=settings.dimension,
                            dedup=settings.dedup, num_experts=reg.num_experts, top_k=reg.top_k,
                            hidden_size=reg.hidden_size, ffn_size=layout.ffn_size, gated=layout.gated, dtype=dtype,
-                           device=x_meta.device)
+                           device=device, domain=settings.domain, model_centric=settings.model_centric)
 
-    shapes = tuple((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else a
-                   for a in args if isinstance(a, fx.Node))
-    key = (planned.strategy.name, settings.dimension, settings.dedup, by_expert, shapes, id(mesh), repr(topology),
-           reg.top_k, reg.num_experts)
-    measured = tune_chunks.measure(key=key, op_args=args, strategy=planned.strategy, settings=settings,
-                                   pipe=planned.pipeline, by_expert=by_expert, name=name, top_k=reg.top_k,
-                                   num_experts=reg.num_experts, num_tokens=reg.num_tokens, probe_layer=probe_layer)
-    return replace(planned, settings=replace(settings, chunks=measured.chunks), measured=measured)
+    common = {"key": _measure_key(args, mesh, topology, reg), "op_args": args, "name": name, "top_k": reg.top_k,
+              "num_experts": reg.num_experts, "probe_layer": probe_layer}
+    if strategy:
+        options = {n: (strat, sett, pipe) for n, strat, sett, pipe in planned.alternatives}
+        cands = {n: autotune.Candidate(strat, sett, by_expert(sett)) for n, (strat, sett, _) in options.items()}
+        measured = autotune.measure(candidates=cands, baseline=planned.plan.strategy, **common)
+        strat, sett, pipe = options[measured.choice]
+        plan = planned.plan if measured.choice == planned.plan.strategy else replace(
+            planned.plan, strategy=measured.choice, params={},
+            notes=(*planned.plan.notes, f"{measured.choice}: measured fastest (tune_strategy)"))
+        return replace(planned, plan=plan, strategy=strat, settings=sett, pipeline=pipe, measured_strategy=measured,
+                       tune=planned.tune and pipe is not None)
+    settings, runs = planned.settings, planned.strategy
+    assert settings is not None and runs is not None
+    cands = {str(n): autotune.Candidate(runs, replace(settings, chunks=n), by_expert(settings))
+             for n in autotune.chunk_candidates(planned.pipeline, reg.num_tokens)}
+    measured = autotune.measure(candidates=cands, baseline="1", **common)
+    return replace(planned, settings=replace(settings, chunks=int(measured.choice)), measured_chunks=measured)
 
+
+def _constant(value: bool) -> Callable[[Settings], bool]:
+    return lambda _: value
+
+
+def _probe_by_expert(weight_nodes: Sequence[fx.Node], shards: Mapping[fx.Node, Any], num_experts: int,
+                     expert_swap: Any) -> Callable[[Settings], bool]:
+    """Whether a candidate's graph would read every expert's weights (Step 2's rule, before the
+    runtime layer exists): not where they are sharded, nor where a stack of modules is cut to the
+    rank's own (unless the experts may move, or every rank computes every expert)."""
+    roots = [(_root(a), _stack_root(a, num_experts)) for a in weight_nodes]
+    sharded = any(root in shards for root, _ in roots)
+    stacked = any(stack is not None for _, stack in roots)
+    return lambda s: not sharded and (not stacked or expert_swap is not None or s.model_centric)
 
 def _weight_inputs(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_experts: int) -> tuple[fx.Node, ...]:
     """The graph inputs a layer's weights come from, in argument order: their tensors identify

@@ -35,11 +35,12 @@ from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import SLOT_BYTES, Workload
 from moe_compile.lowering.strategies import REGISTRY, Settings, Strategy, executable
+from moe_compile.passes.autotune import TUNE_WITHIN
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.regions import ExpertLayout, MoERegion
 
 if TYPE_CHECKING:
-    from moe_compile.passes.tune_chunks import Measured
+    from moe_compile.passes.autotune import Measured
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,12 @@ class LayerPlan:
     strategy: Strategy | None = None  # None: one process ("local")
     settings: Settings | None = None
     pipeline: PipelineChoice | None = None  # the chunk counts searched (None: not predicted)
-    tune: bool = False  # options pipeline "tune": the chunk count is measured (passes.tune_chunks)
-    measured: Measured | None = None  # what the measurement found (set by the expert-parallel pass)
+    tune: bool = False  # options pipeline "tune": the chunk count is measured (passes.autotune)
+    # options tune_strategy: the candidates to measure (the planner's within TUNE_WITHIN of its best,
+    # one per distinct runtime, this plan's first), each with its settings and chunk prediction
+    alternatives: tuple[tuple[str, Strategy, Settings, PipelineChoice | None], ...] = ()
+    measured_strategy: Measured | None = None  # what the measurements found (set by the expert-parallel pass)
+    measured_chunks: Measured | None = None
 
     @property
     def choice(self) -> str:
@@ -94,18 +99,18 @@ class LayerPlan:
                 f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{top})")
 
     def describe_measured(self) -> str:
-        """What the chunk tuning measured: "measured n=1 12.3, n=2 10.1 ms fw+bw: runs n=2" ("" if none)."""
-        m = self.measured
-        if m is None or not m.times_s:
-            return ""
-        each = ", ".join(f"n={n} {t * 1e3:.1f}" for n, t in sorted(m.times_s.items()))
-        return f"measured {each} ms fw+bw (slowest rank, median): runs n={m.chunks}"
+        """What the autotuning measured ("" if nothing): "measured strategy hd2 30.1, model0 25.2 ms
+        fw+bw (slowest rank, median): runs model0; measured chunks ..."."""
+        return "; ".join(m.describe(what) for what, m in (("strategy", self.measured_strategy),
+                                                          ("chunks", self.measured_chunks))
+                         if m is not None and m.times_s)
 
 
 def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: Topology | None, *,
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
                agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto",
-               gather_compress: float | None = None, model_centric: str | bool = "auto") -> LayerPlan:
+               gather_compress: float | None = None, model_centric: str | bool = "auto",
+               tune_strategy: bool = False) -> LayerPlan:
     """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None (uniform
     random routing: what every rank plans expert parallelism on, so that ranks with the same
     shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
@@ -137,17 +142,38 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
         decided = replace(decided, strategy=agreed, params={},
                           notes=(*decided.notes, f"{agreed}: agreed with the other ranks (this rank's own "
                                                  "token count predicts another candidate)"))
-    strategy, settings = runnable[decided.strategy]
-    if settings.domain is not None or settings.model_centric:  # the gathers and model-centric are not chunked
-        return LayerPlan(decided, strategy, settings)
-    pipe = None if topology is None else _pipeline(topology, work, decided, settings)
+    strategy, settings, pipe = _chunked(decided.strategy, runnable, topology, work, chunks,
+                                        int(agreed_chunks or 1) if agreed is not None else None)
+    alternatives: list[tuple[str, Strategy, Settings, PipelineChoice | None]] = []
+    if tune_strategy and topology is not None:
+        best = decided.predicted.get(decided.strategy, float("inf"))
+        seen: set[Settings] = set()
+        for name in [decided.strategy, *sorted(runnable, key=lambda c: decided.predicted.get(c, float("inf")))]:
+            if name in runnable and decided.predicted.get(name, float("inf")) <= TUNE_WITHIN * best \
+                    and replace(runnable[name][1], chunks=1) not in seen:
+                seen.add(replace(runnable[name][1], chunks=1))
+                alternatives.append((name, *_chunked(name, runnable, topology, work, chunks, None)))
+    return LayerPlan(decided, strategy, settings, pipe, tune=chunks == "tune" and pipe is not None,
+                     alternatives=tuple(alternatives) if len(alternatives) > 1 else ())
+
+
+def _chunked(name: str, runnable: Mapping[str, tuple[Strategy, Settings]], topology: Topology | None,
+             work: Workload, chunks: str | int, agreed_chunks: int | None
+             ) -> tuple[Strategy, Settings, PipelineChoice | None]:
+    """Candidate ``name``'s strategy, its settings with the chunk count it runs (the user's n, the
+    agreed one, else the model's; the gathers and model-centric are not chunked), and the
+    pipeline model's choice (None where not chunked or nothing is predicted)."""
+    strategy, settings = runnable[name]
+    if settings.domain is not None or settings.model_centric:
+        return strategy, settings, None
+    pipe = None if topology is None else _pipeline(topology, work, Plan(strategy=name), settings)
     if isinstance(chunks, int):  # the user's n: the same option on every rank
         n = chunks
-    elif agreed is not None:
-        n = int(agreed_chunks or 1)
+    elif agreed_chunks is not None:
+        n = agreed_chunks
     else:
         n = pipe.chunks if pipe is not None else 1
-    return LayerPlan(decided, strategy, replace(settings, chunks=n), pipe, tune=chunks == "tune")
+    return strategy, replace(settings, chunks=n), pipe
 
 
 _PIPELINES: dict[tuple[str, Workload, int, bool], PipelineChoice] = {}
@@ -179,7 +205,7 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
               dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
               known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1,
               gather: str | bool | int = "auto", gather_compress: float | None = None,
-              model_centric: str | bool = "auto") -> dict[str, LayerPlan]:
+              model_centric: str | bool = "auto", tune_strategy: bool = False) -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
@@ -195,7 +221,7 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
                                         dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name),
                                         chunks=chunks, gather=gather, gather_compress=gather_compress,
-                                        model_centric=model_centric)
+                                        model_centric=model_centric, tune_strategy=tune_strategy)
     return out
 
 

@@ -73,6 +73,8 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"model_centric": "always", "dimension": 2}, r"give one of them"),
         ({"model_centric": False}, r"they need options\['mesh'\]"),
         ({"sample_placement": True}, r"they need options\['mesh'\]"),
+        ({"tune_strategy": True}, r"they need options\['mesh'\]"),
+        ({"tune_strategy": "yes"}, r"'tune_strategy' must be True or False"),
         ({"sample_placement": "auto"}, r"'sample_placement' must be True or False"),
         ({"gather_compress": 0.5}, r"'gather_compress' must be None \(off\) or a compression ratio >= 1"),
         ({"gather_keep_bytes": -1}, r"'gather_keep_bytes' must be None"),

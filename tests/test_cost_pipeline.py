@@ -84,9 +84,10 @@ def test_lanes_overlap_the_levels() -> None:
 
 def test_tuning_candidates() -> None:
     """options pipeline "tune" times 1 .. min(MoNTA's bound, 4) and the model's n, never more
-    chunks than tokens (passes.tune_chunks)."""
+    chunks than tokens (passes.autotune)."""
     from moe_compile.cost.pipeline import PipelineChoice
-    from moe_compile.passes.tune_chunks import TUNE_MAX, candidates
+    from moe_compile.passes.autotune import TUNE_MAX
+    from moe_compile.passes.autotune import chunk_candidates as candidates
 
     wide = PipelineChoice(6, {n: 1.0 for n in range(1, 9)})
     assert candidates(wide, 4096) == [*range(1, TUNE_MAX + 1), 6]

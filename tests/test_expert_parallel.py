@@ -352,7 +352,8 @@ def test_chunked_pipeline_equals_eager() -> None:
     eager's, with chunks of one token and empty ones (3 tokens in 5 chunks); with "auto" on a topology where
     compute and transfer are alike the cost model runs more than one chunk, and explain says how
     many, with the serial and pipelined predictions; with "tune" every rank times the same
-    candidates, runs the fastest, explain shows the times, and the throwaway layers are gone."""
+    candidates, runs the fastest, explain shows the times, and the throwaway layers are gone; with
+    tune_strategy the same for the planner's candidates within 2x of its best."""
     results = run_ranks(4, "pipeline", shape=[2, 2], dimension=None, timeout_s=600)
     for rank, res in enumerate(results):
         for label, r in res.items():
@@ -370,14 +371,25 @@ def test_chunked_pipeline_equals_eager() -> None:
         n = auto["dispatches"] // 2
         assert n > 1, auto
         assert all(p.startswith(f"n={n}: ") and "serial" in p for p in auto["pipelines"]), auto["pipelines"]
-        for label in ("n5 empty chunks", "auto", "tune"):  # the chunk tuning's throwaway layers are gone
+        for label in ("n5 empty chunks", "auto", "tune", "tune strategy"):  # the tuning's throwaway layers are gone
             assert res[label]["new_layers"] == 2, (rank, label, res[label]["new_layers"])
         tune = res["tune"]
         for p in tune["pipelines"]:  # both layers share one measurement: candidates 1..4 and the model's n
-            times = {int(k): float(v) for k, v in re.findall(r"n=(\d+) ([\d.]+)", p.partition("measured ")[2])}
-            chosen = int(re.search(r"runs n=(\d+)", p).group(1))
+            times = {int(k): float(v) for k, v in re.findall(r"(\d+) ([\d.]+)", p.partition("measured chunks ")[2])}
+            chosen = int(re.search(r"runs (\d+)", p.partition("measured chunks ")[2]).group(1))
             assert set(times) == {1, 2, 3, 4} | {n}, p
             best = min(times, key=lambda k: (times[k], k))
             assert chosen == (best if times[best] <= 0.97 * times[1] else 1), p
             assert tune["dispatches"] == 2 * chosen, (p, tune["dispatches"])
-    assert len({tuple(res["tune"]["pipelines"]) for res in results}) == 1, [r["tune"]["pipelines"] for r in results]
+        ts = res["tune strategy"]
+        for plan, p in zip(ts["plans"], ts["pipelines"], strict=True):  # the planner's best and those within 2x, timed
+            part = p.partition("measured strategy ")[2]
+            assert part, p
+            times = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", part.partition(" ms fw+bw")[0])}
+            chosen = re.search(r"runs (\w+)", part).group(1)
+            baseline = next(iter(times))  # the planner's pick comes first
+            assert len(times) >= 2 and plan.startswith(chosen), (plan, p)
+            best = min(times, key=times.__getitem__)
+            assert chosen == (best if times[best] <= 0.97 * times[baseline] else baseline), p
+    for label in ("tune", "tune strategy"):  # every rank measured the same times and chose alike
+        assert len({tuple(res[label]["pipelines"]) for res in results}) == 1, [r[label]["pipelines"] for r in results]

@@ -517,14 +517,15 @@ def layers() -> list[EPLayer]:
 
 
 @contextlib.contextmanager
-def probing(lay: EPLayer) -> Iterator[None]:
-    """Runs of a throwaway layer (``lay``, registered last: a compile-time measurement,
-    ``passes.tune_chunks``) that leave no trace: their traffic is not counted, the step clock the
-    d tuner reads (``STEP_CLOCK``) does not advance, and the layer is dropped afterwards."""
+def probing() -> Iterator[None]:
+    """Runs of throwaway layers (a compile-time measurement, ``passes.autotune``) that leave no
+    trace: their traffic is not counted, the step clock the d tuner reads (``STEP_CLOCK``) does not
+    advance, and the layers registered inside are dropped afterwards."""
     global STEP_CLOCK
     clock = STEP_CLOCK
     with _lock:
         counts = {k: list(v) for k, v in _counts.items()}
+        registered = len(_layers)
     STEP_CLOCK = StepClock()
     try:
         yield
@@ -533,6 +534,4 @@ def probing(lay: EPLayer) -> Iterator[None]:
         with _lock:
             _counts.clear()
             _counts.update(counts)
-            if not _layers or _layers[-1] is not lay:
-                raise RuntimeError(f"probe layer {lay.name}: another layer was registered while it ran")
-            _layers.pop()
+            del _layers[registered:]
