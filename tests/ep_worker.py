@@ -330,7 +330,9 @@ def case_pipeline() -> dict[str, Any]:
     Per case: loss and summed gradients against eager, the dispatch stages in the graph, the
     plan explain shows, what is left in flight."""
     from moe_compile.ep import worker
+    from moe_compile.passes import autotune
 
+    autotune.TUNE_ROUNDS = 2  # CI time: what is asserted is the rule and the agreement, not which n wins
     rank = dist.get_rank()
     mesh = make_mesh(PARAMS["shape"])
     links = {n: {"alpha_s": 1e-6, "bandwidth_gbps": 0.001} for n in mesh.mesh_dim_names}
