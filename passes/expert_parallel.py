@@ -179,7 +179,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
 
 def _measure_key(args: Sequence[Any], mesh: Any, topology: Topology | None, reg: Any) -> tuple[Any, ...]:
     """What a layer's autotuning measurement depends on besides its candidates."""
-    shapes = tuple((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else a.name
+    shapes = tuple((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else None  # the routing: [T, K]
                    for a in args if isinstance(a, fx.Node))
     return shapes, id(mesh), repr(topology), reg.top_k, reg.num_experts
 
