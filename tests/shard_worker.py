@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ep_worker import ADAM_EPS, PARAMS, average_grads, main, make_mesh, rel_err, tiny  # noqa: E402
+from ep_worker import ADAM_EPS, PARAMS, average_grads, main, make_mesh, rel_err, tiny, topology_for  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile.backend import collect_reports  # noqa: E402
@@ -74,10 +74,15 @@ def case_shard() -> dict[str, Any]:
         shard_report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
         after = sum(p.numel() for p in model.parameters())
         expert_numel = shard_report.full_bytes // 4
-        opts = {"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"}
+        opts: dict[str, Any] = {"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"}
+        if PARAMS.get("tune_strategy"):  # the planner's candidates timed on the ranks (passes.autotune)
+            opts = {"mesh": mesh, "inner_compiler": "aot_eager", "tune_strategy": True,
+                    "topology": topology_for(mesh, node_gbps=0.1, inner_gbps=10.0)}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
-        losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"])
-        out[kind] = {"full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
+        with collect_reports() as graphs:
+            losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"])
+        out[kind] = {"pipelines": [r.pipeline for g in graphs for r in g.regions],
+                     "full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
                      "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
                      "losses": losses, "weight_err": weight_err, "after_code": after_code,
                      "text": str(shard_report)}

@@ -323,6 +323,22 @@ def test_shard_experts_memory_equality_and_training() -> None:
 
 
 @pytest.mark.ranks
+def test_sharded_experts_train_with_the_strategy_measured() -> None:
+    """tune_strategy on sharded experts (each rank holds its E/G experts, so the candidates are
+    timed on weights shaped as the rank holds them): every rank measures the planner's candidates
+    alike, and AdamW steps with the measured choice equal eager DDP of the unsharded model."""
+    results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm"], steps=2,
+                        tune_strategy=True)
+    for rank, res in enumerate(results):
+        r = res["grouped_gemm"]
+        assert r["pipelines"] and all("measured strategy " in p for p in r["pipelines"]), (rank, r["pipelines"])
+        for a, b in zip(r["losses"]["compiled"], r["losses"]["eager"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, r["losses"])
+        assert r["weight_err"] < 1e-4, rank
+    assert len({tuple(res["grouped_gemm"]["pipelines"]) for res in results}) == 1
+
+
+@pytest.mark.ranks
 def test_stages_split_into_start_and_wait_with_independent_work_between() -> None:
     """Inductor, 2x2 mesh, DeepSeek-V3 layers (a shared expert beside the routed experts): every
     all-to-all stage with work beside it is split into start and wait, the shared expert's
