@@ -77,7 +77,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
     options["gather_keep_bytes"] (``plan_regathers``); ``gather_compress`` options["gather_compress"]
     (``lowering.ep_gather``'s SR compression, on the layers that gather)."""
     ids: dict[str, int] = {}
-    tuned: dict[str, LayerPlan] = {}  # the plans whose chunk count was measured (options pipeline "tune")
+    tuned: dict[str, LayerPlan] = {}  # the plans autotuning changed (options tune_strategy, pipeline "tune")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(placeholders, example_inputs))
     shards = {n: s for n, ex in value.items() if (s := shard.lookup(ex)) is not None}
@@ -94,10 +94,10 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         # Step 1
         planned = plans[name]
         assert planned.strategy is not None and planned.settings is not None, f"layer {name} has no EP plan"
-        if planned.alternatives and backward == "stages":
-            planned = tuned[name] = _autotuned(planned, args, name, reg, r.layout, mesh, topology, x_meta.device,
-                                               _probe_by_expert(weight_nodes, shards, num_experts, expert_swap),
-                                               strategy=True)
+        if planned.alternatives and backward == "stages":  # "resend" runs ep_experts whatever the strategy
+            planned = tuned[name] = _tuned_strategy(
+                planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device),
+                _probe_by_expert(weight_nodes, shards, num_experts, expert_swap))
         settings = planned.settings
         assert settings is not None
         lay = build_layer(name=name, mesh=mesh, topology=topology, dimension=settings.dimension, dedup=settings.dedup,
@@ -147,10 +147,12 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
                 raise ValueError(f"layer {name}: some expert weights are sharded (moe_compile.shard_experts) and "
                                  "others are not; shard the whole model or none of it")
             by_expert = mode
-        if planned.tune and settings.domain is None and not settings.model_centric and backward == "stages":
-            planned = tuned[name] = _autotuned(planned, args, name, reg, r.layout, mesh, topology, x_meta.device,
-                                               _constant(bool(by_expert)), strategy=False)
-            settings = replace(settings, chunks=planned.settings.chunks)  # type: ignore[union-attr]
+        if planned.tune and settings.chunkable:
+            planned = tuned[name] = _tuned_chunks(
+                planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device), bool(by_expert),
+                reg.num_tokens)
+            settings = planned.settings
+            assert settings is not None
         # Step 3
         with gm.graph.inserting_before(op):
             if backward == "resend" and settings.domain is None:
@@ -184,11 +186,10 @@ def _measure_key(args: Sequence[Any], mesh: Any, topology: Topology | None, reg:
     return shapes, id(mesh), repr(topology), reg.top_k, reg.num_experts
 
 
-def _autotuned(planned: LayerPlan, args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any,
-               topology: Topology | None, device: torch.device, by_expert: Callable[[Settings], bool],
-               strategy: bool) -> LayerPlan:
-    """The plan with its strategy (``strategy``: from ``planned.alternatives``) or its chunk count
-    measured on the ranks (``passes.autotune``)."""
+def _measuring(args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any, topology: Topology | None,
+               device: torch.device) -> dict[str, Any]:
+    """``autotune.measure``'s arguments for one layer besides its candidates: the measurement's
+    key, the op's arguments, and how to build a throwaway layer with a candidate's settings."""
     dtype = getattr(torch, reg.dtype)
 
     def probe_layer(settings: Settings) -> runtime.EPLayer:
@@ -197,28 +198,31 @@ def _autotuned(planned: LayerPlan, args: Sequence[Any], name: str, reg: Any, lay
                            hidden_size=reg.hidden_size, ffn_size=layout.ffn_size, gated=layout.gated, dtype=dtype,
                            device=device, domain=settings.domain, model_centric=settings.model_centric)
 
-    common = {"key": _measure_key(args, mesh, topology, reg), "op_args": args, "name": name, "top_k": reg.top_k,
-              "num_experts": reg.num_experts, "probe_layer": probe_layer}
-    if strategy:
-        options = {n: (strat, sett, pipe) for n, strat, sett, pipe in planned.alternatives}
-        cands = {n: autotune.Candidate(strat, sett, by_expert(sett)) for n, (strat, sett, _) in options.items()}
-        measured = autotune.measure(candidates=cands, baseline=planned.plan.strategy, **common)
-        strat, sett, pipe = options[measured.choice]
-        plan = planned.plan if measured.choice == planned.plan.strategy else replace(
-            planned.plan, strategy=measured.choice, params={},
-            notes=(*planned.plan.notes, f"{measured.choice}: measured fastest (tune_strategy)"))
-        return replace(planned, plan=plan, strategy=strat, settings=sett, pipeline=pipe, measured_strategy=measured,
-                       tune=planned.tune and pipe is not None)
-    settings, runs = planned.settings, planned.strategy
-    assert settings is not None and runs is not None
-    cands = {str(n): autotune.Candidate(runs, replace(settings, chunks=n), by_expert(settings))
-             for n in autotune.chunk_candidates(planned.pipeline, reg.num_tokens)}
-    measured = autotune.measure(candidates=cands, baseline="1", **common)
+    return {"key": _measure_key(args, mesh, topology, reg), "op_args": args, "name": name, "top_k": reg.top_k,
+            "num_experts": reg.num_experts, "probe_layer": probe_layer}
+
+
+def _tuned_strategy(planned: LayerPlan, measuring: dict[str, Any], by_expert: Callable[[Settings], bool]
+                    ) -> LayerPlan:
+    """The plan with the fastest of ``planned.alternatives`` measured on the ranks (``passes.autotune``)."""
+    options = {n: (strat, sett, pipe) for n, strat, sett, pipe in planned.alternatives}
+    cands = {n: autotune.Candidate(strat, sett, by_expert(sett)) for n, (strat, sett, _) in options.items()}
+    measured = autotune.measure(candidates=cands, baseline=planned.plan.strategy, **measuring)
+    strat, sett, pipe = options[measured.choice]
+    plan = planned.plan if measured.choice == planned.plan.strategy else replace(
+        planned.plan, strategy=measured.choice, params={},
+        notes=(*planned.plan.notes, f"{measured.choice}: measured fastest (tune_strategy)"))
+    return replace(planned, plan=plan, strategy=strat, settings=sett, pipeline=pipe, measured_strategy=measured)
+
+
+def _tuned_chunks(planned: LayerPlan, measuring: dict[str, Any], by_expert: bool, num_tokens: int) -> LayerPlan:
+    """The plan with its chunk count measured on the ranks (``passes.autotune``)."""
+    settings, strat = planned.settings, planned.strategy
+    assert settings is not None and strat is not None
+    cands = {str(n): autotune.Candidate(strat, replace(settings, chunks=n), by_expert)
+             for n in autotune.chunk_candidates(planned.pipeline, num_tokens)}
+    measured = autotune.measure(candidates=cands, baseline="1", **measuring)
     return replace(planned, settings=replace(settings, chunks=int(measured.choice)), measured_chunks=measured)
-
-
-def _constant(value: bool) -> Callable[[Settings], bool]:
-    return lambda _: value
 
 
 def _probe_by_expert(weight_nodes: Sequence[fx.Node], shards: Mapping[fx.Node, Any], num_experts: int,

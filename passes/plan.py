@@ -51,7 +51,7 @@ class LayerPlan:
     strategy: Strategy | None = None  # None: one process ("local")
     settings: Settings | None = None
     pipeline: PipelineChoice | None = None  # the chunk counts searched (None: not predicted)
-    tune: bool = False  # options pipeline "tune": the chunk count is measured (passes.autotune)
+    tune: bool = False  # options pipeline "tune": a chunkable layer's chunk count is measured (passes.autotune)
     # options tune_strategy: the candidates to measure (the planner's within TUNE_WITHIN of its best,
     # one per distinct runtime, this plan's first), each with its settings and chunk prediction
     alternatives: tuple[tuple[str, Strategy, Settings, PipelineChoice | None], ...] = ()
@@ -144,16 +144,17 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                                                  "token count predicts another candidate)"))
     strategy, settings, pipe = _chunked(decided.strategy, runnable, topology, work, chunks,
                                         int(agreed_chunks or 1) if agreed is not None else None)
-    alternatives: list[tuple[str, Strategy, Settings, PipelineChoice | None]] = []
+    alternatives = [(decided.strategy, strategy, settings, pipe)]  # this plan's first: the measurement's baseline
     if tune_strategy and topology is not None:
-        best = decided.predicted.get(decided.strategy, float("inf"))
-        seen: set[Settings] = set()
-        for name in [decided.strategy, *sorted(runnable, key=lambda c: decided.predicted.get(c, float("inf")))]:
-            if name in runnable and decided.predicted.get(name, float("inf")) <= TUNE_WITHIN * best \
-                    and replace(runnable[name][1], chunks=1) not in seen:
-                seen.add(replace(runnable[name][1], chunks=1))
+        predicted = decided.predicted
+        best = predicted.get(decided.strategy, float("inf"))
+        seen = {replace(settings, chunks=1)}
+        for name in sorted(runnable, key=lambda c: predicted.get(c, float("inf"))):
+            runtime_of = replace(runnable[name][1], chunks=1)
+            if predicted.get(name, float("inf")) <= TUNE_WITHIN * best and runtime_of not in seen:
+                seen.add(runtime_of)
                 alternatives.append((name, *_chunked(name, runnable, topology, work, chunks, None)))
-    return LayerPlan(decided, strategy, settings, pipe, tune=chunks == "tune" and pipe is not None,
+    return LayerPlan(decided, strategy, settings, pipe, tune=chunks == "tune",
                      alternatives=tuple(alternatives) if len(alternatives) > 1 else ())
 
 
@@ -164,7 +165,7 @@ def _chunked(name: str, runnable: Mapping[str, tuple[Strategy, Settings]], topol
     agreed one, else the model's; the gathers and model-centric are not chunked), and the
     pipeline model's choice (None where not chunked or nothing is predicted)."""
     strategy, settings = runnable[name]
-    if settings.domain is not None or settings.model_centric:
+    if not settings.chunkable:
         return strategy, settings, None
     pipe = None if topology is None else _pipeline(topology, work, Plan(strategy=name), settings)
     if isinstance(chunks, int):  # the user's n: the same option on every rank

@@ -26,6 +26,12 @@ class Settings:
     domain: int | None = None
     model_centric: bool = False
 
+    @property
+    def chunkable(self) -> bool:
+        """Whether the layer's tokens may run in chunks: the token all-to-alls' stages; the gathers
+        and model-centric are not chunked."""
+        return self.domain is None and not self.model_centric
+
 
 def emit_stages(graph: fx.Graph, args: list[Any], layer_id: int, by_expert: bool, name: str, slots: int,
                 chunks: int = 1) -> fx.Node:
