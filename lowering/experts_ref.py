@@ -208,18 +208,48 @@ def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing) -> T
     return out_NO if b_EO is None else out_NO + b_EO.index_select(0, r.expert_N)
 
 
+class GateUp(NamedTuple):
+    """Gate and up projections stored as one [E, 2F, H] tensor (transformers' ``gate_up_proj``):
+    ``order`` "gate_first" / "up_first" (its two halves) or "interleaved" (gate at even rows)."""
+
+    w_E2FH: Tensor
+    order: str
+
+
+GATE_UP_ORDERS = ("gate_first", "up_first", "interleaved")
+
+
+def _split_gate_up(gu_N2F: Tensor, order: str) -> tuple[Tensor, Tensor]:
+    """(gate, up) column views of the fused projection's [N, 2F] output. Split and unbind (not
+    two slices): their backward writes the [N, 2F] gradient once (a cat or stack), where two
+    slices' backward pads each half with zeros and sums the two."""
+    if order == "interleaved":
+        even, odd = gu_N2F.unflatten(1, (-1, 2)).unbind(-1)
+        return even, odd
+    first, second = gu_N2F.chunk(2, dim=1)
+    return (first, second) if order == "gate_first" else (second, first)
+
+
 def _ffn(
-    x_TH: Tensor, r: _Routing, w_up_EFH: Weights, w_gate_EFH: Weights | None, w_down_EHF: Weights,
+    x_TH: Tensor, r: _Routing, w_up_EFH: Weights | None, w_gate_EFH: Weights | None, w_down_EHF: Weights,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None, activation: str,
-    output: bool = True, kept: Kept | None = None,
+    output: bool = True, kept: Kept | None = None, gate_up: GateUp | None = None,
 ) -> _Ffn:
     """The slots' FFN in expert-sorted order; ``kept``: the pre-activations a forward kept
-    (``experts_reference_keep``), used instead of recomputing them; ``output``: also y."""
+    (``experts_reference_keep``), used instead of recomputing them; ``output``: also y;
+    ``gate_up``: gate and up as one weight (``w_up_EFH`` and ``w_gate_EFH`` None), one matmul
+    with 2F columns for both."""
     x_NH = x_TH.index_select(0, r.tok_N).contiguous()
-    up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r)
-    gate_NF = None
-    if w_gate_EFH is not None:
-        gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r)
+    gate_NF: Tensor | None = None
+    if gate_up is not None:
+        gate_NF, up_NF = _split_gate_up(_linear(x_NH, gate_up.w_E2FH, None, r), gate_up.order)
+        up_NF = up_NF if b_up_EF is None else up_NF + b_up_EF.index_select(0, r.expert_N)
+        gate_NF = gate_NF if b_gate_EF is None else gate_NF + b_gate_EF.index_select(0, r.expert_N)
+    else:
+        assert w_up_EFH is not None
+        up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r)
+        if w_gate_EFH is not None:
+            gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r)
     if is_expression(activation):
         h_NF = parse(activation).forward(gate_NF, up_NF)
     elif gate_NF is not None:

@@ -58,7 +58,10 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                   ``hiermoe::experts_composite``, aten ops the inner compiler traces, fuses and
                   differentiates, where every matmul can be one grouped_mm; on CPU, an op whose
                   weights are stacks of E modules' weights takes them as lists instead,
-                  ``hiermoe::experts_composite_list``: no stacked copy, per-module gradients) or
+                  ``hiermoe::experts_composite_list``: no stacked copy, per-module gradients;
+                  an op whose gate and up are the two views of one stored [E, 2F, H] tensor
+                  takes that tensor, ``hiermoe::experts_composite_gate_up``: one matmul with 2F
+                  columns for both, forward and backward) or
                   "torch" (left as the opaque ``hiermoe::experts``).
                   "auto" is Triton when x is on CUDA, the triton package is installed, the
                   kernels compute the op's activation (not an ``expr:`` one) and the measured
@@ -80,7 +83,8 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                                          or experts_triton_keep(..., blk)[0] when trained,
                                          ep_local_experts(..., triton=True)
         for n in ops with choice torch: experts -> experts_composite where grouped_mm takes them,
-                                        -> experts_composite_list on CPU where weights are stacks
+                                        -> experts_composite_list on CPU where weights are stacks,
+                                        -> experts_composite_gate_up where gate, up are views of one
         return {"triton": #retargeted, "composite": #traceable, "torch": #left}
     """
     if kernels not in KERNEL_CHOICES:
@@ -117,7 +121,7 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
             n.target = torch.ops.hiermoe.experts_triton.default
         elif n.target is not local and _composite_ok(n):
             n.target = torch.ops.hiermoe.experts_composite.default
-            _to_list_form(gm, n)
+            _to_list_form(gm, n) or _to_gate_up_form(gm, n)
             choice = "composite"
         counts[choice] += 1
     if counts["triton"] or counts["composite"]:
@@ -186,7 +190,7 @@ def _to_keep_form(gm: fx.GraphModule, n: fx.Node) -> None:
     gm.graph.erase_node(n)
 
 
-def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> None:
+def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> bool:
     """On CPU, where every weight of composite op ``n`` is a ``torch.stack`` of E tensors (experts
     stored as E modules, ``passes/emit.py``), call ``experts_composite_list`` on the E tensors
     instead: nothing is stacked (a copy of every expert weight in the forward, again in the
@@ -195,13 +199,13 @@ def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> None:
     x = _arg(n, 0)
     device = _device_of(x) if isinstance(x, fx.Node) else None
     if device is None or device.type != "cpu":
-        return
+        return False
     slots = [_NAMES.index(name) for name in ("w_up", "w_gate", "w_down")]
     stacks = [_arg(n, i) for i in slots]
     if not all(s is None or (isinstance(s, fx.Node) and s.target is torch.stack and len(s.args) == 1
                              and not s.kwargs and isinstance(s.args[0], (list, tuple)))
                for s in stacks):
-        return
+        return False
     args = [_arg(n, i) for i in range(len(_NAMES))]
     for i, s in zip(slots, stacks, strict=True):
         if isinstance(s, fx.Node):
@@ -211,6 +215,58 @@ def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> None:
     for s in stacks:
         if isinstance(s, fx.Node) and not s.users:
             gm.graph.erase_node(s)
+    return True
+
+
+def _half(node: object) -> tuple[fx.Node, str] | None:
+    """(W, which) where ``node`` is one of the views ``passes/emit.py`` splits a stored [E, 2F, H]
+    gate_up tensor W into: ``narrow(W, 1, 0, F)`` ("first"), ``narrow(W, 1, F, F)`` with
+    W.shape[1] == 2F ("second"), ``W[:, 0::2]`` ("even"), ``W[:, 1::2]`` ("odd")."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
+        return None
+    w = node.args[0]
+    if not isinstance(w, fx.Node):
+        return None
+    if node.target is torch.narrow and node.args[1:] in ((1, 0, node.args[-1]), (-2, 0, node.args[-1])):
+        return w, "first"
+    if node.target is torch.narrow and len(node.args) == 4 and node.args[1] in (1, -2):
+        fake = fake_tensor(w)
+        start, length = node.args[2], node.args[3]
+        if (fake is not None and fake.dim() == 3 and isinstance(length, int) and start == length
+                and fake.shape[1] == 2 * length):
+            return w, "second"
+    if node.target is operator.getitem and len(node.args) == 2:
+        index = node.args[1]
+        if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None)
+                and isinstance(index[1], slice) and index[1].step == 2 and index[1].stop is None):
+            return w, {0: "even", None: "even", 1: "odd"}.get(index[1].start, "")
+    return None
+
+
+def _to_gate_up_form(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Where composite op ``n``'s gate and up are the two views of one stored [E, 2F, H] tensor
+    (halves or even/odd rows, as ``passes/emit.py`` splits transformers' ``gate_up_proj``), call
+    ``experts_composite_gate_up`` on that tensor: one grouped matmul with 2F columns for both
+    projections, in the forward and for the backward's input and weight gradients, and the
+    weight's gradient made whole by the matmul (no two halves summed into zeros)."""
+    up, gate = _half(_arg(n, _NAMES.index("w_up"))), _half(_arg(n, _NAMES.index("w_gate")))
+    if up is None or gate is None or up[0] is not gate[0]:
+        return False
+    order = {("first", "second"): "gate_first", ("second", "first"): "up_first",
+             ("even", "odd"): "interleaved"}.get((gate[1], up[1]))
+    x, w_down = _fakes(n, "x", "w_down")
+    fused = fake_tensor(gate[0])
+    if order is None or x is None or w_down is None or fused is None or not lowering.grouped_mm_ok(x, fused, None, w_down):
+        return False
+    args = [cast(fx.node.Argument, _arg(n, i)) for i in range(len(_NAMES))]
+    views = [args[_NAMES.index("w_up")], args[_NAMES.index("w_gate")]]
+    n.args = (*args[:3], gate[0], order, *args[5:])
+    n.kwargs = {}
+    n.target = torch.ops.hiermoe.experts_composite_gate_up.default
+    for v in views:
+        if isinstance(v, fx.Node) and not v.users:
+            gm.graph.erase_node(v)
+    return True
 
 
 def _composite_ok(n: fx.Node) -> bool:

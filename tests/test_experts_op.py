@@ -105,7 +105,7 @@ def make_case(
         leaves |= {"gate_up": rnd(num_e, 2 * num_f, num_h, scale=s_h),
                    "w_down": rnd(num_e, num_h, num_f, scale=s_f)}
     halves = (slice(0, num_f), slice(num_f, None))
-    gate_sl, up_sl = halves if layout == "fused" else (slice(0, None, 2), slice(1, None, 2))
+    gate_sl, up_sl = {"fused": halves, "fused_up_first": halves[::-1]}.get(layout, (slice(0, None, 2), slice(1, None, 2)))
     if not gated:
         leaves.pop("w_gate", None)
         leaves.pop("b_gate")
@@ -147,13 +147,16 @@ ROUTINGS = {
 
 def check_against_loop(
     leaves: dict[str, Tensor], build: Build, activation: str, dtype: torch.dtype = torch.float32,
-    op: str = "experts",
+    op: str = "experts", build_op: Build | None = None,
+    formula: Callable[[Tensor | None, Tensor], Tensor] | None = None,
 ) -> None:
-    """``op``: the opaque ``experts`` (its own backward) or ``experts_composite`` (autograd's)."""
+    """``op``: the opaque ``experts`` (its own backward) or ``experts_composite`` (autograd's);
+    ``build_op``: the op's arguments where they differ from the loop's (``build``); ``formula``:
+    the loop's h(gate, up) for an ``expr:`` activation."""
     lv_op = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
     lv_ref = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
-    y_op = getattr(torch.ops.hiermoe, op)(*build(lv_op), activation)
-    y_ref = loop_reference(build(lv_ref), activation)
+    y_op = getattr(torch.ops.hiermoe, op)(*(build_op or build)(lv_op), activation)
+    y_ref = loop_reference(build(lv_ref), formula or activation)
     assert y_op.dtype == dtype and y_op.shape == y_ref.shape
     tol = TOL[dtype]
     scale = max(1.0, y_ref.abs().max().item())
@@ -240,6 +243,42 @@ def test_composite_routings_and_layouts(routing: str, layout: str) -> None:
 def test_composite_low_precision(dtype: torch.dtype) -> None:
     leaves, _, build = make_case("fused", True, True, ROUTINGS["repeated_expert"], dtype=dtype)
     check_against_loop(leaves, build, "silu", dtype=dtype, op="experts_composite")
+
+
+GATE_UP_ORDERS = {"fused": "gate_first", "fused_up_first": "up_first", "interleaved": "interleaved"}
+
+
+@pytest.mark.parametrize("layout", list(GATE_UP_ORDERS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("routing", ["random", "repeated_expert", "t1", "empty_experts"])
+def test_composite_gate_up_matches_loop(layout: str, bias: bool, routing: str) -> None:
+    """``experts_composite_gate_up`` (gate and up as one stored [E, 2F, H] tensor, one matmul for
+    both): forward and every gradient against the float64 loop over the two views, in each of the
+    three orders, with per-expert biases (the weighting then stays after the down projection)
+    and without (it moves before it)."""
+    leaves, _, build = make_case(layout, True, bias, ROUTINGS[routing])
+
+    def build_op(lv: dict[str, Tensor]) -> list[Any]:
+        args = build(lv)
+        return [*args[:3], lv["gate_up"], GATE_UP_ORDERS[layout], *args[5:]]
+
+    check_against_loop(leaves, build, "silu", op="experts_composite_gate_up", build_op=build_op)
+    from test_activation_expr import FORMULAS, GPT_OSS  # clamped SwiGLU with its (up + 1) term
+
+    leaves["x"] = leaves["x"] * 8  # pre-activations of +-8: the clamps at 7 bend
+    check_against_loop(leaves, build, GPT_OSS, op="experts_composite_gate_up", build_op=build_op,
+                       formula=FORMULAS[GPT_OSS][1])
+
+
+def test_composite_gate_up_low_precision() -> None:
+    leaves, _, build = make_case("fused", True, False, ROUTINGS["repeated_expert"], dtype=torch.bfloat16)
+
+    def build_op(lv: dict[str, Tensor]) -> list[Any]:
+        args = build(lv)
+        return [*args[:3], lv["gate_up"], "gate_first", *args[5:]]
+
+    check_against_loop(leaves, build, "silu", dtype=torch.bfloat16, op="experts_composite_gate_up",
+                       build_op=build_op)
 
 
 def test_composite_runs_where_grouped_mm_does() -> None:

@@ -14,8 +14,6 @@ def forward(self, L_x_ : torch.Tensor, L_self_modules_router_parameters_weight_ 
     topk_w_TK_2 = topk_w_TK_1 * 1.0;  topk_w_TK_1 = None
     topk_w_TK_3 = topk_w_TK_2.to(torch.float32);  topk_w_TK_2 = None
     getitem_9 = topk[1];  topk = None
-    narrow = torch.narrow(l_self_parameters_gate_up_proj_, 1, 0, 48)
-    narrow_1 = torch.narrow(l_self_parameters_gate_up_proj_, 1, 48, 48);  l_self_parameters_gate_up_proj_ = None
-    experts_default = torch.ops.hiermoe.experts_composite.default(x_TH, getitem_9, topk_w_TK_3, narrow_1, narrow, l_self_parameters_down_proj_, None, None, None, 'silu');  x_TH = getitem_9 = topk_w_TK_3 = narrow_1 = narrow = l_self_parameters_down_proj_ = None
+    experts_default = torch.ops.hiermoe.experts_composite_gate_up.default(x_TH, getitem_9, topk_w_TK_3, l_self_parameters_gate_up_proj_, 'gate_first', l_self_parameters_down_proj_, None, None, None, 'silu');  x_TH = getitem_9 = topk_w_TK_3 = l_self_parameters_gate_up_proj_ = l_self_parameters_down_proj_ = None
     reshape_3 = experts_default.reshape(2, 8, 32);  experts_default = None
     return (reshape_3,)
