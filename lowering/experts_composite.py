@@ -104,9 +104,10 @@ def _composite(
         # instead of h and the [N, H] expert outputs: w's gradient is <dL/d(w h), h>, from the
         # down projection's input gradient, which the backward computes anyway. Measured on the
         # single-process bench (HF Mixtral, 2 layers): peak 132.5 -> 124.6 MiB, time unchanged.
-        # Only in the gate_up form: with gate and up apart, Inductor writes one of their
-        # gradients into the buffer of dL/dh, which this form keeps alive longer (for w's
-        # gradient), and the expert_loop sample's peak rose 40.1 -> 46.2 MiB.
+        # Only in the gate_up form, where the activation's backward writes one [N, 2F] buffer
+        # either way: with gate and up apart (E modules' weights), Inductor writes their
+        # gradients into the saved gate and up buffers, and keeping dL/d(w h) alive for w's
+        # gradient cost more than the expert outputs saved (expert_loop peak 34.1 -> 42.2 MiB).
         ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation,
                    output=False, gate_up=gate_up)
         weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)

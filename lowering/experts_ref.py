@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_compile.lowering.activation import is_expression, parse
-from moe_compile.lowering.grouped_mm import grouped_linear, grouped_mm
+from moe_compile.lowering.grouped_mm import grouped_linear, grouped_linear_gate_up, grouped_mm
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 
@@ -189,7 +189,7 @@ class Kept(NamedTuple):
 
 
 class _Ffn(NamedTuple):
-    x_NH: Tensor
+    x_NH: Tensor | None  # None where the gate/up op gathered the rows itself (list weights)
     up_NF: Tensor  # x W_up^T + b_up (pre-activation when non-gated)
     gate_NF: Tensor | None  # x W_gate^T + b_gate (pre-activation when gated)
     h_NF: Tensor
@@ -205,7 +205,12 @@ def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing) -> T
         out_NO = grouped_linear(a_NI, w_EOI, r.offs_E, True)
     else:
         out_NO = _seg_mm(a_NI, w_EOI.mT, r)
-    return out_NO if b_EO is None else out_NO + b_EO.index_select(0, r.expert_N)
+    return _plus_bias(out_NO, b_EO, r)
+
+
+def _plus_bias(v_NO: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
+    """Each sorted slot's row plus its expert's bias (none: v itself)."""
+    return v_NO if b_EO is None else v_NO + b_EO.index_select(0, r.expert_N)
 
 
 class GateUp(NamedTuple):
@@ -238,15 +243,22 @@ def _ffn(
     """The slots' FFN in expert-sorted order; ``kept``: the pre-activations a forward kept
     (``experts_reference_keep``), used instead of recomputing them; ``output``: also y;
     ``gate_up``: gate and up as one weight (``w_up_EFH`` and ``w_gate_EFH`` None), one matmul
-    with 2F columns for both."""
-    x_NH = x_TH.index_select(0, r.tok_N).contiguous()
+    with 2F columns for both; E modules' gate and up weights (lists) are computed by one op
+    (``grouped_linear_gate_up``)."""
+    x_NH: Tensor | None = None
     gate_NF: Tensor | None = None
     if gate_up is not None:
+        x_NH = x_TH.index_select(0, r.tok_N).contiguous()
         gate_NF, up_NF = _split_gate_up(_linear(x_NH, gate_up.w_E2FH, None, r), gate_up.order)
-        up_NF = up_NF if b_up_EF is None else up_NF + b_up_EF.index_select(0, r.expert_N)
-        gate_NF = gate_NF if b_gate_EF is None else gate_NF + b_gate_EF.index_select(0, r.expert_N)
+        gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
+    elif isinstance(w_gate_EFH, list) and isinstance(w_up_EFH, list) and kept is None:
+        # E modules' gate and up weights: one op gathers each block's rows and computes both,
+        # so the [N, H] gathered rows are not kept for the backward (x is)
+        gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E)
+        gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
     else:
         assert w_up_EFH is not None
+        x_NH = x_TH.index_select(0, r.tok_N).contiguous()
         up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r)
         if w_gate_EFH is not None:
             gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r)
@@ -354,6 +366,7 @@ def experts_reference_backward(
 
     # Step 3: up (and gate) projection, then scatter slot grads back to token rows.
     d_b_up = _seg_sum(d_up_NF, r, num_experts, acc).to(b_up_EF.dtype) if b_up_EF is not None else none()
+    assert ffn.x_NH is not None  # stacked weights: the rows were gathered
     d_w_up_EFH = _seg_wgrad(d_up_NF, ffn.x_NH, r, num_experts)
     dx_NH = _seg_mm(d_up_NF, w_up_EFH, r).to(acc)
     d_w_gate, d_b_gate = none(), none()

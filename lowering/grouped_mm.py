@@ -13,6 +13,10 @@ as the parameter's ``.grad`` without a copy. It runs one ``mm`` per expert block
 what ``_grouped_mm`` does too; the block bounds are read to the host (a sync on CUDA, where
 ``lower_kernels`` does not choose it).
 
+``grouped_linear_gate_up`` is the gate and up projections of such experts in one op that
+gathers each expert block's token rows itself (and again in its backward): the [N, H] gathered
+rows are never kept from forward to backward, only the tokens, which the router keeps anyway.
+
 Shape legend: N rows sorted by expert, E experts, I input and O output features; ``offs_E`` the
 int32 end offset of each expert's block of rows.
 """
@@ -129,3 +133,80 @@ def _backward_linear(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, list[Tensor
 
 
 grouped_linear.register_autograd(_backward_linear, setup_context=_setup_linear)
+
+
+@torch.library.custom_op("hiermoe::grouped_linear_gate_up", mutates_args=())
+def grouped_linear_gate_up(x_TH: Tensor, rows_N: Tensor, w_gate_E: list[Tensor], w_up_E: list[Tensor],
+                           offs_E: Tensor) -> tuple[Tensor, Tensor]:
+    """Gate and up projections of E experts stored as E modules each: slot n (sorted by expert)
+    is token row ``x[rows[n]]`` times its expert's gate weight^T and up weight^T, [N, F] each.
+    The rows are gathered per expert block here and again in the backward, so no [N, H]
+    gathered copy is kept for the backward (x is)."""
+    num_n, num_f = rows_N.shape[0], w_gate_E[0].shape[0]
+    gate_NF, up_NF = x_TH.new_empty((num_n, num_f)), x_TH.new_empty((num_n, num_f))
+    for w_g, w_u, (start, end) in zip(w_gate_E, w_up_E, _blocks(offs_E), strict=True):
+        if start < end:
+            a = x_TH.index_select(0, rows_N[start:end])
+            torch.mm(a, w_g.t(), out=gate_NF[start:end])
+            torch.mm(a, w_u.t(), out=up_NF[start:end])
+    return gate_NF, up_NF
+
+
+@grouped_linear_gate_up.register_fake
+def _grouped_linear_gate_up_fake(x_TH: Tensor, rows_N: Tensor, w_gate_E: list[Tensor], w_up_E: list[Tensor],
+                                 offs_E: Tensor) -> tuple[Tensor, Tensor]:
+    shape = (rows_N.shape[0], w_gate_E[0].shape[0])
+    return x_TH.new_empty(shape), x_TH.new_empty(shape)
+
+
+@torch.library.custom_op("hiermoe::grouped_linear_gate_up_backward", mutates_args=())
+def grouped_linear_gate_up_backward(
+    g_gate_NF: Tensor, g_up_NF: Tensor, x_TH: Tensor, rows_N: Tensor, w_gate_E: list[Tensor], w_up_E: list[Tensor],
+    offs_E: Tensor,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """(dL/dx [T, H], E gate weight gradients, E up weight gradients) of ``grouped_linear_gate_up``:
+    per expert block, the rows' input gradient g_gate W_gate + g_up W_up (one mm, one addmm) added
+    into their token rows, and g^T a for each weight in its [F, H] layout (zero for an empty block)."""
+    d_x = torch.zeros_like(x_TH)
+    d_gate, d_up = [], []
+    for w_g, w_u, (start, end) in zip(w_gate_E, w_up_E, _blocks(offs_E), strict=True):
+        if start == end:
+            d_gate.append(torch.zeros_like(w_g))
+            d_up.append(torch.zeros_like(w_u))
+            continue
+        rows = rows_N[start:end]
+        a = x_TH.index_select(0, rows)
+        g_g, g_u = g_gate_NF[start:end], g_up_NF[start:end]
+        d_x.index_add_(0, rows, torch.mm(g_g, w_g).addmm_(g_u, w_u))
+        d_gate.append(torch.mm(g_g.t(), a))
+        d_up.append(torch.mm(g_u.t(), a))
+    return d_x, d_gate, d_up
+
+
+@grouped_linear_gate_up_backward.register_fake
+def _grouped_linear_gate_up_backward_fake(
+    g_gate_NF: Tensor, g_up_NF: Tensor, x_TH: Tensor, rows_N: Tensor, w_gate_E: list[Tensor], w_up_E: list[Tensor],
+    offs_E: Tensor,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    return torch.empty_like(x_TH), [torch.empty_like(w) for w in w_gate_E], [torch.empty_like(w) for w in w_up_E]
+
+
+def _setup_gate_up(ctx: Any, inputs: tuple[Tensor, Tensor, list[Tensor], list[Tensor], Tensor],
+                   output: tuple[Tensor, Tensor]) -> None:
+    x_TH, rows_N, w_gate_E, w_up_E, offs_E = inputs
+    ctx.save_for_backward(x_TH, rows_N, offs_E, *w_gate_E, *w_up_E)
+    ctx.num_experts = len(w_gate_E)
+
+
+def _backward_gate_up(ctx: Any, g_gate_NF: Tensor | None, g_up_NF: Tensor | None,
+                      ) -> tuple[Tensor | None, None, list[Tensor], list[Tensor], None]:
+    x_TH, rows_N, offs_E, *ws = ctx.saved_tensors
+    num_e = ctx.num_experts
+    shape = (rows_N.shape[0], ws[0].shape[0])
+    g_g = g_gate_NF.contiguous() if g_gate_NF is not None else x_TH.new_zeros(shape)
+    g_u = g_up_NF.contiguous() if g_up_NF is not None else x_TH.new_zeros(shape)
+    d_x, d_gate, d_up = grouped_linear_gate_up_backward(g_g, g_u, x_TH, rows_N, ws[:num_e], ws[num_e:], offs_E)
+    return d_x if ctx.needs_input_grad[0] else None, None, d_gate, d_up, None
+
+
+grouped_linear_gate_up.register_autograd(_backward_gate_up, setup_context=_setup_gate_up)

@@ -373,6 +373,32 @@ def test_opcheck_grouped_linear() -> None:
     torch.testing.assert_close(dw[2], ga[2:5].t() @ a.detach()[2:5])
 
 
+def test_opcheck_grouped_linear_gate_up() -> None:
+    """E modules' gate and up projections of gathered token rows in one op (its rows gathered
+    again in the backward): fake kernels, schema and autograd, and the values against indexing
+    and matmuls written out, on blocks with an empty expert and a token taken twice."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, H, generator=g, requires_grad=True)
+    rows = torch.tensor([0, 3, 1, 1, 4, 2, 0])
+    offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
+    w_g = [torch.randn(FF, H, generator=g, requires_grad=True) for _ in range(E)]
+    w_u = [torch.randn(FF, H, generator=g, requires_grad=True) for _ in range(E)]
+    torch.library.opcheck(torch.ops.hiermoe.grouped_linear_gate_up.default, (x, rows, w_g, w_u, offs),
+                          test_utils=OPCHECK_TESTS)
+    gate, up = torch.ops.hiermoe.grouped_linear_gate_up(x, rows, w_g, w_u, offs)
+    blocks = [(0, 2), (2, 2), (2, 5), (5, 7)]
+    ref_g = torch.cat([x[rows[s:t]] @ w_g[e].t() for e, (s, t) in enumerate(blocks)])
+    ref_u = torch.cat([x[rows[s:t]] @ w_u[e].t() for e, (s, t) in enumerate(blocks)])
+    torch.testing.assert_close(gate, ref_g)
+    torch.testing.assert_close(up, ref_u)
+    leaves = [x, *w_g, *w_u]
+    cot = torch.randn(7, FF, generator=g), torch.randn(7, FF, generator=g)
+    got = torch.autograd.grad((gate * cot[0]).sum() + (up * cot[1]).sum(), leaves)
+    want = torch.autograd.grad((ref_g * cot[0]).sum() + (ref_u * cot[1]).sum(), leaves, materialize_grads=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_reference_matches_op_and_rejects_unknown_activation() -> None:
     leaves, _, build = make_case("contiguous", True, False, ROUTINGS["random"])
     args = build(leaves)
