@@ -188,7 +188,10 @@ class collect_reports:
         return self.graphs
 
     def __exit__(self, *exc: object) -> None:
-        _collectors.stack.remove(self.graphs)
+        # by identity: an inner collector's list can equal an outer one's (both empty, or the
+        # same reports), and list.remove compares by value
+        stack = _collectors.stack
+        del stack[next(i for i, g in enumerate(stack) if g is self.graphs)]
 
 
 __all__ = ["collect_reports", "hiermoe_backend"]

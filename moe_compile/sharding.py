@@ -61,7 +61,7 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
                     shard = Shard(path, placeholder, None, first, per, num_experts)
                 del module._parameters[attr]
                 module.register_buffer(attr, placeholder, persistent=False)
-                register(shard)
+                register(shard, module, attr)
                 shards.append(shard)
     if not shards:
         raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "

@@ -6,6 +6,7 @@ tests/test_expert_parallel.py asserts on them."""
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,61 @@ def case_ddp_shard() -> dict[str, Any]:
                 losses[label].append(float(loss))
     return {"losses": losses, "ignored": ignored,
             "rewritten": sum(len(g.regions) for g in graphs)}
+
+
+def case_trainer_shard() -> dict[str, Any]:
+    """transformers' Trainer under torchrun with sharded experts, the way the README gives it:
+    shard_experts, prepare_ddp, model.compile(...), then the Trainer, which wraps the model in
+    DistributedDataParallel itself (accelerate); its logged losses (averaged over the ranks) against
+    a Trainer of the unsharded eager model on the same batches."""
+    import warnings
+
+    import transformers
+    from torch.utils.data import Dataset
+
+    class Tokens(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.ids = torch.randint(0, 64, (16, 9), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    mesh = make_mesh(PARAMS["shape"])
+
+    def losses(model: torch.nn.Module, out: str) -> tuple[list[float], str]:
+        args = transformers.TrainingArguments(
+            output_dir=out, per_device_train_batch_size=2, max_steps=PARAMS["steps"], logging_steps=1,
+            report_to=[], save_strategy="no", use_cpu=True, ddp_backend="gloo", learning_rate=1e-2,
+            disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        # the Trainer moves the model to its device when it is built (Module.to gives every buffer a
+        # new tensor: the shard placeholders too, which the shard records must still know)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h], type(trainer.model_wrapped).__name__
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.MixtralForCausalLM(config)
+    model.set_experts_implementation("grouped_mm")
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    report = moe_compile.shard_experts(model, mesh, input_ids=ids, labels=ids)
+    ignored = moe_compile.prepare_ddp(model, report)
+    model.compile(backend="hiermoe", options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+    out = str(Path(os.environ["HIERMOE_TEST_OUT"]) / f"trainer{dist.get_rank()}")
+    with collect_reports() as graphs:
+        compiled, wrapper = losses(model, out)
+    reference, _ = losses(eager, out)
+    return {"losses": {"compiled": compiled, "eager": reference}, "ignored": ignored, "wrapper": wrapper,
+
+            "rewritten": sum(len(g.regions) for g in graphs), "sharded": len(report.shards)}
 
 
 if __name__ == "__main__":

@@ -296,6 +296,23 @@ def test_sharded_experts_train_under_ddp_after_prepare_ddp() -> None:
 
 
 @pytest.mark.ranks
+def test_trainer_under_torchrun_with_sharded_experts() -> None:
+    """transformers' Trainer under torchrun (4 gloo ranks), the README's recipe: shard_experts,
+    prepare_ddp, model.compile(backend="hiermoe", mesh), then the Trainer, which moves the model to
+    its device (new buffer tensors, the shard placeholders too, which the shard records still know:
+    before, the recompile took them for full weights and ran on zeros) and wraps it in DDP itself.
+    Its logged losses equal those of a Trainer of the unsharded eager model."""
+    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=3)
+    for rank, res in enumerate(results):
+        assert res["wrapper"] == "DistributedDataParallel" and res["rewritten"] == 2, (rank, res)
+        assert {n.split(".")[-1] for n in res["ignored"]} == {"gate_up_proj", "down_proj", "gate_up_proj_shard",
+                                                              "down_proj_shard"}, res["ignored"]
+        assert len(res["losses"]["compiled"]) == 3, res["losses"]
+        for a, b in zip(res["losses"]["compiled"], res["losses"]["eager"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, res["losses"])
+
+
+@pytest.mark.ranks
 def test_shard_experts_memory_equality_and_training() -> None:
     results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2)
     for rank, res in enumerate(results):

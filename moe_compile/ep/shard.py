@@ -19,7 +19,9 @@ pass reads ``p_shard`` (a parameter of the compiled graph, so autograd and the o
 instead of ``p``; nothing copies expert weights in a step. Call it before creating the optimizer
 (the optimizer must hold the ``_shard`` parameters). The model run eagerly after sharding would
 compute with zero placeholder weights, so ``shard_experts`` refuses to shard a model twice and the
-pass refuses a placeholder it does not know.
+pass refuses a placeholder it does not know. A placeholder is known by its tensor, or by the module
+buffer it was registered as: ``Module.to`` / ``_apply`` (transformers' Trainer moves the model to
+its device when it is built) gives the buffer a new tensor, which is still the shard's.
 
 Gradients: an owned expert parameter's gradient (``ShardReport.owns``) is the sum over every
 rank's tokens routed to those experts; DDP-style averaging divides it by the world size without
@@ -30,6 +32,7 @@ rebuild the full tensors.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -67,17 +70,36 @@ class ShardReport:
 
 
 _BY_ID: dict[int, Shard] = {}
+# where each shard's placeholder lives: (the module, its buffer name), to find the placeholder again
+# after the module's buffers were replaced by new tensors (Module.to / _apply: transformers' Trainer
+# moves the model to its device when it is built, which gives every buffer a new tensor object)
+_HOMES: list[tuple[Shard, weakref.ref[nn.Module], str]] = []
 
 
-def register(shard: Shard) -> None:
-    """Make ``lookup(shard.placeholder)`` find ``shard``."""
+def register(shard: Shard, module: nn.Module, attr: str) -> None:
+    """Make ``lookup(shard.placeholder)`` find ``shard``, and ``lookup`` of whatever tensor
+    ``module``'s buffer ``attr`` holds later."""
     _BY_ID[id(shard.placeholder)] = shard
+    _HOMES.append((shard, weakref.ref(module), attr))
 
 
 def lookup(t: object) -> Shard | None:
-    """The shard a placeholder tensor stands for (None for any other value)."""
+    """The shard a placeholder tensor stands for (None for any other value): the tensor
+    ``shard_experts`` registered, or the one its module's buffer holds now."""
     s = _BY_ID.get(id(t))
-    return s if s is not None and s.placeholder is t else None
+    if s is not None and s.placeholder is t:
+        return s
+    for shard, module_ref, attr in _HOMES:
+        module = module_ref()
+        if module is not None and module._buffers.get(attr) is t:
+            return shard
+    return None
+
+
+def looks_like_placeholder(t: object) -> bool:
+    """Whether ``t`` has the form of a ``shard_experts`` placeholder (more than one element, every
+    stride 0: one value expanded to a weight's shape), which no real expert weight has."""
+    return isinstance(t, Tensor) and t.numel() > 1 and all(st == 0 for st in t.stride())
 
 
 def verification_value(t: object, seed: int) -> object:
