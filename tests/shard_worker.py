@@ -130,17 +130,7 @@ def case_trainer_shard() -> dict[str, Any]:
     import warnings
 
     import transformers
-    from torch.utils.data import Dataset
-
-    class Tokens(Dataset):  # type: ignore[type-arg]
-        def __init__(self) -> None:
-            self.ids = torch.randint(0, 64, (16, 9), generator=torch.Generator().manual_seed(0))
-
-        def __len__(self) -> int:
-            return len(self.ids)
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+    from test_trainer import Tokens
 
     mesh = make_mesh(PARAMS["shape"])
 

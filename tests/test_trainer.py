@@ -15,7 +15,9 @@ from torch.utils.data import Dataset
 import moe_compile  # noqa: F401  (registers the backend)
 
 
-class _Tokens(Dataset):  # type: ignore[type-arg]
+class Tokens(Dataset):  # type: ignore[type-arg]
+    """12 sequences of 17 random token ids (vocabulary 64), each its own labels."""
+
     def __init__(self) -> None:
         self.ids = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(0))
 
@@ -38,7 +40,7 @@ def _losses(tmp_path: object, compile_model: bool, **args: object) -> list[float
     training = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, learning_rate=1e-3, disable_tqdm=True, **args)
-    trainer = transformers.Trainer(model=model, args=training, train_dataset=_Tokens())
+    trainer = transformers.Trainer(model=model, args=training, train_dataset=Tokens())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
