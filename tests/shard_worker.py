@@ -130,7 +130,7 @@ def case_trainer_shard() -> dict[str, Any]:
     import warnings
 
     import transformers
-    from test_trainer import Tokens
+    from test_trainer import Tokens, tiny_mixtral
 
     mesh = make_mesh(PARAMS["shape"])
 
@@ -147,12 +147,7 @@ def case_trainer_shard() -> dict[str, Any]:
             trainer.train()
         return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h], type(trainer.model_wrapped).__name__
 
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
-                                        num_experts_per_tok=2, max_position_embeddings=32)
-    model = transformers.MixtralForCausalLM(config)
-    model.set_experts_implementation("grouped_mm")
+    model = tiny_mixtral(8)
     eager = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
     report = moe_compile.shard_experts(model, mesh, input_ids=ids, labels=ids)

@@ -28,13 +28,19 @@ class Tokens(Dataset):  # type: ignore[type-arg]
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _losses(tmp_path: object, compile_model: bool, **args: object) -> list[float]:
+def tiny_mixtral(num_experts: int) -> transformers.MixtralForCausalLM:
+    """A 2-layer MixtralForCausalLM (vocabulary 64, hidden 32, top-2), seeded, grouped_mm experts."""
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=num_experts,
                                         num_experts_per_tok=2, max_position_embeddings=32)
     model = transformers.MixtralForCausalLM(config)
     model.set_experts_implementation("grouped_mm")
+    return model
+
+
+def _losses(tmp_path: object, compile_model: bool, **args: object) -> list[float]:
+    model = tiny_mixtral(4)
     if compile_model:
         model.compile(backend="hiermoe", options={"inner_compiler": "aot_eager"})
     training = transformers.TrainingArguments(
