@@ -90,13 +90,13 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         num_experts = reg.num_experts
         args = list(op.args)
         weight_nodes: list[fx.Node] = [a for i in _WEIGHT_ARGS if isinstance(a := args[i], fx.Node)]
-        for n in _weight_inputs(weight_nodes, value, num_experts):
+        weight_inputs = _weight_inputs(weight_nodes, value, num_experts)
+        for n in weight_inputs:
             if n not in shards and shard.looks_like_placeholder(value[n]):
                 raise ValueError(f"layer {name}: an expert weight ({n.name}) is a shard_experts placeholder (one "
                                  "value expanded to the weight's shape) that no shard record of this process "
                                  "knows: the model was copied, or its modules replaced, after shard_experts; run "
                                  "shard_experts on the model you compile")
-        weight_inputs = _weight_inputs(weight_nodes, value, num_experts)
         # Step 1
         planned = plans[name]
         assert planned.strategy is not None and planned.settings is not None, f"layer {name} has no EP plan"

@@ -220,26 +220,25 @@ def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> bool:
 
 def _half(node: object) -> tuple[fx.Node, str] | None:
     """(W, which) where ``node`` is one of the views ``passes/emit.py`` splits a stored [E, 2F, H]
-    gate_up tensor W into: ``narrow(W, 1, 0, F)`` ("first"), ``narrow(W, 1, F, F)`` with
-    W.shape[1] == 2F ("second"), ``W[:, 0::2]`` ("even"), ``W[:, 1::2]`` ("odd")."""
+    gate_up tensor W into: ``narrow(W, 1, 0, F)`` ("first"), ``narrow(W, 1, F, F)`` ("second"),
+    both with W.shape[1] == 2F, ``W[:, 0::2]`` ("even"), ``W[:, 1::2]`` ("odd")."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
         return None
     w = node.args[0]
     if not isinstance(w, fx.Node):
         return None
-    if node.target is torch.narrow and node.args[1:] in ((1, 0, node.args[-1]), (-2, 0, node.args[-1])):
-        return w, "first"
     if node.target is torch.narrow and len(node.args) == 4 and node.args[1] in (1, -2):
-        fake = fake_tensor(w)
         start, length = node.args[2], node.args[3]
-        if (fake is not None and fake.dim() == 3 and isinstance(length, int) and start == length
-                and fake.shape[1] == 2 * length):
-            return w, "second"
+        fake = fake_tensor(w)
+        if fake is None or fake.dim() != 3 or not isinstance(length, int) or fake.shape[1] != 2 * length:
+            return None
+        return (w, "first") if start == 0 else (w, "second") if start == length else None
     if node.target is operator.getitem and len(node.args) == 2:
         index = node.args[1]
         if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None)
-                and isinstance(index[1], slice) and index[1].step == 2 and index[1].stop is None):
-            return w, {0: "even", None: "even", 1: "odd"}.get(index[1].start, "")
+                and isinstance(index[1], slice) and index[1].step == 2 and index[1].stop is None
+                and index[1].start in (None, 0, 1)):
+            return w, "odd" if index[1].start == 1 else "even"
     return None
 
 

@@ -74,6 +74,7 @@ _BY_ID: dict[int, Shard] = {}
 # after the module's buffers were replaced by new tensors (Module.to / _apply: transformers' Trainer
 # moves the model to its device when it is built, which gives every buffer a new tensor object)
 _HOMES: list[tuple[Shard, weakref.ref[nn.Module], str]] = []
+_SHAPES: set[tuple[int, ...]] = set()  # the placeholders' shapes: any other tensor is no shard's, at once
 
 
 def register(shard: Shard, module: nn.Module, attr: str) -> None:
@@ -81,11 +82,14 @@ def register(shard: Shard, module: nn.Module, attr: str) -> None:
     ``module``'s buffer ``attr`` holds later."""
     _BY_ID[id(shard.placeholder)] = shard
     _HOMES.append((shard, weakref.ref(module), attr))
+    _SHAPES.add(tuple(shard.placeholder.shape))
 
 
 def lookup(t: object) -> Shard | None:
     """The shard a placeholder tensor stands for (None for any other value): the tensor
     ``shard_experts`` registered, or the one its module's buffer holds now."""
+    if not isinstance(t, Tensor) or tuple(t.shape) not in _SHAPES:
+        return None
     s = _BY_ID.get(id(t))
     if s is not None and s.placeholder is t:
         return s
