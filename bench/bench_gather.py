@@ -93,6 +93,11 @@ def worker(args: argparse.Namespace) -> None:
                                              num_experts=shape["experts"], top_k=shape["top_k"])
         gen = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(args.batch, shape["tokens"] // args.batch, shape["hidden"], generator=gen)
+        if args.skew:  # every token leans to the experts of mesh position 0 (their router logits + skew)
+            with torch.no_grad():
+                hot = torch.arange(shape["experts"]) < shape["experts"] // world
+                layer.router.weight[:, 0] = hot.float() * 2 - 1
+            x[..., 0] = args.skew
         g = torch.randn(x.shape, generator=gen)
         variants: dict[str, Any] = {}
         for name, extra in gathers.items():
@@ -113,6 +118,7 @@ def worker(args: argparse.Namespace) -> None:
         layer_of: dict[str, Any] = {}
         plans: dict[str, str] = {}
         predicted: dict[str, dict[str, float]] = {}
+        notes: dict[str, list[str]] = {}
         executable: dict[str, list[str]] = {}
         pipelines: dict[str, str] = {}
         errors: dict[str, float] = {}
@@ -133,6 +139,7 @@ def worker(args: argparse.Namespace) -> None:
                 raise RuntimeError(f"{shape['name']} at {args.rate}: the {name} variant runs {region.plan}")
             layer_of[name] = runtime.layer(region.ep_layer) if region.ep_layer is not None else runtime.layers()[-1]
             plans[name], predicted[name] = region.plan, dict(region.predicted_s)
+            notes[name] = list(region.plan_notes)
             executable[name], pipelines[name] = list(region.executable), region.pipeline
             if ref_y is None:
                 ref_y, ref_g = y, gx
@@ -181,7 +188,7 @@ def worker(args: argparse.Namespace) -> None:
             flush=True)
         results.append({"shape": shape, "times_s": times, "median_s": med, "plans": plans, "pick": pick,
                         "tuned_pick": tuned_pick,
-                        "predicted_s": predicted, "executable": executable, "pipeline": pipelines,
+                        "predicted_s": predicted, "plan_notes": notes, "executable": executable, "pipeline": pipelines,
                         "first_step_rel_err": errors, "warmup_steps": warmups,
                         "gather_exposed_s": {n: statistics.median(v) for n, v in exposed.items() if v},
                         "dimensions": dims, "rank0_sent_bytes": sent})
@@ -276,7 +283,11 @@ def report(payload: dict[str, Any]) -> str:
              "Layer: moe_compile.samples grouped_gemm, fp32, shapes "
              + "; ".join(f"{s['name']}: H={s['hidden']} F={s['ffn']} E={s['experts']} K={s['top_k']} "
                          f"{s['tokens']} tokens per rank" for s in shapes)
-             + f" (as [{args['batch']}, T / {args['batch']}, H]). hiermoe over mesh node=2"
+             + f" (as [{args['batch']}, T / {args['batch']}, H])"
+             + (f"; skewed routing: every token's first feature {args['skew']:g} and the router's first column +1 "
+                "for the experts of mesh position 0, -1 for the others, so tokens lean to that rank's experts"
+                if args.get("skew") else "")
+             + ". hiermoe over mesh node=2"
              + (f",gpu={args['ranks_per_node']}" if args["ranks_per_node"] > 1 else "")
              + ", inner compiler aot_eager; variants: a2a = expert_gather False (the planner's token all-to-all, "
              "HD-d with d* per step), gather1 = expert_gather level 1 (experts all-gathered inside each node, tokens "
@@ -328,6 +339,11 @@ def report(payload: dict[str, Any]) -> str:
                 if a2a_pred and pred_g:
                     per["predicted"].append((bits, run["rate"], a2a_pred[1], min(pred_g)))
         lines.append("")
+        for c in run["configs"]:
+            for note in c.get("plan_notes", {}).get("planner", []):
+                lines.append(f"- {c['shape']['name']}, planner: {note}")
+        if any(c.get("plan_notes", {}).get("planner") for c in run["configs"]):
+            lines.append("")
     lines.append("## Summary")
     lines.append("")
     lines.append(f"The planner's pick is the measured fastest strategy or within 10 % of it at {good} of {total} "
@@ -386,6 +402,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pipeline", default="auto",
                    help="options['pipeline'] of every variant: auto (default, the cost model's chunk count), "
                         "off, or a chunk count")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="route every token toward the experts of mesh position 0: their router logits raised by "
+                        "SKEW, the others lowered by it (default 0: the router as initialised)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="results path without suffix (default bench/results/gather; "
                                                "--quick: none)")

@@ -27,12 +27,24 @@ when ``Workload.slot_bytes`` counts them, the combine without), plus the expert 
 expert-parallel layer computes T*K (token, expert) pairs per rank on average).  HybridEP's and
 HEXA-MoE's own models already cover the whole layer.  Without routing indices the statistics are
 those of uniform random routing of T tokens.
+
+Compute imbalance (``expert_load``: the (token, expert) pairs each expert received, summed over
+the ranks): a layer ends when its busiest rank does, so a candidate whose tokens compute where
+their experts live is charged its busiest block's share of the pairs, not the mean
+(``load_imbalance``: max over the blocks / mean). The blocks are where the pairs are computed:
+single ranks for the token all-to-alls (hd*, flat, hier*, MoNTA), the level-j blocks for
+``gather{j}`` (each block computes the tokens of the experts it gathered, split over its ranks
+by where they came from), one block for ``gather0`` and ``model0`` (every rank computes its own
+tokens, or every token on its F/S columns: balanced whatever the routing). This is the case for
+HEXA-MoE's model-centric and data-centric modes under skewed routing (papers/hexa-moe.txt
+Section 4.3: "workload imbalance" of expert parallelism). The routing statistics are drawn from
+the same loads (``routing_from_load``) where no routing indices are given.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,12 +84,15 @@ class Plan:
 
 
 def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
-         implemented: Iterable[str] = IMPLEMENTED, gather_compress: float | None = None) -> Plan:
+         implemented: Iterable[str] = IMPLEMENTED, gather_compress: float | None = None,
+         expert_load: Any = None) -> Plan:
     """Evaluate every candidate strategy and pick the fastest implemented one.
 
     ``topk_idx`` ([T, K] expert ids of this rank's tokens) gives the routing statistics the
-    HierMoE models need; without it, uniform random routing is assumed. ``gather_compress``: the
-    SR compression ratio the gathers run with (options['gather_compress']; None: off)."""
+    HierMoE models need; without it, routing drawn from ``expert_load`` ([E] pairs per expert,
+    summed over the ranks; module docstring), or uniform random routing without it.
+    ``gather_compress``: the SR compression ratio the gathers run with (options['gather_compress'];
+    None: off)."""
     allowed = tuple(implemented)
     compute = compute_s(topology, workload)
     predicted: dict[str, float] = {"local": compute if topology is None or topology.world_size == 1
@@ -89,9 +104,16 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
             notes.append(f"{workload.num_experts} experts do not split evenly over {topology.world_size} ranks: "
                          "expert-parallel candidates not evaluated")
         else:
-            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute, gather_compress)
+            dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute, gather_compress,
+                                                       expert_load)
             predicted.update(dist_predicted)
             params.update(dist_params)
+            if expert_load is not None:
+                levels = len(topology.sizes)
+                under = [f"{load_imbalance(expert_load, topology.sizes, levels):.2f}x under the token all-to-alls"]
+                under += [f"{load_imbalance(expert_load, topology.sizes, j):.2f}x under gather{j}" for j in range(1, levels)]
+                notes.append("expert compute charged at the busiest block's load (the expert loads of the compile's "
+                             f"batches): {', '.join(under)}, 1x under gather0 and model0")
     choices = [s for s in predicted if s in allowed]
     if not choices:
         raise ValueError(f"none of the implemented strategies {list(allowed)} applies; candidates were "
@@ -109,28 +131,37 @@ def compute_s(topology: Topology | None, workload: Workload) -> float:
 
 
 def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_s: float,
-                 gather_compress: float | None = None) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+                 gather_compress: float | None = None, expert_load: Any = None
+                 ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     predicted: dict[str, float] = {}
     params: dict[str, dict[str, Any]] = {}
+    levels = len(topology.sizes)
+    # the busiest block's compute where the pairs are computed (module docstring)
+    busiest = [compute_s * (1.0 if expert_load is None else load_imbalance(expert_load, topology.sizes, j))
+               for j in range(levels + 1)]
+    ep_compute = busiest[levels]
     # HierMoE: HD-d for every d, and the no-dedup baselines (dispatch, with the routing slots'
     # metadata when the workload counts it, + combine, rows only, + compute)
     model, back = _hd_model(topology, workload), _hd_model(topology, replace(workload, slot_bytes=0))
-    idx = topk_idx if topk_idx is not None else uniform_routing(workload)
+    if topk_idx is not None:
+        idx = topk_idx
+    else:
+        idx = uniform_routing(workload) if expert_load is None else routing_from_load(workload, expert_load)
     stats = hd_statistics(idx, workload.num_experts, topology.sizes, copies=True)
     hd = model.times_s(stats) + back.times_s(stats)
     for d, t in enumerate(hd, start=1):
-        predicted[f"hd{d}"] = float(t) + compute_s
+        predicted[f"hd{d}"] = float(t) + ep_compute
         params[f"hd{d}"] = {"dimension": d}
     nodedup = model.nodedup_times_s(stats) + back.nodedup_times_s(stats)
-    predicted["flat_a2a"] = float(nodedup[0]) + compute_s
+    predicted["flat_a2a"] = float(nodedup[0]) + ep_compute
     if len(nodedup) > 1 and len(topology.levels) >= 2:
-        predicted["hier_a2a"] = float(nodedup[1]) + compute_s
+        predicted["hier_a2a"] = float(nodedup[1]) + ep_compute
     for d in range(3, len(nodedup) + 1):  # HierMoE's H-d (Fig. 13) beyond Tutel's two levels
-        predicted[f"hier{d}_a2a"] = float(nodedup[d - 1]) + compute_s
+        predicted[f"hier{d}_a2a"] = float(nodedup[d - 1]) + ep_compute
     # MoNTA: inter-node A2A + intra-node AllGather, chunked
     choice = monta.plan(topology, workload)
     for option, t in choice.times_s.items():
-        predicted[f"monta_{option}"] = 2 * float(t) + compute_s
+        predicted[f"monta_{option}"] = 2 * float(t) + ep_compute
         params[f"monta_{option}"] = {"chunks": choice.chunks.get(option, 1)}
     # HybridEP: expert domains (its model covers the layer's communication)
     sizes = hybridep.StreamSizes.from_workload(workload, topology.world_size)
@@ -139,7 +170,7 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_
     params["hybridep"] = {"domain_sizes": tuple(hep.partition.domain_sizes)}
     # the executable expert gathers, one per domain level
     for j in range(len(topology.levels)):
-        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + compute_s
+        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + busiest[j]
         params[f"gather{j}"] = {"domain_level": j, "domain_size": math.prod(topology.sizes[j:])}
     # the executable model-centric mode over the whole mesh
     predicted["model0"] = model_time_s(topology, workload) + compute_s
@@ -193,6 +224,36 @@ def _hd_model(topology: Topology, workload: Workload) -> HDCostModel:
     if key not in _HD_MODELS:
         _HD_MODELS[key] = HDCostModel(topology, workload)
     return _HD_MODELS[key]
+
+
+def load_imbalance(expert_load: Any, sizes: Sequence[int], level: int) -> float:
+    """The busiest level-``level`` mesh block's share of the (token, expert) pairs over the mean
+    block's (>= 1; 1 for no pairs): ``expert_load`` [E] pairs per expert, the experts in
+    contiguous blocks by mesh position (``runtime.EPLayer.expert_pos_E``), a block holding the
+    experts of the ranks that share mesh coordinates 0..level-1 (``level`` = len(sizes): single
+    ranks; 0: the whole mesh)."""
+    load = np.asarray(expert_load, dtype=np.float64).reshape(-1)
+    blocks = math.prod(sizes[:level])
+    if load.size % blocks:
+        raise ValueError(f"{load.size} experts do not split into {blocks} mesh blocks")
+    total = float(load.sum())
+    if total <= 0:
+        return 1.0
+    return float(load.reshape(blocks, -1).sum(axis=1).max() * blocks / total)
+
+
+def routing_from_load(workload: Workload, expert_load: Any, seed: int = 0) -> np.ndarray:
+    """[T, K] distinct expert ids per token drawn with probabilities proportional to ``expert_load``
+    (Gumbel top-k: K draws without replacement, Plackett-Luce), the same on every rank for the same
+    loads; an expert with no load keeps a small share (1e-3 of the mean) so K distinct ids exist."""
+    load = np.asarray(expert_load, dtype=np.float64).reshape(-1)
+    if load.size != workload.num_experts:
+        raise ValueError(f"expert_load has {load.size} entries for {workload.num_experts} experts")
+    mean = float(load.mean()) if load.sum() > 0 else 1.0
+    logits = np.log(np.maximum(load, 1e-3 * mean))
+    rng = np.random.default_rng(seed)
+    keys = logits[None, :] + rng.gumbel(size=(workload.num_tokens, workload.num_experts))
+    return np.ascontiguousarray(np.argpartition(-keys, workload.top_k - 1, axis=1)[:, : workload.top_k])
 
 
 def uniform_routing(workload: Workload, seed: int = 0) -> np.ndarray:

@@ -91,6 +91,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             pipeline="; ".join(d for d in (ctx.plans[reg.name].describe_pipeline(),
                                            ctx.plans[reg.name].describe_measured()) if d)
             if reg.name in ctx.plans else "",
+            plan_notes=list(ctx.plans[reg.name].plan.notes) if reg.name in ctx.plans else [],
             layout=lay.describe(), drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),

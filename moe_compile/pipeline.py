@@ -25,7 +25,7 @@ Ordering constraints:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -123,26 +123,35 @@ def _agreement(ctx: PassContext) -> Agree:
         return (f"E={reg.num_experts} K={reg.top_k} H={reg.hidden_size} {reg.dtype}: {interp.layout.signature()}",
                 f"output {index.anchor(interp.output.node)}, weights {index.anchor(interp.weights.node)}")
 
-    def planned(d: Decision) -> str | None:
-        """The candidate this rank's planner would run the layer with (its plan is kept for the
-        plan pass, which reuses it when the ranks agree on it)."""
-        if d.chosen is None or d.vacuous:
-            return None
-        lp = plan_layer(d.region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
+    def planned(d: Decision, agreed: agreement.Agreed) -> str:
+        """The candidate every rank runs the layer with: each plans it alike, from the token count
+        and the summed expert loads the ranks agreed on (its plan is kept for the plan pass)."""
+        assert d.chosen is not None
+        region = replace(d.region, num_tokens=agreed.tokens)
+        lp = plan_layer(region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
                         dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=_gather(opts),
                         gather_compress=opts.gather_compress, model_centric=_model_centric(ctx),
-                        tune_strategy=opts.tune_strategy)
+                        tune_strategy=opts.tune_strategy, expert_load=agreed.load)
         ctx.own_plans[d.region.name] = lp
         return lp.choice
 
-    def agree(decisions: list[Decision], routers_left: list[Skip]) -> list[Decision]:
+    def load(d: Decision, routing: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """(token, expert) pairs per expert of this rank's compile batch; () without routing."""
+        ids = routing.get(d.region.name)
+        if ids is None:
+            return ()
+        ids = ids.reshape(-1).to(torch.int64)
+        ids = ids[(ids >= 0) & (ids < d.region.num_experts)]  # a dropped slot's id is out of range
+        return tuple(int(c) for c in torch.bincount(ids.cpu(), minlength=d.region.num_experts).tolist())
+
+    def agree(decisions: list[Decision], routers_left: list[Skip], routing: dict[str, torch.Tensor]) -> list[Decision]:
         proposals = []
         for d in decisions:
             mine = key(d, -1) if d.chosen is not None and not d.vacuous else (None, "")
             proposals.append(agreement.Proposal(
                 anchor=params.path[d.region.router_weight], name=d.region.name, key=mine[0], where=mine[1],
                 reason=d.reason, vacuous=d.vacuous, candidates=tuple(key(d, i) for i in range(len(d.passing))),
-                plan=planned(d)))
+                tokens=d.region.num_tokens, load=load(d, routing)))
         proposals += [agreement.Proposal(anchor=params.path[s.router_weight], name=s.name, key=None, reason=s.reason)
                       for s in routers_left if s.router_weight is not None]
         # a layer is known by its router's weight tensor on every compile of this rank, whether the
@@ -152,14 +161,15 @@ def _agreement(ctx: PassContext) -> Agree:
         agreed = agreement.agree(settings, proposals, identities)
         out = []
         for d, p, a in zip(decisions, proposals[:len(decisions)], agreed[:len(decisions)], strict=True):
-            ctx.agreed_plans[d.region.name] = a.plan
             if a.key is None:
+                ctx.agreed_plans[d.region.name] = None
                 out.append(Decision(d.region, None, a.reason))
-            elif a.key != p.key:  # this rank had 0 tokens: it takes what the others verified, where they found it
+                continue
+            if a.key != p.key:  # this rank had 0 tokens: it takes what the others verified, where they found it
                 i = p.candidates.index((a.key, a.where))
-                out.append(Decision(d.region, d.passing[i], vacuous=True))
-            else:
-                out.append(d)
+                d = Decision(d.region, d.passing[i], vacuous=True)
+            ctx.agreed_plans[d.region.name] = planned(d, a)
+            out.append(d)
         return out
 
     return agree

@@ -41,6 +41,7 @@ class RegionReport:
     parallel: dict[str, Any] | None = None  # filled by explain after running: see ParallelReport keys
     executable: list[str] = field(default_factory=list)  # the candidates the planner could choose
     pipeline: str = ""  # the chunked pipeline's prediction for the chosen candidate (cost.pipeline)
+    plan_notes: list[str] = field(default_factory=list)  # the planner's notes (e.g. the expert loads' imbalance)
 
 
 def parallel_summary(layer_id: int) -> dict[str, Any]:
@@ -201,6 +202,9 @@ class Report:
                     f"{k}{'*' if k in r.executable else ''} {v * 1e3:.3g}" for k, v in ranked)),
                     escape(r.pipeline or "-"))
             console.print(table)
+            for r in planned:
+                for note in r.plan_notes:
+                    console.print(f"  {escape(r.name)}: {escape(note)}")
         parallel = [r for r in self.regions if r.parallel is not None]
         if parallel:
             table = Table(title="expert parallel: last step on this rank (payload bytes sent per level)")

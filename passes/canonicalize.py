@@ -72,7 +72,9 @@ class Decision:
 
 # Makes every rank's decisions the same (moe_compile.pipeline builds it from the EP runtime): the
 # decisions, and the layers whose router find_moe_regions found but not the rest of the layer.
-Agree = Callable[[list[Decision], list[Skip]], list[Decision]]
+# The third argument: each region's [T, K] expert ids on the compile's batch, by region name (the
+# planner's expert loads).
+Agree = Callable[[list[Decision], list[Skip], dict[str, torch.Tensor]], list[Decision]]
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
     # Step 2
     routers_left = [s for s in found.skipped if s.router_weight is not None]
     if agree is not None and (decisions or routers_left):
-        decisions = agree(decisions, routers_left)
+        decisions = agree(decisions, routers_left,
+                          {r.name: routing[r.topk] for r in regions if r.topk in routing})
     chosen = {d.region.name: d for d in decisions}
     for region in reversed(found.regions):
         if region.existing_op is not None:  # already the expert op: nothing to verify or rewrite

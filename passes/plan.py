@@ -30,7 +30,7 @@ import torch
 
 from moe_compile.cost.hiermoe import phase_times_s
 from moe_compile.cost.pipeline import LayerTimes, Phase, PipelineChoice, choose_chunks
-from moe_compile.cost.planner import Plan, compute_s, dispatch_strategy, plan, uniform_routing
+from moe_compile.cost.planner import Plan, compute_s, dispatch_strategy, load_imbalance, plan, uniform_routing
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import SLOT_BYTES, Workload
@@ -110,10 +110,11 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
                agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto",
                gather_compress: float | None = None, model_centric: str | bool = "auto",
-               tune_strategy: bool = False) -> LayerPlan:
-    """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None (uniform
-    random routing: what every rank plans expert parallelism on, so that ranks with the same
-    shapes choose alike). ``agreed``: the choice the ranks agreed on (``ep.agreement``,
+               tune_strategy: bool = False, expert_load: Any = None) -> LayerPlan:
+    """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None: with a
+    mesh, ``expert_load`` ([E] (token, expert) pairs per expert, every rank's summed: the same
+    on every rank, so ranks with the same shapes choose alike; ``cost.planner``), or uniform
+    random routing without it. ``agreed``: the choice the ranks agreed on (``ep.agreement``,
     ``LayerPlan.choice``), which overrides this rank's; the predictions stay this rank's.
     ``chunks``: options['pipeline'] as the layer may use it: "auto" (the cost model's n), "tune"
     (the model's n until the expert-parallel pass measures the candidates) or n.
@@ -134,7 +135,8 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
         name = dispatch_strategy(dimension, True if dedup is None else dedup)
         decided = Plan(strategy=name, implemented=tuple(runnable), notes=("no topology given: nothing predicted",))
     else:
-        decided = plan(topology, work, routing, implemented=tuple(runnable), gather_compress=gather_compress)
+        decided = plan(topology, work, routing, implemented=tuple(runnable), gather_compress=gather_compress,
+                       expert_load=expert_load)
     if agreed is not None and agreed != decided.strategy:
         if agreed not in runnable:
             raise RuntimeError(f"layer {region.name}: the ranks agreed to run it as {agreed}, which this rank's "
@@ -142,8 +144,11 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
         decided = replace(decided, strategy=agreed, params={},
                           notes=(*decided.notes, f"{agreed}: agreed with the other ranks (this rank's own "
                                                  "token count predicts another candidate)"))
+    # the token all-to-alls' compute stage is the busiest rank's (chunks pipeline it)
+    busiest = 1.0 if expert_load is None or topology is None else load_imbalance(
+        expert_load, topology.sizes, len(topology.sizes))
     strategy, settings, pipe = _chunked(decided.strategy, runnable, topology, work, chunks,
-                                        int(agreed_chunks or 1) if agreed is not None else None)
+                                        int(agreed_chunks or 1) if agreed is not None else None, busiest)
     alternatives = [(decided.strategy, strategy, settings, pipe)]  # this plan's first: the measurement's baseline
     if tune_strategy and topology is not None:
         predicted = decided.predicted
@@ -153,21 +158,22 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
             runtime_of = replace(runnable[name][1], chunks=1)
             if predicted.get(name, float("inf")) <= TUNE_WITHIN * best and runtime_of not in seen:
                 seen.add(runtime_of)
-                alternatives.append((name, *_chunked(name, runnable, topology, work, chunks, None)))
+                alternatives.append((name, *_chunked(name, runnable, topology, work, chunks, None, busiest)))
     return LayerPlan(decided, strategy, settings, pipe, tune=chunks == "tune",
                      alternatives=tuple(alternatives) if len(alternatives) > 1 else ())
 
 
 def _chunked(name: str, runnable: Mapping[str, tuple[Strategy, Settings]], topology: Topology | None,
-             work: Workload, chunks: str | int, agreed_chunks: int | None
+             work: Workload, chunks: str | int, agreed_chunks: int | None, busiest: float = 1.0
              ) -> tuple[Strategy, Settings, PipelineChoice | None]:
     """Candidate ``name``'s strategy, its settings with the chunk count it runs (the user's n, the
     agreed one, else the model's; the gathers and model-centric are not chunked), and the
-    pipeline model's choice (None where not chunked or nothing is predicted)."""
+    pipeline model's choice (None where not chunked or nothing is predicted); ``busiest``: the
+    busiest rank's compute over the mean (``cost.planner.load_imbalance``)."""
     strategy, settings = runnable[name]
     if not settings.chunkable:
         return strategy, settings, None
-    pipe = None if topology is None else _pipeline(topology, work, Plan(strategy=name), settings)
+    pipe = None if topology is None else _pipeline(topology, work, Plan(strategy=name), settings, busiest)
     if isinstance(chunks, int):  # the user's n: the same option on every rank
         n = chunks
     elif agreed_chunks is not None:
@@ -177,28 +183,29 @@ def _chunked(name: str, runnable: Mapping[str, tuple[Strategy, Settings]], topol
     return strategy, replace(settings, chunks=n), pipe
 
 
-_PIPELINES: dict[tuple[str, Workload, int, bool], PipelineChoice] = {}
+_PIPELINES: dict[tuple[str, Workload, int, bool, float], PipelineChoice] = {}
 
 
-def _pipeline(topology: Topology, work: Workload, decided: Plan, settings: Settings) -> PipelineChoice:
+def _pipeline(topology: Topology, work: Workload, decided: Plan, settings: Settings,
+              busiest: float = 1.0) -> PipelineChoice:
     """The chunk counts for the chosen candidate (``cost.pipeline``): its d (the candidate's, for
     d* per step), each phase's latency and transfer from the HierMoE model on uniform routing,
-    dispatch with the routing slots' bytes and combine without. Once per (topology, shapes, d,
-    dedup): a model's layers share them."""
+    dispatch with the routing slots' bytes and combine without, the busiest rank's compute.
+    Once per (topology, shapes, d, dedup, imbalance): a model's layers share them."""
     d = settings.dimension or int(decided.strategy.removeprefix("hd"))  # d* per step: the hd<d> candidate's
-    key = (repr(topology), work, d, settings.dedup)
+    key = (repr(topology), work, d, settings.dedup, round(busiest, 3))
     if key not in _PIPELINES:
-        _PIPELINES[key] = _search_chunks(topology, work, d, settings.dedup)
+        _PIPELINES[key] = _search_chunks(topology, work, d, settings.dedup, round(busiest, 3))
     return _PIPELINES[key]
 
 
-def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool) -> PipelineChoice:
+def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busiest: float = 1.0) -> PipelineChoice:
     stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
 
     def phases(w: Workload) -> tuple[Phase, ...]:
         return tuple(Phase(a, b) for a, b in phase_times_s(d, topology, w, stats, dedup=dedup))
 
-    times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), compute_s(topology, work))
+    times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work))
     return choose_chunks(times, work.num_tokens)
 
 

@@ -435,7 +435,8 @@ def case_explain() -> dict[str, Any]:
         runtime.reset_counters()
         report = moe_compile.explain(model, ids, ids, options={
             "mesh": mesh, "topology": topology_for(mesh, node_gbps, 100.0), "inner_compiler": "aot_eager",
-            "tune_dimension": 3, "expert_gather": False})  # reaches the layers; explain's one forward is not measured
+            "tune_dimension": 3, "expert_gather": False, "model_centric": False,
+            "dedup": True})  # HD-d with d* per step; reaches the layers; explain's one forward is not measured
         c = runtime.counters()
         sent = {lv: sum(c[lv][ph]["forward"]["payload_bytes"] for ph in ("dispatch", "combine")) for lv in c}
         layers = []
@@ -476,21 +477,30 @@ def case_probe() -> dict[str, Any]:
 def case_plan() -> dict[str, Any]:
     """The planner's choice decides what runs: one MoE layer (grouped GEMM sample, E=8, K=2, 64
     tokens per rank) at two hidden sizes, each on a topology whose inter-node link is slow and
-    on one with equal links. Returns per case the plan explain shows, the runtime layer's
-    settings, and the output's and token gradient's error against the layer run eagerly."""
+    on one with equal links; and at H=64 on a slow device (1 GFLOP/s, the expert compute worth
+    more than the links) with routing as drawn and with every token's experts among rank 0's
+    (its first feature large, which the router weighs toward experts 0 and 1). Returns per case
+    the plan explain shows, the runtime layer's settings, and the output's and token gradient's
+    error against the layer run eagerly."""
     mesh = make_mesh(PARAMS["shape"])
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    for hidden, label, node_gbps, gather in ((4, "equal", 100.0, False), (64, "slow_node", 0.1, False),
-                                             (64, "equal", 100.0, False), (64, "slow_node gather", 0.1, "auto")):
+    for hidden, label, node_gbps, gather, flops, skew in (
+            (4, "equal", 100.0, False, 1e12, False), (64, "slow_node", 0.1, False, 1e12, False),
+            (64, "equal", 100.0, False, 1e12, False), (64, "slow_node gather", 0.1, "auto", 1e12, False),
+            (64, "slow_device", 100.0, False, 1e9, False), (64, "slow_device skewed", 100.0, False, 1e9, True)):
         torch._dynamo.reset()
         torch.manual_seed(0)
         layer = SAMPLES["grouped_gemm"].make(hidden_size=hidden, ffn_size=8, num_experts=8, top_k=2)
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(4, 16, hidden, generator=gen)  # 64 tokens
+        if skew:
+            with torch.no_grad():
+                layer.router.weight[:, 0] = torch.tensor([8.0, 8.0, -8.0, -8.0, -8.0, -8.0, -8.0, -8.0])
+            x[..., 0] = 4.0
         links = {n: {"alpha_s": 2e-5, "bandwidth_gbps": node_gbps if i == 0 else 100.0}
                  for i, n in enumerate(mesh.mesh_dim_names)}
-        options = {"mesh": mesh, "topology": Topology.from_mesh(mesh, links, flops_per_s=1e12),
+        options = {"mesh": mesh, "topology": Topology.from_mesh(mesh, links, flops_per_s=flops),
                    "inner_compiler": "aot_eager", "expert_gather": gather}
         report = moe_compile.explain(layer, x, options=options)
         xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -505,7 +515,7 @@ def case_plan() -> dict[str, Any]:
         lay = runtime.layer(region.ep_layer)
         out[f"{hidden} {label}"] = {
             "plan": region.plan, "executable": region.executable, "predicted": region.predicted_s,
-            "dedup": lay.dedup, "dimension": lay.dimension, "text": str(report),
+            "notes": region.plan_notes, "dedup": lay.dedup, "dimension": lay.dimension, "text": str(report),
             "plans_made": n_agree[0] + n_pass[0],
             "err": max(rel_err(yc.detach(), ye.detach()), rel_err(gc, ge))}
     return out

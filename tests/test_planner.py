@@ -12,7 +12,7 @@ import torch
 
 import moe_compile
 from moe_compile.cost import Level, Topology, Workload, plan
-from moe_compile.cost.planner import uniform_routing
+from moe_compile.cost.planner import compute_s, load_imbalance, routing_from_load, uniform_routing
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.samples import TinyLMConfig, TinyMoELM
 from moe_compile.tools import plan as moe_plan
@@ -47,6 +47,50 @@ def test_every_candidate_is_predicted_and_argmin_is_over_implemented() -> None:
     some = plan(topo, WORK, implemented=("flat_a2a", "hd1", "hd2"))
     assert some.strategy == min(("flat_a2a", "hd1", "hd2"), key=some.predicted.__getitem__)
     assert some.params == ({"dimension": int(some.strategy[2])} if some.strategy.startswith("hd") else {})
+
+
+def test_expert_loads_charge_the_busiest_block() -> None:
+    """With the expert loads of every rank's batch, each candidate pays the compute of the block
+    that computes the most (token, expert) pairs: single ranks under the token all-to-alls, the
+    level-j blocks under gather{j}, nothing extra under gather0 and model0 (balanced whatever the
+    routing; HEXA-MoE Section 4.3). Same routing indices, so only the compute term moves."""
+    topo = two_level()
+    ranks = topo.world_size  # 32: 2 experts per rank, 16 per node
+    load = np.zeros(64)
+    load[:2] = 100.0  # every pair on rank 0's experts
+    assert load_imbalance(load, topo.sizes, 2) == pytest.approx(ranks)
+    assert load_imbalance(load, topo.sizes, 1) == pytest.approx(4.0)  # node 0 of 4
+    assert load_imbalance(load, topo.sizes, 0) == 1.0
+    assert load_imbalance(np.ones(64), topo.sizes, 2) == pytest.approx(1.0)
+    assert load_imbalance(np.zeros(64), topo.sizes, 2) == 1.0
+    half = np.r_[np.full(32, 3.0), np.full(32, 1.0)]  # the first two nodes 3x as busy as the others
+    assert load_imbalance(half, topo.sizes, 1) == pytest.approx(1.5)
+    idx = uniform_routing(WORK)
+    even, skewed = plan(topo, WORK, idx), plan(topo, WORK, idx, expert_load=load)
+    c = compute_s(topo, WORK)
+    for name in ("hd1", "hd2", "flat_a2a", "hier_a2a", "monta_O1"):
+        assert skewed.predicted[name] - even.predicted[name] == pytest.approx((ranks - 1) * c, rel=1e-9), name
+    assert skewed.predicted["gather1"] - even.predicted["gather1"] == pytest.approx(3 * c, rel=1e-9)
+    for name in ("gather0", "model0"):
+        assert skewed.predicted[name] == pytest.approx(even.predicted[name], rel=1e-12), name
+    assert not even.notes and "32.00x under the token all-to-alls, 4.00x under gather1" in skewed.notes[0]
+    with pytest.raises(ValueError, match="do not split"):
+        load_imbalance(np.ones(6), topo.sizes, 2)
+
+
+def test_routing_drawn_from_expert_loads() -> None:
+    """Without routing indices the statistics come from routing drawn in proportion to the loads
+    (K distinct experts per token), the same for the same loads."""
+    work = Workload(num_tokens=20000, hidden_size=8, ffn_size=8, num_experts=8, top_k=1)
+    load = np.array([8.0, 4.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    idx = routing_from_load(work, load)
+    freq = np.bincount(idx.reshape(-1), minlength=8) / idx.size
+    assert np.allclose(freq, load / load.sum(), atol=0.01)
+    two = routing_from_load(Workload(1000, 8, 8, 8, 2), load)
+    assert two.shape == (1000, 2) and (two[:, 0] != two[:, 1]).all()  # distinct, even beyond the loaded experts
+    assert (routing_from_load(work, load) == idx).all()
+    with pytest.raises(ValueError, match="entries for 8 experts"):
+        routing_from_load(work, np.ones(4))
 
 
 def test_node_local_routing_makes_hierarchical_dedup_win() -> None:

@@ -13,8 +13,10 @@ a layer settles it with one small exchange, before any expert-parallel collectiv
     why none, or (0 tokens) every interpretation it could use; and its expert-parallel settings
     agreed key <- the one every rank with tokens verified, if each rank with 0 tokens has it at
     the place the first of them found it; otherwise the layer stays as written on every rank,
-    with the reason naming the rank; and the strategy the planner chose on the lowest rank with
-    tokens (ranks plan from their own token counts; the runtime settings must be the same)
+    with the reason naming the rank; and what every rank plans the layer from, so that all reach
+    the same plan (the runtime settings must be the same): the token count of the lowest rank
+    with tokens, and the (token, expert) pairs per expert of every rank's batch, summed
+    (``cost.planner``'s expert loads: the busiest rank's compute under expert parallelism)
 
 The decision is kept per layer (its name and weight tensors): a later compile of the same layer
 (a recompile for new shapes, which one rank may do alone) uses it without an exchange.  The
@@ -47,9 +49,8 @@ class Proposal:
     where: str = ""
     vacuous: bool = False  # 0 tokens: nothing was verified; ``candidates`` lists what could be used
     candidates: tuple[tuple[str, str], ...] = ()  # (key, where)
-    # the planner's candidate this rank would run the layer with (its own token count); every rank
-    # takes the lowest rank's, so the runtime settings agree too
-    plan: str | None = None
+    tokens: int = 0  # this rank's token count in the layer
+    load: tuple[int, ...] = ()  # (token, expert) pairs per expert of this rank's batch (): unknown
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Agreed:
     key: str | None  # the interpretation every rank uses; None: the layer stays as written
     reason: str = ""
     where: str = ""  # where the ranks with tokens found it (ranks with 0 tokens take this)
-    plan: str | None = None  # the planner's candidate every rank runs (the lowest planning rank's)
+    tokens: int = 0  # the token count every rank plans with (the lowest rank's with tokens)
+    load: tuple[int, ...] | None = None  # pairs per expert, every rank's summed (None: a rank did not know)
 
 
 _lock = threading.Lock()
@@ -123,7 +125,9 @@ def _combine(name: str, by_rank: list[Proposal | None]) -> Agreed:
         if p.vacuous and (key, where) not in p.candidates:
             return Agreed(None, f"left alone on every rank: rank {r} (0 tokens in its batch) cannot form the "
                                 f"interpretation the other ranks verified ({key}; {where})")
-    return Agreed(key, where=where, plan=first.plan)
+    loads = [p.load for p in by_rank if p is not None]
+    load = tuple(int(sum(col)) for col in zip(*loads, strict=True)) if all(loads) else None
+    return Agreed(key, where=where, tokens=first.tokens, load=load)
 
 
 def _check_local(p: Proposal, agreed: Agreed) -> Agreed:
