@@ -37,8 +37,10 @@ single ranks for the token all-to-alls (hd*, flat, hier*, MoNTA), the level-j bl
 by where they came from), one block for ``gather0`` and ``model0`` (every rank computes its own
 tokens, or every token on its F/S columns: balanced whatever the routing). This is the case for
 HEXA-MoE's model-centric and data-centric modes under skewed routing (papers/hexa-moe.txt
-Section 4.3: "workload imbalance" of expert parallelism). The routing statistics are drawn from
-the same loads (``routing_from_load``) where no routing indices are given.
+Section 4.3). The communication models keep uniform routing statistics without routing indices:
+what skewed routing does to each level's bytes is left to the per-step d* tuner and to
+``tune_strategy``'s measurement, which draws its tokens' routing from the same loads
+(``routing_from_load``).
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
     """Evaluate every candidate strategy and pick the fastest implemented one.
 
     ``topk_idx`` ([T, K] expert ids of this rank's tokens) gives the routing statistics the
-    HierMoE models need; without it, routing drawn from ``expert_load`` ([E] pairs per expert,
-    summed over the ranks; module docstring), or uniform random routing without it.
+    HierMoE models need; without it, uniform random routing is assumed. ``expert_load``: [E]
+    (token, expert) pairs per expert, summed over the ranks (module docstring).
     ``gather_compress``: the SR compression ratio the gathers run with (options['gather_compress'];
     None: off)."""
     allowed = tuple(implemented)
@@ -143,10 +145,7 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_
     # HierMoE: HD-d for every d, and the no-dedup baselines (dispatch, with the routing slots'
     # metadata when the workload counts it, + combine, rows only, + compute)
     model, back = _hd_model(topology, workload), _hd_model(topology, replace(workload, slot_bytes=0))
-    if topk_idx is not None:
-        idx = topk_idx
-    else:
-        idx = uniform_routing(workload) if expert_load is None else routing_from_load(workload, expert_load)
+    idx = topk_idx if topk_idx is not None else uniform_routing(workload)
     stats = hd_statistics(idx, workload.num_experts, topology.sizes, copies=True)
     hd = model.times_s(stats) + back.times_s(stats)
     for d, t in enumerate(hd, start=1):
@@ -242,18 +241,19 @@ def load_imbalance(expert_load: Any, sizes: Sequence[int], level: int) -> float:
     return float(load.reshape(blocks, -1).sum(axis=1).max() * blocks / total)
 
 
-def routing_from_load(workload: Workload, expert_load: Any, seed: int = 0) -> np.ndarray:
+def routing_from_load(num_tokens: int, top_k: int, expert_load: Any, seed: int = 0) -> np.ndarray:
     """[T, K] distinct expert ids per token drawn with probabilities proportional to ``expert_load``
-    (Gumbel top-k: K draws without replacement, Plackett-Luce), the same on every rank for the same
-    loads; an expert with no load keeps a small share (1e-3 of the mean) so K distinct ids exist."""
+    ([E] pairs per expert; Gumbel top-k: K draws without replacement, Plackett-Luce), the same for
+    the same seed; an expert with no load keeps a small share (1e-3 of the mean) so K distinct ids
+    exist."""
     load = np.asarray(expert_load, dtype=np.float64).reshape(-1)
-    if load.size != workload.num_experts:
-        raise ValueError(f"expert_load has {load.size} entries for {workload.num_experts} experts")
+    if not 0 < top_k <= load.size:
+        raise ValueError(f"top_k={top_k} needs 1..{load.size} experts with a load")
     mean = float(load.mean()) if load.sum() > 0 else 1.0
     logits = np.log(np.maximum(load, 1e-3 * mean))
     rng = np.random.default_rng(seed)
-    keys = logits[None, :] + rng.gumbel(size=(workload.num_tokens, workload.num_experts))
-    return np.ascontiguousarray(np.argpartition(-keys, workload.top_k - 1, axis=1)[:, : workload.top_k])
+    keys = logits[None, :] + rng.gumbel(size=(num_tokens, load.size))
+    return np.ascontiguousarray(np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k])
 
 
 def uniform_routing(workload: Workload, seed: int = 0) -> np.ndarray:

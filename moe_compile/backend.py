@@ -62,7 +62,8 @@ def _with_expert_inputs(fn: Callable[..., object], shard_positions: Sequence[int
             if sh is None or sh.local is None:
                 raise ValueError("an expert-parallel graph compiled for sharded experts was called with weights that "
                                  "are not this rank's shards (moe_compile.shard_experts); shard every model compiled "
-                                 "with the same options alike")
+                                 "with the same options alike. A copy of a sharded model (copy.deepcopy) has "
+                                 "placeholders no shard knows: copy the model before shard_experts and shard the copy")
             given[pos] = sh.local
         remap = {}
         for lid, positions in layer_inputs.items():

@@ -20,7 +20,9 @@ time; this pass does it for the layer:
     AOTAutograd with the overlap pass (start/wait on the communication lanes, as the real graph
     runs them)
     random inputs of the example's shapes (weights as the rank holds them: its E/G experts where
-    the graph reads only those), routing uniform at random (the models' assumption)
+    the graph reads only those), routing drawn in proportion to the expert loads every rank's
+    compile batch gave (``cost.planner.routing_from_load``: the layer's skew, so the busiest
+    rank's compute and bytes are what is timed), or uniform at random without them
     rounds: every candidate once per round, in turn; each run one forward + backward, after a
     barrier, its time the slowest rank's (all_reduce MAX)
     choice = argmin median; another candidate than the baseline (n = 1; the planner's strategy)
@@ -29,7 +31,7 @@ time; this pass does it for the layer:
 Every rank gets the same times (the MAX), so every rank chooses the same candidate with no further
 exchange. The throwaway layers' traffic is not counted, the step clock the d tuner reads does not
 advance, and the layers are dropped afterwards (``runtime.probing``). Layers with the same shapes
-and settings share one measurement (a model's layers usually do), also across recompiles.
+settings and expert loads share one measurement, also across recompiles.
 
 Contract
     needs     the hiermoe::experts node's arguments with their fake values, the candidates'
@@ -54,6 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from moe_compile.cost.pipeline import PipelineChoice
+from moe_compile.cost.planner import routing_from_load
 from moe_compile.ep import runtime
 from moe_compile.lowering.strategies.common import Settings
 from moe_compile.passes.graph_index import fake_tensor
@@ -100,11 +103,14 @@ def chunk_candidates(pipe: PipelineChoice | None, num_tokens: int) -> list[int]:
     return sorted(n for n in ns if n == 1 or n <= num_tokens)
 
 
-def _inputs(args: Sequence[Any], num_experts: int, top_k: int, gen: torch.Generator) -> dict[int, torch.Tensor]:
+def _inputs(args: Sequence[Any], num_experts: int, top_k: int, gen: torch.Generator,
+            expert_load: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
     """Real tensors for the op's node arguments, by position: random, the routing uniform (K
     distinct experts per token; its nodes, made by canonicalize, may carry no example value: the
-    routing is [T, K] of the tokens' T), floating ones requiring grad as the model's do; weights
-    with every expert (``_local`` cuts a rank's)."""
+    routing is [T, K] of the tokens' T) or drawn in proportion to ``expert_load`` (every rank's
+    compile batch's pairs per expert: the layer's skew, so the busiest rank's compute is timed),
+    floating ones requiring grad as the model's do; weights with every expert (``_local`` cuts a
+    rank's)."""
     x = fake_tensor(args[0])
     if x is None:
         raise ValueError(f"autotune: the expert op's tokens ({args[0]}) have no example value")
@@ -113,7 +119,10 @@ def _inputs(args: Sequence[Any], num_experts: int, top_k: int, gen: torch.Genera
     for i, a in enumerate(args):
         if not isinstance(a, fx.Node):
             continue
-        if i == 1:
+        if i == 1 and expert_load is not None and sum(expert_load) > 0:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+            t = torch.from_numpy(routing_from_load(num_tokens, top_k, expert_load, seed)).to(torch.int64)
+        elif i == 1:
             t = torch.rand((num_tokens, num_experts), generator=gen).topk(top_k, dim=1).indices
         elif i == 2:
             t = torch.rand((num_tokens, top_k), generator=gen).to(x.dtype)
@@ -168,7 +177,8 @@ def _compiled(cand: Candidate, args: Sequence[Any], values: Mapping[int, torch.T
 
 
 def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping[str, Candidate], baseline: str,
-            name: str, top_k: int, num_experts: int, probe_layer: Callable[[Settings], Any]) -> Measured:
+            name: str, top_k: int, num_experts: int, probe_layer: Callable[[Settings], Any],
+            expert_load: Sequence[int] | None = None) -> Measured:
     """Time every candidate (module docstring) on throwaway layers made by ``probe_layer``;
     ``key`` names what the measurement depends on (shapes, settings, mesh, topology)."""
     key = (key, tuple((k, c.strategy.name, c.settings, c.by_expert) for k, c in candidates.items()))
@@ -178,7 +188,7 @@ def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping
         return Measured(baseline, {})
     world = dist.get_world_size()
     gen = torch.Generator().manual_seed(4099 + 7919 * dist.get_rank())
-    full = _inputs(op_args, num_experts, top_k, gen)
+    full = _inputs(op_args, num_experts, top_k, gen, expert_load)
     times: dict[str, list[float]] = {k: [] for k in candidates}
     # outside the user's compile: AOTAutograd records into the current tracing context, which is
     # the graph being compiled

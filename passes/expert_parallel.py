@@ -102,7 +102,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         assert planned.strategy is not None and planned.settings is not None, f"layer {name} has no EP plan"
         if planned.alternatives and backward == "stages":  # "resend" runs ep_experts whatever the strategy
             planned = tuned[name] = _tuned_strategy(
-                planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device),
+                planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device, planned.expert_load),
                 _probe_by_expert(weight_nodes, shards, num_experts, expert_swap))
         settings = planned.settings
         assert settings is not None
@@ -155,7 +155,8 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             by_expert = mode
         if planned.tune and settings.chunkable:
             planned = tuned[name] = _tuned_chunks(
-                planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device), bool(by_expert),
+                planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device, planned.expert_load),
+                bool(by_expert),
                 reg.num_tokens)
             settings = planned.settings
             assert settings is not None
@@ -193,9 +194,10 @@ def _measure_key(args: Sequence[Any], mesh: Any, topology: Topology | None, reg:
 
 
 def _measuring(args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any, topology: Topology | None,
-               device: torch.device) -> dict[str, Any]:
+               device: torch.device, expert_load: tuple[int, ...] | None) -> dict[str, Any]:
     """``autotune.measure``'s arguments for one layer besides its candidates: the measurement's
-    key, the op's arguments, and how to build a throwaway layer with a candidate's settings."""
+    key, the op's arguments, how to build a throwaway layer with a candidate's settings, and the
+    expert loads the ranks agreed on (the measured tokens' routing is drawn from them)."""
     dtype = getattr(torch, reg.dtype)
 
     def probe_layer(settings: Settings) -> runtime.EPLayer:
@@ -204,8 +206,8 @@ def _measuring(args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any,
                            hidden_size=reg.hidden_size, ffn_size=layout.ffn_size, gated=layout.gated, dtype=dtype,
                            device=device, domain=settings.domain, model_centric=settings.model_centric)
 
-    return {"key": _measure_key(args, mesh, topology, reg), "op_args": args, "name": name, "top_k": reg.top_k,
-            "num_experts": reg.num_experts, "probe_layer": probe_layer}
+    return {"key": (*_measure_key(args, mesh, topology, reg), expert_load), "op_args": args, "name": name,
+            "top_k": reg.top_k, "num_experts": reg.num_experts, "probe_layer": probe_layer, "expert_load": expert_load}
 
 
 def _tuned_strategy(planned: LayerPlan, measuring: dict[str, Any], by_expert: Callable[[Settings], bool]

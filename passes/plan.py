@@ -57,6 +57,7 @@ class LayerPlan:
     alternatives: tuple[tuple[str, Strategy, Settings, PipelineChoice | None], ...] = ()
     measured_strategy: Measured | None = None  # what the measurements found (set by the expert-parallel pass)
     measured_chunks: Measured | None = None
+    expert_load: tuple[int, ...] | None = None  # pairs per expert, every rank's summed (what the plan charged)
 
     @property
     def choice(self) -> str:
@@ -160,7 +161,8 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                 seen.add(runtime_of)
                 alternatives.append((name, *_chunked(name, runnable, topology, work, chunks, None, busiest)))
     return LayerPlan(decided, strategy, settings, pipe, tune=chunks == "tune",
-                     alternatives=tuple(alternatives) if len(alternatives) > 1 else ())
+                     alternatives=tuple(alternatives) if len(alternatives) > 1 else (),
+                     expert_load=None if expert_load is None else tuple(int(v) for v in expert_load))
 
 
 def _chunked(name: str, runnable: Mapping[str, tuple[Strategy, Settings]], topology: Topology | None,

@@ -82,7 +82,24 @@ def case_shard() -> dict[str, Any]:
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         with collect_reports() as graphs:
             losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"])
-        out[kind] = {"pipelines": [r.pipeline for g in graphs for r in g.regions],
+        # a deep copy of the sharded model reuses the compiled graph (same code, weights are
+        # inputs): stacked experts' placeholders are no shard's, so it must fail, not run on the
+        # original's shards; E modules keep the local ones real, and the copy runs on its own
+        twin_model = copy.deepcopy(model)
+        twin = torch.compile(twin_model, backend="hiermoe", options=opts)
+        copy_loss, zeroed_loss, copy_error = float("nan"), float("nan"), ""
+        try:
+            copy_loss = float(twin(ids[:, :-1], ids[:, 1:]))
+            owned = {n for n, p in model.named_parameters() if shard_report.owns(p)}
+            with torch.no_grad():  # the copy's own experts, zeroed: its loss must move
+                for n, p in twin_model.named_parameters():
+                    if n in owned:
+                        p.zero_()
+            zeroed_loss = float(twin(ids[:, :-1], ids[:, 1:]))
+        except ValueError as e:
+            copy_error = str(e)
+        out[kind] = {"copy_error": copy_error, "copy_loss": copy_loss, "zeroed_loss": zeroed_loss,
+                     "loss_now": float(compiled(ids[:, :-1], ids[:, 1:])), "pipelines": [r.pipeline for g in graphs for r in g.regions],
                      "full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
                      "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
                      "losses": losses, "weight_err": weight_err, "after_code": after_code,

@@ -350,6 +350,11 @@ def test_shard_experts_memory_equality_and_training() -> None:
             # (summation order) become update differences of order lr; relative to the largest
             # weight that stays below 1e-4 after two steps
             assert r["weight_err"] < 1e-4, where
+            if kind == "grouped_gemm":  # a deep copy's placeholders are no shard's: a clear error
+                assert "copy of a sharded model" in r["copy_error"], (where, r["copy_error"])
+            else:  # E modules: the copy's local modules are real and its own (zeroing them moves its loss only)
+                assert not r["copy_error"] and r["copy_loss"] == pytest.approx(r["loss_now"], rel=1e-6), (where, r)
+                assert abs(r["zeroed_loss"] - r["loss_now"]) > 1e-4, (where, r)
 
 
 @pytest.mark.ranks
