@@ -4,8 +4,8 @@
     python bench/bench_single_process.py --quick      # small shapes, about a minute (compiling), prints only
 
 Cases (fp32 unless --dtype bfloat16, one training step = forward + loss + backward, no optimizer):
-  expert_loop   the registry's per-expert loop layer (Mixtral v4 style, "(c)"), input [B, S, H]
-  dense_masked  the registry's dense masked layer (every expert on every token, "(d)")
+  every sample of moe_compile.samples' registry (grouped_gemm, expert_loop, dense_masked, gpt_oss,
+                ...: one MoE layer each, input [B, S, H], a fixed random upstream gradient)
   hf_mixtral    transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
   hf_qwen3_moe  transformers Qwen3MoeForCausalLM, the same way
   hf_olmoe      transformers OlmoeForCausalLM, the same way
@@ -51,7 +51,8 @@ from moe_compile.backend import collect_reports
 from moe_compile.samples import SAMPLES
 
 VARIANTS = ("eager", "hiermoe+inductor", "hiermoe+aot_eager", "inductor")
-CASES = ("expert_loop", "dense_masked", "hf_mixtral", "hf_qwen3_moe", "hf_olmoe")
+HF = ("hf_mixtral", "hf_qwen3_moe", "hf_olmoe")
+CASES = (*SAMPLES, *HF)  # every sample, then the transformers models
 # Wide enough for the results table when stdout is a file or pipe (rich assumes 80 columns there).
 console = Console(width=None if Console().is_terminal else 170)
 
@@ -100,7 +101,7 @@ def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module
     """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate."""
     torch.manual_seed(0)
     dtype = getattr(torch, shape.dtype)
-    if case in ("expert_loop", "dense_masked"):
+    if case in SAMPLES:
         model = SAMPLES[case].make(hidden_size=shape.hidden, ffn_size=shape.ffn, num_experts=shape.experts,
                                    top_k=shape.top_k).to(device=device, dtype=dtype)
         x = torch.randn(shape.batch, shape.seq, shape.hidden, device=device, dtype=dtype, requires_grad=True)

@@ -57,7 +57,8 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                   counted once, under "triton" (retargeted), "composite" (the torch lowering as
                   ``hiermoe::experts_composite``, aten ops the inner compiler traces, fuses and
                   differentiates, where every matmul can be one grouped_mm; on CPU, an op whose
-                  weights are stacks of E modules' weights takes them as lists instead,
+                  weights are stacks of E modules' weights (or gate and up the halves of one such
+                  stack: per-module views) takes them as lists instead,
                   ``hiermoe::experts_composite_list``: no stacked copy, per-module gradients;
                   an op whose gate and up are the two views of one stored [E, 2F, H] tensor
                   takes that tensor, ``hiermoe::experts_composite_gate_up``: one matmul with 2F
@@ -82,9 +83,11 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
         for n in ops with choice triton: experts -> experts_triton,          # Step 3
                                          or experts_triton_keep(..., blk)[0] when trained,
                                          ep_local_experts(..., triton=True)
-        for n in ops with choice torch: experts -> experts_composite where grouped_mm takes them,
-                                        -> experts_composite_list on CPU where weights are stacks,
-                                        -> experts_composite_gate_up where gate, up are views of one
+        for n in ops with choice torch: experts -> experts_composite_gate_up where gate, up are views
+                                           of one stored tensor grouped_mm takes,
+                                        -> experts_composite where grouped_mm takes every weight,
+                                        -> experts_composite_list on CPU where weights are stacks
+                                           of E module weights or gate and up halves of one
         return {"triton": #retargeted, "composite": #traceable, "torch": #left}
     """
     if kernels not in KERNEL_CHOICES:
@@ -119,9 +122,12 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
             _to_keep_form(gm, n)
         elif choice == "triton":
             n.target = torch.ops.hiermoe.experts_triton.default
-        elif n.target is not local and _composite_ok(n):
-            n.target = torch.ops.hiermoe.experts_composite.default
-            _to_list_form(gm, n) or _to_gate_up_form(gm, n)
+        elif n.target is not local and ((_composite_ok(n) and _to_list_form(gm, n)) or _to_gate_up_form(gm, n)
+                                         or _composite_ok(n)):
+            # the gate_up form judges the stored tensor, whose views (GPT-OSS's interleaved rows of
+            # a transposed [E, H, 2F]) grouped_mm could not take one by one
+            if n.target is torch.ops.hiermoe.experts.default:
+                n.target = torch.ops.hiermoe.experts_composite.default
             choice = "composite"
         counts[choice] += 1
     if counts["triton"] or counts["composite"]:
@@ -192,30 +198,58 @@ def _to_keep_form(gm: fx.GraphModule, n: fx.Node) -> None:
 
 def _to_list_form(gm: fx.GraphModule, n: fx.Node) -> bool:
     """On CPU, where every weight of composite op ``n`` is a ``torch.stack`` of E tensors (experts
-    stored as E modules, ``passes/emit.py``), call ``experts_composite_list`` on the E tensors
-    instead: nothing is stacked (a copy of every expert weight in the forward, again in the
-    backward) and each module's weight gets its own gradient (``lowering/grouped_mm.py``,
-    ``grouped_linear``). Stays as it is elsewhere: on CUDA one grouped_mm beats E matmuls."""
+    stored as E modules, ``passes/emit.py``), or gate and up are the two halves (``_half``) of one
+    such stack (Megatron's ``linear_fc1``: gate and up rows in one [2F, H] weight per module), call
+    ``experts_composite_list`` on the E tensors (each module's halves as views of its weight)
+    instead: nothing is stacked (a copy of every expert weight in the forward, kept for the
+    backward, and a stacked gradient) and each module's weight gets its own gradient
+    (``lowering/grouped_mm.py``, ``grouped_linear``). Stays as it is elsewhere: on CUDA one
+    grouped_mm beats E matmuls."""
     x = _arg(n, 0)
     device = _device_of(x) if isinstance(x, fx.Node) else None
     if device is None or device.type != "cpu":
         return False
     slots = [_NAMES.index(name) for name in ("w_up", "w_gate", "w_down")]
-    stacks = [_arg(n, i) for i in slots]
-    if not all(s is None or (isinstance(s, fx.Node) and s.target is torch.stack and len(s.args) == 1
-                             and not s.kwargs and isinstance(s.args[0], (list, tuple)))
-               for s in stacks):
-        return False
+    given = [_arg(n, i) for i in slots]
+    lists: list[list[fx.Node] | None] = []
+    for g in given:
+        half = _half(g)
+        if g is None:
+            lists.append(None)
+        elif _is_stack(g):
+            lists.append(list(cast(list[fx.Node], cast(fx.Node, g).args[0])))
+        elif half is not None and _is_stack(half[0]):
+            lists.append([_module_half(gm, cast(fx.Node, g), t, half[1]) for t in cast(list[fx.Node], half[0].args[0])])
+        else:
+            return False
     args = [_arg(n, i) for i in range(len(_NAMES))]
-    for i, s in zip(slots, stacks, strict=True):
-        if isinstance(s, fx.Node):
-            args[i] = list(cast(list[fx.Node], s.args[0]))
+    for i, items in zip(slots, lists, strict=True):
+        if items is not None:
+            args[i] = items
     n.args, n.kwargs = tuple(cast(list[fx.node.Argument], args)), {}
     n.target = torch.ops.hiermoe.experts_composite_list.default
-    for s in stacks:
-        if isinstance(s, fx.Node) and not s.users:
-            gm.graph.erase_node(s)
+    for g in given:  # the views, then the stacks, that nothing reads any more
+        if isinstance(g, fx.Node) and not g.users and not _is_stack(g):
+            base = g.args[0]
+            gm.graph.erase_node(g)
+            g = base
+        if isinstance(g, fx.Node) and not g.users:
+            gm.graph.erase_node(g)
     return True
+
+
+def _is_stack(node: object) -> bool:
+    return (isinstance(node, fx.Node) and node.target is torch.stack and len(node.args) == 1 and not node.kwargs
+            and isinstance(node.args[0], (list, tuple)))
+
+
+def _module_half(gm: fx.GraphModule, view: fx.Node, weight: fx.Node, which: str) -> fx.Node:
+    """The view of one module's [2F, H] ``weight`` that ``view`` (a ``_half`` of their stack) takes
+    of every module: rows ``narrow(0, start, F)`` for a half, every other row for "even"/"odd"."""
+    with gm.graph.inserting_before(view):
+        if which in ("first", "second"):
+            return gm.graph.call_function(torch.narrow, (weight, 0, view.args[2], view.args[3]))
+        return gm.graph.call_function(operator.getitem, (weight, slice(1 if which == "odd" else 0, None, 2)))
 
 
 def _half(node: object) -> tuple[fx.Node, str] | None:

@@ -59,6 +59,28 @@ def test_sample_compiles_to_expert_op_and_matches_eager(case: tuple[str, dict]) 
     assert r.plan == "local"
 
 
+@pytest.mark.parametrize(("name", "overrides", "form"), [
+    # gate and up: interleaved rows of a transposed [E, H, 2F] (views grouped_mm cannot take one by
+    # one): the stored tensor, one matmul with 2F columns
+    ("gpt_oss", {}, "experts_composite_gate_up"),
+    ("grouped_gemm", {}, "experts_composite_gate_up"),
+    # E modules, each one [2F, H] linear_fc1 with gate and up halves: per-module views, no stack
+    ("sequential_mlp", {}, "experts_composite_list"),
+    ("expert_loop", {}, "experts_composite_list"),
+])
+def test_cpu_lowering_takes_the_weights_as_stored(name: str, overrides: dict, form: str) -> None:
+    """On CPU the expert op becomes the composite form that reads the weights as the model stores
+    them (lower_kernels): no stacked copy of E modules' weights, one matmul where gate and up are
+    one tensor; outputs and every gradient still equal eager's."""
+    spec = SAMPLES[name]
+    torch.manual_seed(0)
+    cmp = compare_compiled(spec.make(**overrides), [example_input(spec, **overrides)])
+    cmp.assert_close()
+    code = cmp.report.after
+    assert f"torch.ops.hiermoe.{form}.default(" in code, code
+    assert "torch.stack(" not in code, code
+
+
 def test_capacity_layer_keeps_its_drops() -> None:
     """GShard with a small capacity drops tokens; the rewrite must drop exactly the same ones
     (a dropless rewrite would give those tokens an output and fail this)."""
