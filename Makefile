@@ -36,8 +36,8 @@ help:
 	@echo "make lint         ruff check ."
 	@echo "make typecheck    mypy over the installed package layout"
 	@echo "make pytest       pytest only (PYTEST_ARGS='-k name' to select)"
-	@echo "make bench        single-process benchmark, writes bench/results/ (a few minutes)"
-	@echo "make bench-quick  the same benchmark at small sizes (about a minute, mostly compiling; writes nothing)"
+	@echo "make bench        single-process benchmark, every sample and 3 HF models, writes bench/results/ (~25 min)"
+	@echo "make bench-quick  the same benchmark at small sizes (a few minutes, mostly compiling; writes nothing)"
 	@echo "make clean        remove .venv, build/ and caches"
 
 setup: $(STAMP)

@@ -1,7 +1,7 @@
 """Single-process forward+backward time and peak memory: hiermoe-compiled models vs eager, side by side.
 
     python bench/bench_single_process.py --threads 1  # full run, writes bench/results/single_process.{md,json}
-    python bench/bench_single_process.py --quick      # small shapes, about a minute (compiling), prints only
+    python bench/bench_single_process.py --quick      # small shapes, a few minutes (compiling), prints only
 
 Cases (fp32 unless --dtype bfloat16, one training step = forward + loss + backward, no optimizer):
   every sample of moe_compile.samples' registry (grouped_gemm, expert_loop, dense_masked, gpt_oss,
