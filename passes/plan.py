@@ -9,14 +9,16 @@ Contract
     strategy (``lowering.strategies``) and the runtime settings the chosen candidate runs with:
     what the expert_parallel pass emits. Without a mesh the only executable candidate is "local".
     With a mesh and no topology (a fixed dimension), the fixed dimension's candidate, nothing
-    predicted. With a mesh every rank runs the same candidate: plans are made on uniform
-    routing of the compile's token count, and ``ep.agreement`` settles the lowest rank's choice
-    (``agreed``) at the first compile of a layer, kept for its recompiles.
+    predicted. With a mesh every rank runs the same candidate: every rank plans the layer from
+    what ``ep.agreement`` exchanged at its first compile (kept for its recompiles): the lowest
+    planning rank's token count and the expert loads of every rank's compile batch summed
+    (``cost.planner``: each candidate's compute at its busiest block), so every rank computes
+    the same plan (``moe_compile.pipeline``).
 
     for each rewritten layer:
         workload <- shapes (+ the routing slots' bytes the runtime sends, with a mesh)
         candidates <- strategies.executable(levels, dimension, dedup)  (with a mesh) | {"local"}
-        plan <- cost.planner.plan(topology, workload, routing, implemented=candidates)
+        plan <- cost.planner.plan(topology, workload, routing | summed expert loads, implemented=candidates)
         with a mesh: plan.strategy <- the agreed candidate
 """
 
@@ -219,8 +221,8 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
-    arguments (the agreement's, on uniform routing), reused where the ranks agreed on their
-    choice. Returns each layer's plan by name."""
+    arguments (the agreement's, from the exchanged token count and expert loads), reused where
+    the ranks agreed on their choice. Returns each layer's plan by name."""
     out: dict[str, LayerPlan] = {}
     for r in rewritten:
         mine = (known or {}).get(r.region.name)
