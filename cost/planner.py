@@ -106,14 +106,17 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
             notes.append(f"{workload.num_experts} experts do not split evenly over {topology.world_size} ranks: "
                          "expert-parallel candidates not evaluated")
         else:
+            levels = len(topology.sizes)
+            # per mesh level j (levels: single ranks), the busiest block's compute over the mean's
+            busiest = [1.0 if expert_load is None else load_imbalance(expert_load, topology.sizes, j)
+                       for j in range(levels + 1)]
             dist_predicted, dist_params = _distributed(topology, workload, topk_idx, compute, gather_compress,
-                                                       expert_load)
+                                                       busiest)
             predicted.update(dist_predicted)
             params.update(dist_params)
             if expert_load is not None:
-                levels = len(topology.sizes)
-                under = [f"{load_imbalance(expert_load, topology.sizes, levels):.2f}x under the token all-to-alls"]
-                under += [f"{load_imbalance(expert_load, topology.sizes, j):.2f}x under gather{j}" for j in range(1, levels)]
+                under = [f"{busiest[levels]:.2f}x under the token all-to-alls"]
+                under += [f"{busiest[j]:.2f}x under gather{j}" for j in range(1, levels)]
                 notes.append("expert compute charged at the busiest block's load (the expert loads of the compile's "
                              f"batches): {', '.join(under)}, 1x under gather0 and model0")
     choices = [s for s in predicted if s in allowed]
@@ -133,15 +136,15 @@ def compute_s(topology: Topology | None, workload: Workload) -> float:
 
 
 def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_s: float,
-                 gather_compress: float | None = None, expert_load: Any = None
+                 gather_compress: float | None = None, busiest: Sequence[float] | None = None
                  ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """``busiest[j]``: the busiest level-j block's compute over the mean's (``load_imbalance``;
+    None: 1 everywhere); candidates are charged it where their pairs are computed (module docstring)."""
     predicted: dict[str, float] = {}
     params: dict[str, dict[str, Any]] = {}
     levels = len(topology.sizes)
-    # the busiest block's compute where the pairs are computed (module docstring)
-    busiest = [compute_s * (1.0 if expert_load is None else load_imbalance(expert_load, topology.sizes, j))
-               for j in range(levels + 1)]
-    ep_compute = busiest[levels]
+    compute_at = [compute_s * (1.0 if busiest is None else busiest[j]) for j in range(levels + 1)]
+    ep_compute = compute_at[levels]
     # HierMoE: HD-d for every d, and the no-dedup baselines (dispatch, with the routing slots'
     # metadata when the workload counts it, + combine, rows only, + compute)
     model, back = _hd_model(topology, workload), _hd_model(topology, replace(workload, slot_bytes=0))
@@ -169,7 +172,7 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_
     params["hybridep"] = {"domain_sizes": tuple(hep.partition.domain_sizes)}
     # the executable expert gathers, one per domain level
     for j in range(len(topology.levels)):
-        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + busiest[j]
+        predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + compute_at[j]
         params[f"gather{j}"] = {"domain_level": j, "domain_size": math.prod(topology.sizes[j:])}
     # the executable model-centric mode over the whole mesh
     predicted["model0"] = model_time_s(topology, workload) + compute_s

@@ -119,7 +119,7 @@ def _inputs(args: Sequence[Any], num_experts: int, top_k: int, gen: torch.Genera
     for i, a in enumerate(args):
         if not isinstance(a, fx.Node):
             continue
-        if i == 1 and expert_load is not None and sum(expert_load) > 0:
+        if i == 1 and expert_load is not None:  # no pairs at all: routing_from_load draws uniformly
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
             t = torch.from_numpy(routing_from_load(num_tokens, top_k, expert_load, seed)).to(torch.int64)
         elif i == 1:

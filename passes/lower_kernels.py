@@ -122,12 +122,7 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
             _to_keep_form(gm, n)
         elif choice == "triton":
             n.target = torch.ops.hiermoe.experts_triton.default
-        elif n.target is not local and ((_composite_ok(n) and _to_list_form(gm, n)) or _to_gate_up_form(gm, n)
-                                         or _composite_ok(n)):
-            # the gate_up form judges the stored tensor, whose views (GPT-OSS's interleaved rows of
-            # a transposed [E, H, 2F]) grouped_mm could not take one by one
-            if n.target is torch.ops.hiermoe.experts.default:
-                n.target = torch.ops.hiermoe.experts_composite.default
+        elif n.target is not local and _to_composite(gm, n):
             choice = "composite"
         counts[choice] += 1
     if counts["triton"] or counts["composite"]:
@@ -300,6 +295,19 @@ def _to_gate_up_form(gm: fx.GraphModule, n: fx.Node) -> bool:
         if isinstance(v, fx.Node) and not v.users:
             gm.graph.erase_node(v)
     return True
+
+
+def _to_composite(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Retarget ``n`` to the composite form that reads its weights as stored, if any applies: the
+    list form (CPU, E modules), the gate_up form, else ``experts_composite``. The gate_up form
+    judges the stored tensor, not its views: GPT-OSS's interleaved rows of a transposed
+    [E, H, 2F] are views grouped_mm cannot take one by one."""
+    ok = _composite_ok(n)
+    if (ok and _to_list_form(gm, n)) or _to_gate_up_form(gm, n):
+        return True
+    if ok:
+        n.target = torch.ops.hiermoe.experts_composite.default
+    return ok
 
 
 def _composite_ok(n: fx.Node) -> bool:
