@@ -39,7 +39,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_compile.lowering.activation import is_expression, parse
-from moe_compile.lowering.grouped_mm import grouped_linear, grouped_linear_gate_up, grouped_mm
+from moe_compile.lowering.grouped_mm import (
+    grouped_linear,
+    grouped_linear_gate_up,
+    grouped_mm,
+    grouped_mm_rows,
+)
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
 
@@ -208,6 +213,13 @@ def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing) -> T
     return _plus_bias(out_NO, b_EO, r)
 
 
+def _linear_rows(x_TI: Tensor, w_EOI: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
+    """``_linear`` of the slots' token rows ``x[tok]`` (stacked weights, grouped routing), the rows
+    gathered inside the matmul op (``grouped_mm_rows``): no [N, I] copy kept for the backward."""
+    assert r.bounds is None, "grouped routing only"
+    return _plus_bias(grouped_mm_rows(x_TI, r.tok_N, w_EOI.mT, r.offs_E), b_EO, r)
+
+
 def _plus_bias(v_NO: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
     """Each sorted slot's row plus its expert's bias (none: v itself)."""
     return v_NO if b_EO is None else v_NO + b_EO.index_select(0, r.expert_N)
@@ -215,10 +227,15 @@ def _plus_bias(v_NO: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
 
 class GateUp(NamedTuple):
     """Gate and up projections stored as one [E, 2F, H] tensor (transformers' ``gate_up_proj``):
-    ``order`` "gate_first" / "up_first" (its two halves) or "interleaved" (gate at even rows)."""
+    ``order`` "gate_first" / "up_first" (its two halves) or "interleaved" (gate at even rows);
+    ``b_E2F``: their biases stored the same way as one [E, 2F] tensor (GPT-OSS's
+    ``gate_up_proj_bias``), added to the [N, 2F] product before it is split, so its gradient is
+    one reduction of the [N, 2F] gradient the backward writes anyway (two [N, F] halves' biases
+    make the backward write each half apart as well)."""
 
     w_E2FH: Tensor
     order: str
+    b_E2F: Tensor | None = None
 
 
 GATE_UP_ORDERS = ("gate_first", "up_first", "interleaved")
@@ -238,24 +255,34 @@ def _split_gate_up(gu_N2F: Tensor, order: str) -> tuple[Tensor, Tensor]:
 def _ffn(
     x_TH: Tensor, r: _Routing, w_up_EFH: Weights | None, w_gate_EFH: Weights | None, w_down_EHF: Weights,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None, activation: str,
-    output: bool = True, kept: Kept | None = None, gate_up: GateUp | None = None,
+    output: bool = True, kept: Kept | None = None, gate_up: GateUp | None = None, keep_rows: bool = True,
 ) -> _Ffn:
     """The slots' FFN in expert-sorted order; ``kept``: the pre-activations a forward kept
     (``experts_reference_keep``), used instead of recomputing them; ``output``: also y;
     ``gate_up``: gate and up as one weight (``w_up_EFH`` and ``w_gate_EFH`` None), one matmul
     with 2F columns for both; E modules' gate and up weights (lists) are computed by one op
-    (``grouped_linear_gate_up``)."""
+    (``grouped_linear_gate_up``); ``keep_rows`` False (grouped routing, stacked weights, no
+    ``kept``): the matmuls gather the token rows themselves and no [N, H] copy is made to keep
+    (``x_NH`` None), for callers whose backward is autograd's."""
     x_NH: Tensor | None = None
     gate_NF: Tensor | None = None
     if gate_up is not None:
-        x_NH = x_TH.index_select(0, r.tok_N).contiguous()
-        gate_NF, up_NF = _split_gate_up(_linear(x_NH, gate_up.w_E2FH, None, r), gate_up.order)
+        if keep_rows:
+            x_NH = x_TH.index_select(0, r.tok_N).contiguous()
+            gu_N2F = _linear(x_NH, gate_up.w_E2FH, gate_up.b_E2F, r)
+        else:
+            gu_N2F = _linear_rows(x_TH, gate_up.w_E2FH, gate_up.b_E2F, r)
+        gate_NF, up_NF = _split_gate_up(gu_N2F, gate_up.order)
         gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
     elif isinstance(w_gate_EFH, list) and isinstance(w_up_EFH, list) and kept is None:
         # E modules' gate and up weights: one op gathers each block's rows and computes both,
         # so the [N, H] gathered rows are not kept for the backward (x is)
         gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E)
         gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
+    elif not keep_rows and kept is None and isinstance(w_up_EFH, Tensor) and not isinstance(w_gate_EFH, list):
+        up_NF = _linear_rows(x_TH, w_up_EFH, b_up_EF, r)
+        if w_gate_EFH is not None:
+            gate_NF = _linear_rows(x_TH, w_gate_EFH, b_gate_EF, r)
     else:
         assert w_up_EFH is not None
         x_NH = x_TH.index_select(0, r.tok_N).contiguous()

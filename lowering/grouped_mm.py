@@ -13,6 +13,9 @@ as the parameter's ``.grad`` without a copy. It runs one ``mm`` per expert block
 what ``_grouped_mm`` does too; the block bounds are read to the host (a sync on CUDA, where
 ``lower_kernels`` does not choose it).
 
+``grouped_mm_rows`` is ``grouped_mm`` of gathered token rows that gathers them itself (forward
+and backward), so the [N, I] gathered rows are not kept for the backward.
+
 ``grouped_linear_gate_up`` is the gate and up projections of such experts in one op that
 gathers each expert block's token rows itself (and again in its backward): the [N, H] gathered
 rows are never kept from forward to backward, only the tokens, which the router keeps anyway.
@@ -73,6 +76,44 @@ def _backward(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, Tensor | None, Non
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("hiermoe::grouped_mm_rows", mutates_args=())
+def grouped_mm_rows(x_TI: Tensor, rows_N: Tensor, b_EIO: Tensor, offs_E: Tensor) -> Tensor:
+    """``grouped_mm(x[rows], b, offs)``: slot n's row is token row ``x[rows[n]]``. The rows are
+    gathered here and again in the backward (for b's gradient), so the [N, I] gathered copy is not
+    kept from forward to backward, only x and the row indices, which the router keeps anyway."""
+    return grouped_mm(x_TI.index_select(0, rows_N), b_EIO, offs_E)
+
+
+@grouped_mm_rows.register_fake
+def _grouped_mm_rows_fake(x_TI: Tensor, rows_N: Tensor, b_EIO: Tensor, offs_E: Tensor) -> Tensor:
+    return x_TI.new_empty((rows_N.shape[0], b_EIO.shape[-1]))
+
+
+def _setup_rows(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor, Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_rows(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
+    x_TI, rows_N, b_EIO, offs_E = ctx.saved_tensors
+    g_NO = g_NO.contiguous()
+    d_x = None
+    if ctx.needs_input_grad[0]:
+        # each slot's input gradient added into its token row (a token has K slots)
+        d_x = torch.zeros_like(x_TI).index_add_(0, rows_N, grouped_mm(g_NO, b_EIO.mT, offs_E))
+    d_b = None
+    if ctx.needs_input_grad[2]:
+        a_NI = x_TI.index_select(0, rows_N)
+        # as in _backward: in the weight's own layout where b is the transpose of [E, O, I]
+        if b_EIO.stride(-2) == 1 and b_EIO.stride(-1) != 1:
+            d_b = grouped_mm_wgrad(g_NO, a_NI, offs_E).mT
+        else:
+            d_b = grouped_mm_wgrad(a_NI, g_NO, offs_E)
+    return d_x, None, d_b, None
+
+
+grouped_mm_rows.register_autograd(_backward_rows, setup_context=_setup_rows)
 
 
 def _blocks(offs_E: Tensor) -> list[tuple[int, int]]:

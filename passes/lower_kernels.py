@@ -62,7 +62,8 @@ def lower_kernels_pass(gm: fx.GraphModule, kernels: str) -> dict[str, int]:
                   ``hiermoe::experts_composite_list``: no stacked copy, per-module gradients;
                   an op whose gate and up are the two views of one stored [E, 2F, H] tensor
                   takes that tensor, ``hiermoe::experts_composite_gate_up``: one matmul with 2F
-                  columns for both, forward and backward) or
+                  columns for both, forward and backward, and their biases, where they are the
+                  two views of one stored [E, 2F] tensor in the same order, as ``b_gate_up``) or
                   "torch" (left as the opaque ``hiermoe::experts``).
                   "auto" is Triton when x is on CUDA, the triton package is installed, the
                   kernels compute the op's activation (not an ``expr:`` one) and the measured
@@ -249,17 +250,19 @@ def _module_half(gm: fx.GraphModule, view: fx.Node, weight: fx.Node, which: str)
 
 def _half(node: object) -> tuple[fx.Node, str] | None:
     """(W, which) where ``node`` is one of the views ``passes/emit.py`` splits a stored [E, 2F, H]
-    gate_up tensor W into: ``narrow(W, 1, 0, F)`` ("first"), ``narrow(W, 1, F, F)`` ("second"),
-    both with W.shape[1] == 2F, ``W[:, 0::2]`` ("even"), ``W[:, 1::2]`` ("odd")."""
+    gate_up tensor W (or its [E, 2F] bias) into: ``narrow(W, 1, 0, F)`` ("first"),
+    ``narrow(W, 1, F, F)`` ("second"), both with W.shape[1] == 2F, ``W[:, 0::2]`` ("even"),
+    ``W[:, 1::2]`` ("odd")."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
         return None
     w = node.args[0]
     if not isinstance(w, fx.Node):
         return None
-    if node.target is torch.narrow and len(node.args) == 4 and node.args[1] in (1, -2):
+    if node.target is torch.narrow and len(node.args) == 4:
         start, length = node.args[2], node.args[3]
         fake = fake_tensor(w)
-        if fake is None or fake.dim() != 3 or not isinstance(length, int) or fake.shape[1] != 2 * length:
+        if (fake is None or fake.dim() not in (2, 3) or node.args[1] not in (1, 1 - fake.dim())
+                or not isinstance(length, int) or fake.shape[1] != 2 * length):
             return None
         return (w, "first") if start == 0 else (w, "second") if start == length else None
     if node.target is operator.getitem and len(node.args) == 2:
@@ -288,8 +291,15 @@ def _to_gate_up_form(gm: fx.GraphModule, n: fx.Node) -> bool:
         return False
     args = [cast(fx.node.Argument, _arg(n, i)) for i in range(len(_NAMES))]
     views = [args[_NAMES.index("w_up")], args[_NAMES.index("w_gate")]]
+    kwargs: dict[str, fx.node.Argument] = {}
+    b_up, b_gate = _half(args[_NAMES.index("b_up")]), _half(args[_NAMES.index("b_gate")])
+    if b_up is not None and b_gate is not None and b_up[0] is b_gate[0] and (b_gate[1], b_up[1]) == (gate[1], up[1]):
+        # their biases are the two views of one [E, 2F] tensor in the same order: pass that
+        kwargs["b_gate_up"] = b_gate[0]
+        views += [args[_NAMES.index("b_up")], args[_NAMES.index("b_gate")]]
+        args[_NAMES.index("b_up")] = args[_NAMES.index("b_gate")] = None
     n.args = (*args[:3], gate[0], order, *args[5:])
-    n.kwargs = {}
+    n.kwargs = kwargs
     n.target = torch.ops.hiermoe.experts_composite_gate_up.default
     for v in views:
         if isinstance(v, fx.Node) and not v.users:

@@ -79,6 +79,10 @@ def test_cpu_lowering_takes_the_weights_as_stored(name: str, overrides: dict, fo
     code = cmp.report.after
     assert f"torch.ops.hiermoe.{form}.default(" in code, code
     assert "torch.stack(" not in code, code
+    if name == "gpt_oss":
+        # its gate and up biases are one stored [E, 2F] tensor too: added to the 2F-column
+        # product before the split, so the backward reduces one gradient for both
+        assert "b_gate_up = l_self_parameters_gate_up_proj_bias_" in code, code
 
 
 def test_capacity_layer_keeps_its_drops() -> None:

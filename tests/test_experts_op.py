@@ -373,6 +373,52 @@ def test_opcheck_grouped_linear() -> None:
     torch.testing.assert_close(dw[2], ga[2:5].t() @ a.detach()[2:5])
 
 
+@pytest.mark.parametrize("layout", ["EIO", "EOI.mT"])
+def test_opcheck_grouped_mm_rows(layout: str) -> None:
+    """The grouped matmul of gathered token rows (gathered again in its backward): fake kernel,
+    schema and autograd, values and gradients against indexing and matmuls written out, on blocks
+    with an empty expert and a token taken twice, with the weight as [E, I, O] and as the
+    transpose of an nn.Linear-layout [E, O, I] (its gradient then in that layout)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, H, generator=g, requires_grad=True)
+    rows = torch.tensor([0, 3, 1, 1, 4, 2, 0])
+    offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
+    stored = torch.randn(E, H, FF, generator=g) if layout == "EIO" else torch.randn(E, FF, H, generator=g)
+    stored.requires_grad_()
+    w = stored if layout == "EIO" else stored.mT
+    torch.library.opcheck(torch.ops.hiermoe.grouped_mm_rows.default, (x, rows, w, offs), test_utils=OPCHECK_TESTS)
+    y = torch.ops.hiermoe.grouped_mm_rows(x, rows, w, offs)
+    blocks = [(0, 2), (2, 2), (2, 5), (5, 7)]
+    ref = torch.cat([x[rows[s:t]] @ w[e] for e, (s, t) in enumerate(blocks)])
+    torch.testing.assert_close(y, ref)
+    cot = torch.randn(7, FF, generator=g)
+    got = torch.autograd.grad((y * cot).sum(), [x, stored])
+    want = torch.autograd.grad((ref * cot).sum(), [x, stored])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert got[1].stride() == stored.stride()  # the gradient in the parameter's own layout
+
+
+@pytest.mark.parametrize("op", ["experts_composite", "experts_composite_gate_up"])
+def test_composite_keeps_no_gathered_rows(op: str) -> None:
+    """The composite forms keep the tokens and the routing for the backward, never the [T*K, H]
+    copy of the tokens gathered in expert order (the matmuls regather it): nothing saved for
+    the backward has T*K rows and H columns, and the gradients still equal the loop's."""
+    leaves, _, build = make_case("fused", True, True, ROUTINGS["random"])
+
+    def build_op(lv: dict[str, Tensor]) -> list[Any]:
+        args = build(lv)
+        return [*args[:3], lv["gate_up"], "gate_first", *args[5:]] if op.endswith("gate_up") else args
+
+    lv = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        getattr(torch.ops.hiermoe, op)(*build_op(lv), "silu")
+    num_n, num_h = ROUTINGS["random"].numel(), leaves["x"].shape[1]
+    assert saved and (num_n, num_h) not in saved, saved
+    check_against_loop(leaves, build, "silu", op=op, build_op=build_op)
+
+
 def test_opcheck_grouped_linear_gate_up() -> None:
     """E modules' gate and up projections of gathered token rows in one op (its rows gathered
     again in the backward): fake kernels, schema and autograd, and the values against indexing
