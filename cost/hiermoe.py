@@ -141,15 +141,21 @@ def t_flat_nodedup_expr() -> sp.Expr:
 
 
 def _t_expr(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol], row: sp.Expr) -> sp.Expr:
-    return sum((a + b for a, b in _phase_exprs(d, inter, intra, row)), sp.Integer(0))
+    return sum((a + n * b for _, a, n, b in _phase_exprs(d, inter, intra, row)), sp.Integer(0))
 
 
 def _phase_exprs(d: int, inter: Callable[[int], sp.Symbol], intra: Callable[[int], sp.Symbol], row: sp.Expr
-                 ) -> list[tuple[sp.Expr, sp.Expr]]:
-    """Eq. 3's summands, one per phase in order: (fixed latency alpha, transfer n * beta)."""
+                 ) -> list[tuple[int, sp.Expr, sp.Expr, sp.Expr]]:
+    """Eq. 3's summands, one per phase in order: (the mesh level whose link carries it, fixed
+    latency alpha, send buffer n, beta): the phase takes alpha + n * beta."""
     assert d >= 1
-    return ([(alpha_inter_s(i), n_inter_bytes(i, inter(i), row) * beta_inter_s_per_byte(i)) for i in range(1, d)]
-            + [(alpha_intra_s(d - 1), n_intra_bytes(d - 1, intra(d - 1), row) * beta_intra_s_per_byte(d - 1))])
+    return ([(i - 1, alpha_inter_s(i), n_inter_bytes(i, inter(i), row), beta_inter_s_per_byte(i)) for i in range(1, d)]
+            + [(d - 1, alpha_intra_s(d - 1), n_intra_bytes(d - 1, intra(d - 1), row), beta_intra_s_per_byte(d - 1))])
+
+
+def _phases(d: int, dedup: bool) -> list[tuple[int, sp.Expr, sp.Expr, sp.Expr]]:
+    return (_phase_exprs(d, p_inter_max_tokens, p_intra_max_tokens, dedup_row_bytes) if dedup
+            else _phase_exprs(d, c_inter_max_copies, c_intra_max_copies, copy_row_bytes))
 
 
 def phase_times_s(d: int, topology: Topology, workload: Workload, stats: HDStatistics, dedup: bool = True
@@ -157,10 +163,16 @@ def phase_times_s(d: int, topology: Topology, workload: Workload, stats: HDStati
     """(alpha, transfer seconds) of each phase of one HD-d dispatch (dedup; Eq. 3's summands) or
     of the no-dedup H-d baseline's (``stats`` then from ``hd_statistics(..., copies=True)``): what
     the chunked pipeline's model (``cost.pipeline``) divides among chunks."""
-    exprs = (_phase_exprs(d, p_inter_max_tokens, p_intra_max_tokens, dedup_row_bytes) if dedup
-             else _phase_exprs(d, c_inter_max_copies, c_intra_max_copies, copy_row_bytes))
-    return [(_evaluate(a, topology, workload, stats, "max", 10.0), _evaluate(b, topology, workload, stats, "max", 10.0))
-            for a, b in exprs]
+    return [(_evaluate(a, topology, workload, stats, "max", 10.0), _evaluate(n * b, topology, workload, stats, "max", 10.0))
+            for _, a, n, b in _phases(d, dedup)]
+
+
+def phase_buffers(d: int, topology: Topology, workload: Workload, stats: HDStatistics, dedup: bool = True
+                  ) -> list[tuple[int, float]]:
+    """(mesh level whose link carries it, the busiest rank's send buffer bytes n) of each phase of
+    ``phase_times_s``: where the chunked pipeline's model looks up the level's measured
+    efficiency r(n / chunks) (MoNTA Eq. 8-9)."""
+    return [(level, _evaluate(n, topology, workload, stats, "max", 10.0)) for level, _, n, _ in _phases(d, dedup)]
 
 
 # substitution -------------------------------------------------------------------------------------

@@ -25,7 +25,10 @@ directions swapped.
 
 Assumptions (each a term of the model):
   - a chunk's communication is, per phase, its fixed latency plus 1/n of the phase's transfer time
-    (uniform routing: each chunk sends 1/n of the rows; ``Phase.chunk_s``);
+    (uniform routing: each chunk sends 1/n of the rows; ``Phase.chunk_s``); where the topology
+    holds the level's measured efficiency curve (``moe-calibrate`` writes ``all_to_all_<level>``),
+    1/n of the transfer at the efficiency r measured at 1/n of the buffer instead (MoNTA Eq. 8-9:
+    a smaller message reaches less of the bandwidth, which the fitted alpha alone understates);
   - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (``op_overhead_s``,
     default ``OP_OVERHEAD_S``, measured on CPU ranks);
   - the worker and the caller do not slow each other down (true when the transfer is on a link,
@@ -39,6 +42,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from moe_compile.cost.topology import EfficiencyCurve
 
 # a chunk's fixed cost per direction beyond its collectives' latencies: its stage ops (Python, the
 # route, the split sizes' exchange), the smaller matmuls of a smaller chunk, the comm thread's
@@ -56,13 +61,31 @@ MIN_GAIN = 0.05
 
 @dataclass(frozen=True)
 class Phase:
-    """One all-to-all phase of a stage: its fixed latency and the time its bytes take (whole layer)."""
+    """One all-to-all phase of a stage: its fixed latency and the time its bytes take (whole layer);
+    where calibration measured its level's efficiency curve (``efficiency``, MoNTA's r(n), Eq. 8-9:
+    the fraction of the fitted bandwidth the all-to-all reaches at send buffer n), also the whole
+    layer's send buffer ``buffer_bytes``."""
 
     alpha_s: float
     transfer_s: float
+    buffer_bytes: float = 0.0
+    efficiency: EfficiencyCurve | None = None
+    level: str = ""  # the mesh level whose curve ``efficiency`` is (for reports)
 
     def chunk_s(self, n: int) -> float:
-        return self.alpha_s + self.transfer_s / n
+        """One chunk's time in n: alpha + transfer / n (the alpha-beta fit), or with a measured
+        curve what the all-to-all took at a chunk's buffer, (transfer / n) / r(buffer / n) (MoNTA
+        looks r up at the chunk's size: start-up and small-message slowdown are both in r). Below
+        the smallest measured size the time stays that size's (r proportional to the size: the
+        start-up floor), not r's value there, which would make a tiny chunk cheap."""
+        if self.efficiency is None or self.buffer_bytes <= 0 or self.transfer_s <= 0:
+            return self.alpha_s + self.transfer_s / n
+        size = self.buffer_bytes / n
+        smallest = self.efficiency.sizes_bytes[0]
+        r = self.efficiency(max(size, smallest)) * min(1.0, size / smallest)
+        if r <= 0:
+            raise ValueError(f"efficiency curve {self.efficiency} gives r <= 0 at {size:.0f} bytes")
+        return self.transfer_s / n / r
 
 
 @dataclass(frozen=True)
@@ -141,6 +164,7 @@ class PipelineChoice:
 
     chunks: int
     times_s: dict[int, float]
+    efficiency: tuple[str, ...] = ()  # the levels whose measured efficiency curves timed the chunks
 
     @property
     def serial_s(self) -> float:
@@ -161,7 +185,8 @@ def choose_chunks(times: LayerTimes, num_tokens: int, *, max_chunks: int = MAX_C
     best = min(predicted, key=lambda n: (predicted[n], n))
     if predicted[best] > (1.0 - min_gain) * predicted[1]:
         best = 1
-    return PipelineChoice(best, predicted)
+    curves = tuple(dict.fromkeys(p.level or "?" for p in (*times.dispatch, *times.combine) if p.efficiency is not None))
+    return PipelineChoice(best, predicted, curves)
 
 
 __all__ = ["BACKWARD_COMPUTE", "MAX_CHUNKS", "MIN_GAIN", "OP_OVERHEAD_S", "LayerTimes", "Phase", "PipelineChoice",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moe_compile.cost.hiermoe import phase_times_s
+from moe_compile.cost.hiermoe import phase_buffers, phase_times_s
 from moe_compile.cost.pipeline import LayerTimes, Phase, PipelineChoice, choose_chunks
 from moe_compile.cost.planner import Plan, compute_s, dispatch_strategy, load_imbalance, plan, uniform_routing
 from moe_compile.cost.routing import hd_statistics
@@ -91,15 +91,16 @@ class LayerPlan:
         if p is None:
             return ""
         top = max(p.times_s)
+        curves = f"; chunk transfers at the measured efficiency of {', '.join(p.efficiency)}" if p.efficiency else ""
         if p.chunks == 1:
             others = {n: t for n, t in p.times_s.items() if n > 1}
             if not others:
                 return f"n=1: predicted fw+bw {p.serial_s * 1e3:.3g} ms; chunks below MoNTA's bound (none searched)"
             n = min(others, key=others.__getitem__)
             return (f"n=1: predicted fw+bw {p.serial_s * 1e3:.3g} ms serial, at best {others[n] * 1e3:.3g} ms in {n} "
-                    f"chunks (searched n=2..{top}; chunks need 5 % saved)")
+                    f"chunks (searched n=2..{top}; chunks need 5 % saved{curves})")
         return (f"n={p.chunks}: predicted fw+bw {p.serial_s * 1e3:.3g} ms serial, "
-                f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{top})")
+                f"{p.pipelined_s * 1e3:.3g} ms in {p.chunks} chunks (searched n=1..{top}{curves})")
 
     def describe_measured(self) -> str:
         """What the autotuning measured ("" if nothing): "measured strategy hd2 30.1, model0 25.2 ms
@@ -207,7 +208,12 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busi
     stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
 
     def phases(w: Workload) -> tuple[Phase, ...]:
-        return tuple(Phase(a, b) for a, b in phase_times_s(d, topology, w, stats, dedup=dedup))
+        # each phase with its level's measured efficiency curve where calibration wrote one
+        buffers = phase_buffers(d, topology, w, stats, dedup=dedup)
+        return tuple(Phase(a, b, n, topology.efficiency.get(f"all_to_all_{topology.levels[level].name}"),
+                           topology.levels[level].name)
+                     for (a, b), (level, n) in zip(phase_times_s(d, topology, w, stats, dedup=dedup), buffers,
+                                                   strict=True))
 
     times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work))
     return choose_chunks(times, work.num_tokens)

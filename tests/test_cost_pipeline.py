@@ -10,7 +10,7 @@ from moe_compile.cost.hiermoe import phase_times_s, t_d_s, t_hier_nodedup_s
 from moe_compile.cost.pipeline import LayerTimes, Phase, choose_chunks, chunk_bound, layer_s, schedule_s
 from moe_compile.cost.planner import uniform_routing
 from moe_compile.cost.routing import hd_statistics
-from moe_compile.cost.topology import Level, Topology
+from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
 from moe_compile.cost.workload import Workload
 
 times = st.floats(min_value=0.0, max_value=1.0)
@@ -95,3 +95,55 @@ def test_tuning_candidates() -> None:
     assert candidates(wide, 3) == [1, 2, 3]  # a chunk holds a token
     assert candidates(PipelineChoice(1, {1: 1.0}), 4096) == [1]  # nothing to measure
     assert candidates(None, 4096) == list(range(1, TUNE_MAX + 1))  # no model: up to TUNE_MAX
+
+
+def test_chunk_time_from_a_measured_efficiency_curve() -> None:
+    """With its level's measured r(n) a chunk takes its share of the transfer at the efficiency
+    measured at its buffer (MoNTA Eq. 8-9), the start-up floor below the smallest measured size;
+    without one, alpha + transfer / n."""
+    curve = EfficiencyCurve((1e6, 8e6), (0.2, 0.9))
+    phase = Phase(1e-3, 0.16, 16e6, curve)
+    assert phase.chunk_s(1) == pytest.approx(0.16 / 0.9)  # above the largest size: its r
+    assert phase.chunk_s(4) == pytest.approx(0.04 / (0.2 + 0.7 * 3 / 7))  # 4 MB: interpolated
+    assert phase.chunk_s(16) == pytest.approx(0.01 / 0.2)  # 1 MB: the smallest measured
+    assert phase.chunk_s(32) == pytest.approx(phase.chunk_s(16))  # below it: no cheaper than there
+    assert Phase(1e-3, 0.16).chunk_s(4) == pytest.approx(1e-3 + 0.04)
+
+
+def test_small_message_efficiency_limits_the_chunks() -> None:
+    """The same layer in chunks: where the level's bandwidth falls off for small messages (as a
+    calibration measured it), fewer chunks pay than the alpha-beta fit alone predicts."""
+    def layer(curve: EfficiencyCurve | None) -> LayerTimes:
+        return LayerTimes((Phase(1e-4, 0.1, 8e6, curve),), (Phase(1e-4, 0.1, 8e6, curve),), 0.2)
+
+    fitted = choose_chunks(layer(None), 4096)
+    flat = choose_chunks(layer(EfficiencyCurve((1e5, 8e6), (1.0, 1.0))), 4096)
+    falling = choose_chunks(layer(EfficiencyCurve((1e6, 4e6, 8e6), (0.3, 0.9, 1.0))), 4096)
+    assert fitted.chunks >= 4 and flat.chunks == fitted.chunks, (fitted, flat)
+    assert 1 < falling.chunks < fitted.chunks, falling
+    assert falling.times_s[8] > fitted.times_s[8]  # 1 MB chunks reach 30 % of the bandwidth
+
+
+def test_phase_buffers_carry_the_phase_transfer() -> None:
+    """Each phase's buffer is on the level whose link carries it, and its bytes times that link's
+    beta (HierMoE's, per buffer byte) are the phase's transfer time; the plan pass times the
+    chunks with the levels' curves where the topology has them, and says so."""
+    from moe_compile.cost.hiermoe import phase_buffers
+    from moe_compile.passes.plan import _search_chunks
+
+    levels = (Level("node", 2, 3e-5, 1 / 12.5e9), Level("gpu", 4, 5e-6, 1 / 150e9))
+    work = Workload(num_tokens=512, hidden_size=1024, ffn_size=2048, num_experts=16, top_k=4, dtype_bytes=2,
+                    gated=True, slot_bytes=8)
+    topo = Topology(levels=levels)
+    stats = hd_statistics(uniform_routing(work), work.num_experts, topo.sizes, copies=True)
+    buffers = phase_buffers(2, topo, work, stats)
+    assert [level for level, _ in buffers] == [0, 1]
+    for (level, n), (_, transfer) in zip(buffers, phase_times_s(2, topo, work, stats), strict=True):
+        size = topo.sizes[level]
+        assert n * levels[level].beta_s_per_byte * (size - 1) / size == pytest.approx(transfer)
+    assert _search_chunks(topo, work, 2, True).efficiency == ()
+    curves = {"all_to_all_node": EfficiencyCurve((1e4, 1e6), (0.1, 0.8)),
+              "all_to_all_gpu": EfficiencyCurve((1e4, 1e6), (0.2, 0.9))}
+    measured = _search_chunks(Topology(levels=levels, efficiency=curves), work, 2, True)
+    assert measured.efficiency == ("node", "gpu")
+    assert measured.times_s[1] != _search_chunks(topo, work, 2, True).times_s[1]
