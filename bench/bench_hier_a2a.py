@@ -82,7 +82,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from moe_compile.cost.calibrate import message_sizes
+from moe_compile.cost.calibrate import efficiency_curve, link_fraction, message_sizes
 from moe_compile.cost.hiermoe import HDCostModel, dimension_rule
 from moe_compile.cost.routing import gathered_statistics, source_table
 from moe_compile.cost.topology import Level, Topology
@@ -170,7 +170,11 @@ def calibrate_local(mesh: Any, names: tuple[str, ...], sizes: tuple[int, ...], q
     levels = tuple(Level(n, s, max(f.alpha_s, 0.0), f.beta_s_per_byte) for n, s, f in zip(names, sizes, fits))
     name = ("the emulated cluster's links, fitted at start" if os.environ.get("MOE_CLUSTER_MESH")
             else "this machine (loopback, fitted at start)")
-    return Topology(levels=levels, name=name), info
+    # MoNTA's r(n) per level, as moe-calibrate writes them (all_to_all_<level>)
+    efficiency = {f"all_to_all_{n}": efficiency_curve(f.measurement.sizes_bytes, f.measurement.times_s,
+                                                      f.beta_s_per_byte, link_fraction(s))
+                  for n, s, f in zip(names, sizes, fits)}
+    return Topology(levels=levels, efficiency=efficiency, name=name), info
 
 
 def run_step(s: Strategy, x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, comm: Any, expert_pos_E: Tensor,

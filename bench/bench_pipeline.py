@@ -8,14 +8,16 @@ Per link rate (a fresh emulated cluster each, bench/clusters/two_node.toml with 
 overridden) and top-k: the layer (moe_compile.samples grouped GEMM, fp32, E experts, H, F,
 T tokens per rank, each rank its own) compiled with hiermoe (mesh node=2,gpu=2, the links fitted
 at start as bench_e2e does, the compute rate measured; inner compiler aot_eager) once per chunk
-count n = 1..max, once with pipeline "auto" (the cost model's n) and once with "tune" (n measured at
-compile time, passes/autotune.py); untimed warmup steps, then
+count n = 1..max, once with pipeline "auto" (the cost model's n on the alpha-beta fit), once as
+"auto+r" (pipeline "auto" on a topology that also holds each level's efficiency curve r(n) from
+the same calibration: chunk transfers at the efficiency measured at a chunk's size) and once with
+"tune" (n measured at compile time, passes/autotune.py); untimed warmup steps, then
 repetitions that each time one forward + backward of every variant in an order rotated per
 repetition, after a barrier; a step's time is its slowest rank's. Every variant's first output
 and input gradient are checked against n = 1's (rel. err < 1e-5).
 
 Reported: median per n, the speedup of the measured-fastest n and of "auto" over n = 1, whether
-"auto" and "tune" ran within 5 % of the fastest n, the
+"auto", "auto+r" and "tune" ran within 5 % of the fastest n, the
 model's predicted time per n (cost.pipeline.layer_s), and the bound a perfect overlap gives,
 measured: the serial step split on each rank into its dispatch + combine wall time (comm) and
 the rest (compute), the bound max(comm, compute) + min(comm, compute) / n (one chunk's fill) at
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -52,7 +55,10 @@ def worker(args: argparse.Namespace) -> None:
     from moe_compile.ep import runtime
     from moe_compile.samples import SAMPLES
 
-    rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
+    rank, world, mesh, names, measured, say = cluster_rank(args.quick, args.rate, efficiency=True)
+    # every variant but "auto+r" plans on the alpha-beta fit alone; "auto+r" also on the levels'
+    # efficiency curves r(n) measured in the same calibration (cost.pipeline.Phase.chunk_s)
+    topology = dataclasses.replace(measured, efficiency={})
     results = []
     for top_k in args.top_k:
         torch._dynamo.reset()
@@ -65,8 +71,9 @@ def worker(args: argparse.Namespace) -> None:
         variants: dict[str, Any] = {}
         plans: dict[str, str] = {}
         predicted: dict[str, str] = {}
-        for n in [*args.chunks, "auto", "tune"]:
-            options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "pipeline": n,
+        for n in [*args.chunks, "auto", "auto+r", "tune"]:
+            options = {"mesh": mesh, "topology": measured if n == "auto+r" else topology, "inner_compiler": "aot_eager",
+                       "pipeline": "auto" if n == "auto+r" else n,
                        "expert_gather": False, "model_centric": False}  # the chunked token all-to-alls
             # (with model_centric left "auto" the planner ran model0 at K=8, which has no chunks)
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
@@ -120,18 +127,22 @@ def worker(args: argparse.Namespace) -> None:
         med = {n: statistics.median(v) for n, v in times.items()}
         comm_s = statistics.median(c for c, _ in serial_split)
         compute_s = statistics.median(r for _, r in serial_split)
-        chosen = int(plans["auto"].split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plans["auto"] else 1
+        def ran(plan: str) -> int:
+            return int(plan.split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plan else 1
+
+        chosen, chosen_r = ran(plans["auto"]), ran(plans["auto+r"])
         tuned = int(predicted["tune"].rsplit("runs ", 1)[1]) if "measured chunks" in predicted["tune"] else 1
         # the model's prediction per n, from the layer's stage times in the "auto" plan's search
         say(f"  K={top_k}: " + "  ".join(f"n={n} {med[n] * 1e3:.0f} ms" for n in names)
-            + f"  (auto ran n={chosen}; {predicted['auto']}; tune ran n={tuned})", flush=True)
-        results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen, "tune_chunks": tuned,
+            + f"  (auto ran n={chosen}; {predicted['auto']}; auto+r ran n={chosen_r}; tune ran n={tuned})", flush=True)
+        results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen,
+                        "auto_r_chunks": chosen_r, "tune_chunks": tuned,
                         "plans": plans, "predicted": predicted, "serial_comm_s": comm_s,
                         "serial_compute_s": compute_s,
                         "cpu_floor_s": {n: statistics.median(v) / min(world, _cores()) for n, v in cpu_s.items()}})
         del variants
     if rank == 0:
-        Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
+        Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": measured.to_dict(),
                                                             "configs": results}))
     dist.destroy_process_group()
 
@@ -160,10 +171,11 @@ def report(payload: dict[str, Any]) -> str:
         lines += rate_header(run)
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
                      " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
+                     " auto+r ms (n) | auto+r within 5 % of fastest |"
                      " tune ms (n) | tune within 5 % of fastest |"
                      " n=1 comm / compute ms | perfect-overlap bound at the fastest n ms | fastest / bound |"
                      " CPU floor n=1 / fastest n ms | predicted by the model |")
-        lines.append("|" + "---|" * (len(args["chunks"]) + 13))
+        lines.append("|" + "---|" * (len(args["chunks"]) + 15))
         for c in run["configs"]:
             med = c["median_s"]
             chunks = [str(n) for n in args["chunks"]]
@@ -180,9 +192,12 @@ def report(payload: dict[str, Any]) -> str:
             floor_txt = f"{floor['1'] * 1e3:.0f} / {floor[fastest] * 1e3:.0f}" if floor else "-"
             tune_txt = (f"{med['tune'] * 1e3:.0f} ({c['tune_chunks']}) | "
                         f"{'yes' if med['tune'] <= 1.05 * med[fastest] else 'no'}") if "tune" in med else "- | -"
+            auto_r_txt = (f"{med['auto+r'] * 1e3:.0f} ({c['auto_r_chunks']}) | "
+                          f"{'yes' if med['auto+r'] <= 1.05 * med[fastest] else 'no'}") if "auto+r" in med else "- | -"
             lines.append(f"| {c['top_k']} | " + " | ".join(f"{med[n] * 1e3:.0f}" for n in chunks)
                          + f" | {med['auto'] * 1e3:.0f} ({c['auto_chunks']}) | {fastest} | {serial / med[fastest]:.2f}x"
-                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {tune_txt} | {' | '.join(split)} |"
+                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {auto_r_txt} | {tune_txt} |"
+                         f" {' | '.join(split)} |"
                          f" {floor_txt} | {c['predicted']['auto']} |")
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -21,12 +21,14 @@ from bench_hier_a2a import calibrate_local
 from moe_compile.cost.topology import Topology
 
 
-def cluster_rank(quick: bool, rate: str) -> tuple[int, int, Any, tuple[str, ...], Topology, Any]:
+def cluster_rank(quick: bool, rate: str, efficiency: bool = False
+                 ) -> tuple[int, int, Any, tuple[str, ...], Topology, Any]:
     """One rank of a benchmark run on the emulated cluster (torchrun's environment): one torch
     thread, stdout only on rank 0, the gloo group, the mesh (node=2, gpu=world/2), the links fitted
-    at start (``calibrate_local``) and the compute rate measured, the lowest over the ranks, so that
-    every rank plans on the same numbers. Returns (rank, world, mesh, level names, topology, a
-    print that only rank 0's does)."""
+    at start (``calibrate_local``; ``efficiency``: with the levels' efficiency curves r(n) from
+    the same measurements, else alpha-beta only) and the compute rate measured, the lowest over
+    the ranks, so that every rank plans on the same numbers. Returns (rank, world, mesh, level
+    names, topology, a print that only rank 0's does)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from moe_compile.tools.calibrate import measure_compute
@@ -52,8 +54,9 @@ def cluster_rank(quick: bool, rate: str) -> tuple[int, int, Any, tuple[str, ...]
     flops, mem_bw = measure_compute(torch.device("cpu"))
     rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
+    curves = fitted.efficiency if efficiency else {}  # from the same agreed times as the levels
     topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
-                        name="the emulated cluster's links, fitted at start; compute measured")
+                        efficiency=curves, name="the emulated cluster's links, fitted at start; compute measured")
     say(f"rate {rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
                                      for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
     return rank, world, mesh, names, topology, say
