@@ -34,7 +34,13 @@ Assumptions (each a term of the model):
   - the worker and the caller do not slow each other down (true when the transfer is on a link,
     not on the cores; on CPU ranks that share cores, measured overlap is less);
   - backward compute is ``BACKWARD_COMPUTE`` times forward's (the local backward recomputes the
-    activations, then two matmuls per weight).
+    activations, then two matmuls per weight);
+  - each chunk's backward gives the rank's expert weights a full-size gradient and autograd sums
+    them: n - 1 adds over the weights (``LayerTimes.grad_sum_s``: two reads and a write of their
+    bytes at the device's memory bandwidth), on the caller, after the chunks (measured on two CPU
+    ranks, grouped GEMM layer E=8, H=F=256: the backward's adds grew 13 ms a step from 1 to 4
+    chunks, of 64 ms the step grew; the smaller matmuls of smaller chunks took 16 ms more for the
+    same FLOPs, which ``op_overhead_s`` stands for).
 """
 
 from __future__ import annotations
@@ -90,11 +96,14 @@ class Phase:
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """An unchunked layer's stage times: dispatch's and combine's phases, the experts' compute."""
+    """An unchunked layer's stage times: dispatch's and combine's phases, the experts' compute;
+    ``grad_sum_s``: what each chunk beyond the first adds to the backward by its own full-size
+    expert weight gradients, which autograd sums (one add over the rank's expert weights)."""
 
     dispatch: tuple[Phase, ...]
     combine: tuple[Phase, ...]
     compute_s: float
+    grad_sum_s: float = 0.0
 
 
 Stage = float | Sequence[tuple[int, float]]  # one phase on lane 0, or (lane, seconds) per phase
@@ -143,7 +152,7 @@ def layer_s(times: LayerTimes, n: int, overhead_s: float = OP_OVERHEAD_S) -> tup
     d, c = _lanes(times.dispatch, n, False), _lanes(times.combine, n, True)
     fw = schedule_s(d, times.compute_s / n, c, n, overhead_s)
     bw = schedule_s(c, BACKWARD_COMPUTE * times.compute_s / n, d, n, overhead_s)  # the adjoints
-    return fw, bw
+    return fw, bw + (n - 1) * times.grad_sum_s
 
 
 def chunk_bound(times: LayerTimes, num_tokens: int, max_chunks: int = MAX_CHUNKS) -> int:

@@ -215,7 +215,11 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busi
                      for (a, b), (level, n) in zip(phase_times_s(d, topology, w, stats, dedup=dedup), buffers,
                                                    strict=True))
 
-    times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work))
+    # the rank's share of the expert weights, as the chunks' gradients autograd sums (2 reads, 1 write)
+    local_weight_bytes = work.num_experts * work.expert_bytes / topology.world_size
+    grad_sum_s = 3 * local_weight_bytes / topology.device_mem_bw(0)
+    times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work),
+                       grad_sum_s)
     return choose_chunks(times, work.num_tokens)
 
 

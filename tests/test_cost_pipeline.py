@@ -147,3 +147,17 @@ def test_phase_buffers_carry_the_phase_transfer() -> None:
     measured = _search_chunks(Topology(levels=levels, efficiency=curves), work, 2, True)
     assert measured.efficiency == ("node", "gpu")
     assert measured.times_s[1] != _search_chunks(topo, work, 2, True).times_s[1]
+
+
+def test_weight_gradient_sums_charge_each_extra_chunk() -> None:
+    """Each chunk beyond the first gives the expert weights another full-size gradient that
+    autograd sums in the backward: n - 1 sums, none at n = 1, and enough of them outweigh what
+    the overlap saves."""
+    plain = LayerTimes((Phase(1e-4, 0.1),), (Phase(1e-4, 0.1),), 0.2)
+    summed = LayerTimes((Phase(1e-4, 0.1),), (Phase(1e-4, 0.1),), 0.2, grad_sum_s=0.01)
+    assert layer_s(summed, 1) == layer_s(plain, 1)
+    for n in (2, 4):
+        assert layer_s(summed, n)[0] == layer_s(plain, n)[0]
+        assert layer_s(summed, n)[1] == pytest.approx(layer_s(plain, n)[1] + (n - 1) * 0.01)
+    costly = LayerTimes((Phase(1e-4, 0.1),), (Phase(1e-4, 0.1),), 0.2, grad_sum_s=0.2)
+    assert choose_chunks(plain, 4096).chunks > 1 and choose_chunks(costly, 4096).chunks == 1
