@@ -48,8 +48,10 @@ def test_transformers_models_place_their_residual_stream(model_type: str) -> Non
     [S, H] fp32 block per sample) and, where a later attention still reads it, the [1, S, S] bool
     attention mask: nothing else is live there; the home cut after the last returns the residual
     stream alone, before the loss; with every exchange a derangement of the 3 local samples the graph's
-    outputs are the unpermuted graph's bit for bit (the pass's own verification: error 0), and the
-    loss and logits eager's."""
+    outputs are the unpermuted graph's up to fp32 rounding (the pass's own verification: 0 on an
+    Intel Xeon; 1.2e-7 on an AMD EPYC, whose matmul kernels round a token row differently at
+    another position in its expert's block; an op that mixed samples would be off by O(1)), and
+    the loss and logits eager's."""
     model = hf_models.build(model_type, num_hidden_layers=3)
     ids = hf_models.input_ids(batch=3, seq=8)
     mask = torch.ones_like(ids)
@@ -57,7 +59,7 @@ def test_transformers_models_place_their_residual_stream(model_type: str) -> Non
     labels = ids.masked_fill(mask == 0, -100)
     res, want, got = _place(model, input_ids=ids, attention_mask=mask, labels=labels)
     assert res.reason is None, res.reason
-    assert res.verify_err == 0.0
+    assert res.verify_err is not None and res.verify_err <= 1e-6, res.verify_err
     assert [c.home for c in res.cuts] == [False, False, True]
     for c in res.cuts:
         assert c.sample_bytes in (8 * 32 * 4, 8 * 32 * 4 + 8 * 8), c
@@ -76,7 +78,7 @@ def test_the_tiny_lm_permuting_its_samples_into_dim_1_is_followed() -> None:
     ids = torch.randint(0, 32, (3, 8), generator=torch.Generator().manual_seed(0))
     res, want, got = _place(model, ids, ids)
     assert res.reason is None, res.reason
-    assert res.verify_err == 0.0
+    assert res.verify_err is not None and res.verify_err <= 1e-6, res.verify_err  # fp32 rounding, as above
     assert [(c.home, c.sample_bytes) for c in res.cuts] == [(False, 8 * 32 * 4), (False, 8 * 32 * 4), (True, 8 * 32 * 4)]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
