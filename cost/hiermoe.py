@@ -161,18 +161,20 @@ def _phases(d: int, dedup: bool) -> list[tuple[int, sp.Expr, sp.Expr, sp.Expr]]:
 def phase_times_s(d: int, topology: Topology, workload: Workload, stats: HDStatistics, dedup: bool = True
                   ) -> list[tuple[float, float]]:
     """(alpha, transfer seconds) of each phase of one HD-d dispatch (dedup; Eq. 3's summands) or
-    of the no-dedup H-d baseline's (``stats`` then from ``hd_statistics(..., copies=True)``): what
-    the chunked pipeline's model (``cost.pipeline``) divides among chunks."""
-    return [(_evaluate(a, topology, workload, stats, "max", 10.0), _evaluate(n * b, topology, workload, stats, "max", 10.0))
-            for _, a, n, b in _phases(d, dedup)]
+    of the no-dedup H-d baseline's (``stats`` then from ``hd_statistics(..., copies=True)``)."""
+    return [(alpha, transfer) for _, alpha, transfer, _ in phase_terms(d, topology, workload, stats, dedup)]
 
 
-def phase_buffers(d: int, topology: Topology, workload: Workload, stats: HDStatistics, dedup: bool = True
-                  ) -> list[tuple[int, float]]:
-    """(mesh level whose link carries it, the busiest rank's send buffer bytes n) of each phase of
-    ``phase_times_s``: where the chunked pipeline's model looks up the level's measured
-    efficiency r(n / chunks) (MoNTA Eq. 8-9)."""
-    return [(level, _evaluate(n, topology, workload, stats, "max", 10.0)) for level, _, n, _ in _phases(d, dedup)]
+def phase_terms(d: int, topology: Topology, workload: Workload, stats: HDStatistics, dedup: bool = True
+                ) -> list[tuple[int, float, float, float]]:
+    """``phase_times_s``'s phases with where they run: (the mesh level whose link carries it,
+    alpha, transfer seconds, the busiest rank's send buffer bytes n): what the chunked pipeline's
+    model (``cost.pipeline``) divides among chunks, looking up the level's measured efficiency
+    r(n / chunks) (MoNTA Eq. 8-9) where calibration wrote one."""
+    def value(expr: sp.Expr) -> float:
+        return _evaluate(expr, topology, workload, stats, "max", 10.0)
+
+    return [(level, value(a), value(n * b), value(n)) for level, a, n, b in _phases(d, dedup)]
 
 
 # substitution -------------------------------------------------------------------------------------

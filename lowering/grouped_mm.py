@@ -63,16 +63,18 @@ def _backward(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, Tensor | None, Non
     a_NI, b_EIO, offs_E = ctx.saved_tensors
     g_NO = g_NO.contiguous()  # an expanded gradient (strides 0) is no layout grouped_mm takes
     d_a = grouped_mm(g_NO, b_EIO.mT, offs_E) if ctx.needs_input_grad[0] else None
-    d_b = None
-    if ctx.needs_input_grad[1]:
-        if b_EIO.stride(-2) == 1 and b_EIO.stride(-1) != 1:
-            # b is the transpose of an [E, O, I] weight (nn.Linear's layout): compute its gradient
-            # in that layout (g^T a), so it comes out with the weight's strides and AccumulateGrad
-            # keeps it as .grad instead of copying a column-major a^T g into row-major.
-            d_b = grouped_mm_wgrad(g_NO, a_NI, offs_E).mT
-        else:
-            d_b = grouped_mm_wgrad(a_NI, g_NO, offs_E)
+    d_b = _weight_grad(a_NI, g_NO, b_EIO, offs_E) if ctx.needs_input_grad[1] else None
     return d_a, d_b, None
+
+
+def _weight_grad(a_NI: Tensor, g_NO: Tensor, b_EIO: Tensor, offs_E: Tensor) -> Tensor:
+    """b's gradient per expert block, a^T g. Where b is the transpose of an [E, O, I] weight
+    (nn.Linear's layout) it is computed in that layout (g^T a), so it comes out with the weight's
+    strides and AccumulateGrad keeps it as .grad instead of copying a column-major a^T g into
+    row-major."""
+    if b_EIO.stride(-2) == 1 and b_EIO.stride(-1) != 1:
+        return grouped_mm_wgrad(g_NO, a_NI, offs_E).mT
+    return grouped_mm_wgrad(a_NI, g_NO, offs_E)
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup)
@@ -102,14 +104,8 @@ def _backward_rows(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, None, Tensor 
     if ctx.needs_input_grad[0]:
         # each slot's input gradient added into its token row (a token has K slots)
         d_x = torch.zeros_like(x_TI).index_add_(0, rows_N, grouped_mm(g_NO, b_EIO.mT, offs_E))
-    d_b = None
-    if ctx.needs_input_grad[2]:
-        a_NI = x_TI.index_select(0, rows_N)
-        # as in _backward: in the weight's own layout where b is the transpose of [E, O, I]
-        if b_EIO.stride(-2) == 1 and b_EIO.stride(-1) != 1:
-            d_b = grouped_mm_wgrad(g_NO, a_NI, offs_E).mT
-        else:
-            d_b = grouped_mm_wgrad(a_NI, g_NO, offs_E)
+    # the rows gathered again for b's gradient (not kept from the forward)
+    d_b = _weight_grad(x_TI.index_select(0, rows_N), g_NO, b_EIO, offs_E) if ctx.needs_input_grad[2] else None
     return d_x, None, d_b, None
 
 

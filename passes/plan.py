@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moe_compile.cost.hiermoe import phase_buffers, phase_times_s
+from moe_compile.cost.hiermoe import phase_terms
 from moe_compile.cost.pipeline import LayerTimes, Phase, PipelineChoice, choose_chunks
 from moe_compile.cost.planner import Plan, compute_s, dispatch_strategy, load_imbalance, plan, uniform_routing
 from moe_compile.cost.routing import hd_statistics
@@ -209,11 +209,9 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busi
 
     def phases(w: Workload) -> tuple[Phase, ...]:
         # each phase with its level's measured efficiency curve where calibration wrote one
-        buffers = phase_buffers(d, topology, w, stats, dedup=dedup)
-        return tuple(Phase(a, b, n, topology.efficiency.get(f"all_to_all_{topology.levels[level].name}"),
-                           topology.levels[level].name)
-                     for (a, b), (level, n) in zip(phase_times_s(d, topology, w, stats, dedup=dedup), buffers,
-                                                   strict=True))
+        names = [lv.name for lv in topology.levels]
+        return tuple(Phase(a, b, n, topology.efficiency.get(f"all_to_all_{names[level]}"), names[level])
+                     for level, a, b, n in phase_terms(d, topology, w, stats, dedup=dedup))
 
     # the rank's share of the expert weights, as the chunks' gradients autograd sums (2 reads, 1 write)
     local_weight_bytes = work.num_experts * work.expert_bytes / topology.world_size

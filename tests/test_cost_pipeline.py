@@ -124,11 +124,11 @@ def test_small_message_efficiency_limits_the_chunks() -> None:
     assert falling.times_s[8] > fitted.times_s[8]  # 1 MB chunks reach 30 % of the bandwidth
 
 
-def test_phase_buffers_carry_the_phase_transfer() -> None:
+def test_phase_terms_carry_the_phase_transfer() -> None:
     """Each phase's buffer is on the level whose link carries it, and its bytes times that link's
     beta (HierMoE's, per buffer byte) are the phase's transfer time; the plan pass times the
     chunks with the levels' curves where the topology has them, and says so."""
-    from moe_compile.cost.hiermoe import phase_buffers
+    from moe_compile.cost.hiermoe import phase_terms
     from moe_compile.passes.plan import _search_chunks
 
     levels = (Level("node", 2, 3e-5, 1 / 12.5e9), Level("gpu", 4, 5e-6, 1 / 150e9))
@@ -136,9 +136,10 @@ def test_phase_buffers_carry_the_phase_transfer() -> None:
                     gated=True, slot_bytes=8)
     topo = Topology(levels=levels)
     stats = hd_statistics(uniform_routing(work), work.num_experts, topo.sizes, copies=True)
-    buffers = phase_buffers(2, topo, work, stats)
-    assert [level for level, _ in buffers] == [0, 1]
-    for (level, n), (_, transfer) in zip(buffers, phase_times_s(2, topo, work, stats), strict=True):
+    terms = phase_terms(2, topo, work, stats)
+    assert [level for level, *_ in terms] == [0, 1]
+    assert [(a, t) for _, a, t, _ in terms] == phase_times_s(2, topo, work, stats)
+    for level, _, transfer, n in terms:
         size = topo.sizes[level]
         assert n * levels[level].beta_s_per_byte * (size - 1) / size == pytest.approx(transfer)
     assert _search_chunks(topo, work, 2, True).efficiency == ()
