@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 # compile_utils lives beside the tests
@@ -15,6 +16,14 @@ _common = dict(deadline=None, database=None, print_blob=True,
 settings.register_profile("ci", max_examples=24, derandomize=True, **_common)
 settings.register_profile("large", max_examples=400, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Under ``pytest -n 2`` (``make pytest``) each worker computes on one intra-op thread: the two
+# workers and the ranks one of them starts already fill CI's 2 cores, and OpenMP threads waiting
+# for a core spin. Measured beside two busy processes: test_golden + test_explain took 101 s (84 s
+# of CPU) with torch's default 2 threads, 45 s (31 s of CPU) with one. Processes a test starts
+# inherit PYTEST_XDIST_WORKER and so take one thread too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)
