@@ -31,7 +31,10 @@ time; this pass does it for the layer:
 Every rank gets the same times (the MAX), so every rank chooses the same candidate with no further
 exchange. The throwaway layers' traffic is not counted, the step clock the d tuner reads does not
 advance, and the layers are dropped afterwards (``runtime.probing``). Layers with the same shapes
-settings and expert loads share one measurement, also across recompiles.
+settings and expert loads share one measurement, also across recompiles. A candidate's compiled
+graph depends on the shapes and settings, not on the loads: a later layer of the same shapes times
+the graph compiled for an earlier one on its own throwaway layer (the graph's baked layer id
+``runtime.remapped`` to it), so a model of identical layers compiles each candidate once.
 
 Contract
     needs     the hiermoe::experts node's arguments with their fake values, the candidates'
@@ -93,6 +96,9 @@ class Measured:
 
 
 _MEASURED: dict[tuple[Any, ...], Measured] = {}
+# a candidate's compiled throwaway graph and the layer id baked into it, by what compiling it
+# depends on: the measurement's key without the expert loads, and the candidate
+_COMPILED: dict[tuple[Any, ...], tuple[Any, int]] = {}
 
 
 def chunk_candidates(pipe: PipelineChoice | None, num_tokens: int) -> list[int]:
@@ -180,8 +186,13 @@ def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping
             name: str, top_k: int, num_experts: int, probe_layer: Callable[[Settings], Any],
             expert_load: Sequence[int] | None = None) -> Measured:
     """Time every candidate (module docstring) on throwaway layers made by ``probe_layer``;
-    ``key`` names what the measurement depends on (shapes, settings, mesh, topology)."""
-    key = (key, tuple((k, c.strategy.name, c.settings, c.by_expert) for k, c in candidates.items()))
+    ``key`` names what compiling a candidate depends on (the op's arguments' shapes and constants,
+    mesh, topology); the measurement depends on ``expert_load`` too."""
+    def cand_key(c: Candidate) -> tuple[Any, ...]:
+        return c.strategy.name, c.settings, c.by_expert
+
+    graph_key = key
+    key = (key, expert_load, tuple((k, *cand_key(c)) for k, c in candidates.items()))
     if key in _MEASURED:
         return _MEASURED[key]
     if len(candidates) < 2:
@@ -197,14 +208,19 @@ def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping
         for k, cand in candidates.items():
             lay = probe_layer(cand.settings)
             inputs = _local(full, cand.by_expert, num_experts // world)
-            runs[k] = (_compiled(cand, op_args, inputs, lay.layer_id, f"{name}_tune_{k}", top_k), list(inputs.values()),
-                       lay.comm.device)
+            compiled_key = (graph_key, *cand_key(cand))
+            if compiled_key not in _COMPILED:
+                _COMPILED[compiled_key] = (_compiled(cand, op_args, inputs, lay.layer_id, f"{name}_tune_{k}", top_k),
+                                           lay.layer_id)
+            fn, baked = _COMPILED[compiled_key]
+            runs[k] = (fn, list(inputs.values()), lay.comm.device, {baked: lay.layer_id})
         for rnd in range(TUNE_ROUNDS + 1):
-            for k, (fn, inputs_k, device) in runs.items():
+            for k, (fn, inputs_k, device, ids) in runs.items():
                 dist.barrier()
                 t0 = time.perf_counter()
-                (y,) = fn(*inputs_k)
-                y.backward(torch.ones_like(y))
+                with runtime.remapped(ids):
+                    (y,) = fn(*inputs_k)
+                    y.backward(torch.ones_like(y))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)

@@ -186,11 +186,15 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             "input_swaps": swaps, "layer_inputs": inputs, "tuned_plans": tuned}
 
 
-def _measure_key(args: Sequence[Any], mesh: Any, topology: Topology | None, reg: Any) -> tuple[Any, ...]:
-    """What a layer's autotuning measurement depends on besides its candidates."""
-    shapes = tuple((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else None  # the routing: [T, K]
-                   for a in args if isinstance(a, fx.Node))
-    return shapes, id(mesh), repr(topology), reg.top_k, reg.num_experts
+def _measure_key(args: Sequence[Any], mesh: Any, topology: Topology | None, reg: Any,
+                 device: torch.device) -> tuple[Any, ...]:
+    """What compiling a layer's autotuning candidates depends on besides the candidates: per
+    argument of the op, its shape and dtype (a node; the routing's may have none) or its value
+    (the activation, an absent bias), and the mesh, topology and device (the measurement depends
+    on the expert loads too)."""
+    per_arg = tuple(((tuple(f.shape), f.dtype) if (f := fake_tensor(a)) is not None else "node")
+                    if isinstance(a, fx.Node) else repr(a) for a in args)
+    return per_arg, id(mesh), repr(topology), reg.top_k, reg.num_experts, str(device)
 
 
 def _measuring(args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any, topology: Topology | None,
@@ -206,7 +210,7 @@ def _measuring(args: Sequence[Any], name: str, reg: Any, layout: Any, mesh: Any,
                            hidden_size=reg.hidden_size, ffn_size=layout.ffn_size, gated=layout.gated, dtype=dtype,
                            device=device, domain=settings.domain, model_centric=settings.model_centric)
 
-    return {"key": (*_measure_key(args, mesh, topology, reg), expert_load), "op_args": args, "name": name,
+    return {"key": _measure_key(args, mesh, topology, reg, device), "op_args": args, "name": name,
             "top_k": reg.top_k, "num_experts": reg.num_experts, "probe_layer": probe_layer, "expert_load": expert_load}
 
 

@@ -328,7 +328,7 @@ def case_pipeline() -> dict[str, Any]:
     with pipeline "auto" and "tune", and with tune_strategy, on a topology where the experts'
     compute and the transfers are alike.
     Per case: loss and summed gradients against eager, the dispatch stages in the graph, the
-    plan explain shows, what is left in flight."""
+    plan explain shows, what is left in flight, the throwaway graphs autotune compiled."""
     from moe_compile.ep import worker
     from moe_compile.passes import autotune
 
@@ -351,7 +351,7 @@ def case_pipeline() -> dict[str, Any]:
         compiled = torch.compile(model, backend="hiermoe", options=options)
         gen = torch.Generator().manual_seed(10 + rank)
         ids = torch.randint(0, 32, shape, generator=gen)
-        with collect_reports() as graphs:
+        with collect_reports() as graphs, _counting(autotune, "_compiled") as compiles:
             loss = compiled(ids, ids)
             loss.backward()
         loss_ref = ref(ids, ids)
@@ -362,7 +362,8 @@ def case_pipeline() -> dict[str, Any]:
                       "plans": [r.plan for g in graphs for r in g.regions],
                       "pipelines": [r.pipeline for g in graphs for r in g.regions],
                       "scheduled": [[n, m] for g in graphs for n, m, _ in g.scheduled],
-                      "in_flight": worker.in_flight(), "new_layers": len(runtime.layers()) - before}
+                      "in_flight": worker.in_flight(), "new_layers": len(runtime.layers()) - before,
+                      "tune_compiles": compiles[0]}
     return out
 
 

@@ -403,8 +403,10 @@ def test_chunked_pipeline_equals_eager() -> None:
     eager's, with chunks of one token and empty ones (3 tokens in 5 chunks); with "auto" on a topology where
     compute and transfer are alike the cost model runs more than one chunk, and explain says how
     many, with the serial and pipelined predictions; with "tune" every rank times the same
-    candidates, runs the fastest, explain shows the times, and the throwaway layers are gone; with
-    tune_strategy the same for the planner's candidates within 2x of its best."""
+    candidates, runs the fastest, explain shows the times, the throwaway layers are gone, and the
+    second layer (the first's shapes, its own expert loads) times the graphs compiled for the
+    first, compiling only candidates the first did not have; with tune_strategy the same for the
+    planner's candidates within 2x of its best."""
     results = run_ranks(4, "pipeline", shape=[2, 2], dimension=None, timeout_s=600)
     for rank, res in enumerate(results):
         for label, r in res.items():
@@ -425,7 +427,7 @@ def test_chunked_pipeline_equals_eager() -> None:
         for label in ("n5 empty chunks", "auto", "tune", "tune strategy"):  # the tuning's throwaway layers are gone
             assert res[label]["new_layers"] == 2, (rank, label, res[label]["new_layers"])
         tune = res["tune"]
-        runs = []
+        runs, timed = [], set()
         for p in tune["pipelines"]:  # each layer's candidates: 1..4 and the model's n for it
             times = {int(k): float(v) for k, v in re.findall(r"(\d+) ([\d.]+)", p.partition("measured chunks ")[2])}
             chosen = int(re.search(r"runs (\d+)", p.partition("measured chunks ")[2]).group(1))
@@ -433,7 +435,9 @@ def test_chunked_pipeline_equals_eager() -> None:
             best = min(times, key=lambda k: (times[k], k))
             assert chosen == (best if times[best] <= 0.97 * times[1] else 1), p
             runs.append(chosen)
+            timed |= set(times)
         assert tune["dispatches"] == sum(runs), (tune["pipelines"], tune["dispatches"])
+        assert len(tune["pipelines"]) == 2 and tune["tune_compiles"] == len(timed), (tune["pipelines"], tune["tune_compiles"])
         ts = res["tune strategy"]
         for plan, p in zip(ts["plans"], ts["pipelines"], strict=True):  # the planner's best and those within 2x, timed
             part = p.partition("measured strategy ")[2]
