@@ -191,10 +191,9 @@ def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping
     def cand_key(c: Candidate) -> tuple[Any, ...]:
         return c.strategy.name, c.settings, c.by_expert
 
-    graph_key = key
-    key = (key, expert_load, tuple((k, *cand_key(c)) for k, c in candidates.items()))
-    if key in _MEASURED:
-        return _MEASURED[key]
+    measured_key = (key, expert_load, tuple((k, *cand_key(c)) for k, c in candidates.items()))
+    if measured_key in _MEASURED:
+        return _MEASURED[measured_key]
     if len(candidates) < 2:
         return Measured(baseline, {})
     world = dist.get_world_size()
@@ -208,7 +207,7 @@ def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping
         for k, cand in candidates.items():
             lay = probe_layer(cand.settings)
             inputs = _local(full, cand.by_expert, num_experts // world)
-            compiled_key = (graph_key, *cand_key(cand))
+            compiled_key = (key, *cand_key(cand))
             if compiled_key not in _COMPILED:
                 _COMPILED[compiled_key] = (_compiled(cand, op_args, inputs, lay.layer_id, f"{name}_tune_{k}", top_k),
                                            lay.layer_id)
@@ -233,8 +232,8 @@ def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping
     best = min(med, key=med.__getitem__)  # dicts keep the candidates' order: ties to the earlier
     if best != baseline and med[best] > (1.0 - TUNE_MIN_GAIN) * med[baseline]:
         best = baseline
-    _MEASURED[key] = Measured(best, med)
-    return _MEASURED[key]
+    _MEASURED[measured_key] = Measured(best, med)
+    return _MEASURED[measured_key]
 
 
 __all__ = ["TUNE_MAX", "TUNE_MIN_GAIN", "TUNE_ROUNDS", "TUNE_WITHIN", "Candidate", "Measured", "chunk_candidates",
