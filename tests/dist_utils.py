@@ -41,7 +41,7 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "moe_compile",
             "moe_compile.backend", "moe_compile.ep.runtime", "moe_compile.ep.setup", "moe_compile.samples",
             "moe_compile.samples.tiny_lm", "transformers", "transformers.models.mixtral.modeling_mixtral",
-            "transformers.models.qwen3_moe.modeling_qwen3_moe"]
+            "transformers.models.qwen3_moe.modeling_qwen3_moe", "_rank_warmup"]
 _context: Any = None
 
 
