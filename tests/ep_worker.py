@@ -325,8 +325,8 @@ def case_overlap() -> dict[str, Any]:
 def case_pipeline() -> dict[str, Any]:
     """The tiny LM (grouped GEMM layers) with each layer's tokens in n chunks (options pipeline =
     n), on 16 tokens per rank and on 3 (so with n = 5 two chunks are empty on every rank), and
-    with pipeline "auto" and "tune", and with tune_strategy, on a topology where the experts'
-    compute and the transfers are alike.
+    with pipeline "auto" and "tune", on a topology where the experts' compute and the transfers
+    are alike.
     Per case: loss and summed gradients against eager, the dispatch stages in the graph, the
     plan explain shows, what is left in flight, the throwaway graphs autotune compiled."""
     from moe_compile.ep import worker
@@ -338,14 +338,14 @@ def case_pipeline() -> dict[str, Any]:
     links = {n: {"alpha_s": 1e-6, "bandwidth_gbps": 0.001} for n in mesh.mesh_dim_names}
     balanced = Topology.from_mesh(mesh, links, flops_per_s=2e7)  # tens of ms each: chunks pay in the model
     out: dict[str, Any] = {}
-    cases = [("n5 empty chunks", 5, (1, 3), None, {}), ("auto", "auto", (2, 8), balanced, {}),
-             ("tune", "tune", (2, 8), balanced, {}), ("tune strategy", "auto", (2, 8), balanced, {"tune_strategy": True})]
-    for label, chunks, shape, topology, extra in cases:
+    cases = [("n5 empty chunks", 5, (1, 3), None), ("auto", "auto", (2, 8), balanced),
+             ("tune", "tune", (2, 8), balanced)]
+    for label, chunks, shape, topology in cases:
         torch._dynamo.reset()
         before = len(runtime.layers())
         model = tiny("grouped_gemm", 8)
         ref = copy.deepcopy(model)
-        options = {**compile_options(mesh), "pipeline": chunks, **extra}
+        options = {**compile_options(mesh), "pipeline": chunks}
         if topology is not None:
             options["topology"] = topology
         compiled = torch.compile(model, backend="hiermoe", options=options)

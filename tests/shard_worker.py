@@ -100,6 +100,7 @@ def case_shard() -> dict[str, Any]:
             copy_error = str(e)
         out[kind] = {"copy_error": copy_error, "copy_loss": copy_loss, "zeroed_loss": zeroed_loss,
                      "loss_now": float(compiled(ids[:, :-1], ids[:, 1:])), "pipelines": [r.pipeline for g in graphs for r in g.regions],
+                     "plans": [r.plan for g in graphs for r in g.regions],
                      "full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
                      "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
                      "losses": losses, "weight_err": weight_err, "after_code": after_code,
