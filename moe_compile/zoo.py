@@ -4,8 +4,8 @@
     python -m moe_compile.zoo --family gpt_oss --family phimoe
 
 Every transformers causal-LM family whose default config has experts (``moe_families``) is built
-from a small random config (``build_tiny``: 2 layers, hidden 32, 8 experts, top-2, vocab 64;
-nothing is downloaded), under each experts implementation it has (``grouped_mm`` and
+from a small random config (``build_tiny``: hidden 32, 8 experts, top-2, vocab 64, and 2 layers
+where the family's layers differ, else 1; nothing is downloaded), under each experts implementation it has (``grouped_mm`` and
 ``batched_mm``; the model's own code where it has no ``ExpertsInterface``), compiled with hiermoe
 (aot_eager) and run forward and backward beside eager (``survey``). A row says how many MoE
 layers the model has, how many hiermoe rewrote, whether compiled equals eager (the logits and
@@ -49,7 +49,7 @@ _SMALL: dict[str, Any] = dict(
     bos_token_id=1, eos_token_id=2, mlp_layer_types=["sparse", "sparse"],  # both layers MoE
 )
 # what a family needs besides _SMALL to build small (its own names for the same settings, a
-# layer-type list to match 2 layers, sizes of its non-MoE parts)
+# layer-type list to match 2 layers (cut to 1 where both are alike), sizes of its non-MoE parts)
 _FAMILY: dict[str, dict[str, Any]] = {
     "aria_text": dict(moe_topk=2),
     "bailing_hybrid": dict(num_experts_per_token=2, num_expert_group=2, layer_group_size=2, linear_head_dim=8,
@@ -131,8 +131,17 @@ def moe_families() -> list[str]:
     return out
 
 
-def build_tiny(family: str, implementation: str = "grouped_mm", seed: int = 0) -> torch.nn.Module:
-    """A small random ``family`` causal LM with ``implementation`` experts (OWN: leave the default)."""
+_LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layers", "num_layers")
+
+
+def build_tiny(family: str, implementation: str = "grouped_mm", seed: int = 0,
+               layers: int | None = None) -> torch.nn.Module:
+    """A small random ``family`` causal LM with ``implementation`` experts (OWN: leave the default).
+
+    ``layers`` None: 2 where the family's two layers differ (a hybrid of attention and Mamba or
+    linear attention, sliding and full attention, dense and MoE blocks, hash- and top-k-routed
+    layers), else 1, since a second layer alike the first only repeats its trace (Dynamo's
+    tracing is most of a family's time in the zoo test)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _quiet()
@@ -144,9 +153,33 @@ def build_tiny(family: str, implementation: str = "grouped_mm", seed: int = 0) -
     cfg = AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
+    if layers is None and _layers_alike(model, cfg.to_dict(), 2):
+        layers = 1
+    if layers not in (None, 2):
+        for name in _LAYER_COUNT_FIELDS:
+            if name in kwargs or name in fields:
+                kwargs[name] = layers
+        # per-layer lists given for 2 layers (``mlp_layer_types``): their first ``layers`` entries
+        kwargs = {k: v[:layers] if isinstance(v, list) and len(v) == 2 else v for k, v in kwargs.items()}
+        cfg = AutoConfig.for_model(family, **kwargs)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
     if implementation != OWN:
         model.set_experts_implementation(implementation)
     return model
+
+
+def _layers_alike(model: torch.nn.Module, config: dict[str, Any], n: int) -> bool:
+    """Whether the ``n`` layers of ``model`` are alike: every ``ModuleList`` of ``n`` entries
+    (the decoder layers) holds modules printing alike (their classes, sizes, and submodules),
+    and no config list of ``n`` entries (``layer_types``: a per-layer setting that can live in
+    a plain attribute, such as sliding vs full attention) holds two different values."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    if not lists or any(len({repr(layer) for layer in ml}) > 1 for ml in lists):
+        return False
+    nested = [config] + [v for v in config.values() if isinstance(v, dict)]
+    return not any(isinstance(v, list) and len(v) == n and len({repr(e) for e in v}) > 1
+                   for c in nested for v in c.values())
 
 
 def implementations(family: str) -> tuple[str, ...]:
@@ -259,7 +292,8 @@ def markdown(rows: Sequence[ZooRow], command: str) -> str:
         "# transformers MoE zoo under hiermoe",
         "",
         f"Made by `{command}` (transformers {_version()}, torch {torch.__version__}).",
-        "Each family built small (2 layers, hidden 32, 8 experts, top-2), compiled with hiermoe (aot_eager) and "
+        "Each family built small (hidden 32, 8 experts, top-2; 2 layers where its layers differ, else 1), "
+        "compiled with hiermoe (aot_eager) and "
         "run forward and backward beside eager. A cell: MoE layers rewritten / MoE layers, and whether the compiled "
         f"model equals eager (logits and every parameter gradient within {RTOL:g} of scale). `own`: the family has "
         "no transformers ExpertsInterface and runs its own experts code.",

@@ -8,7 +8,8 @@ output. Processes that outlive ``timeout_s`` are killed (no test hangs).
 The ranks are forked from a forkserver that has imported torch, moe_compile and transformers once
 (``_PRELOAD``): each fresh interpreter paid about 7 s of CPU for those imports (11 s with a
 transformers model), 4 to 8 times a launch on 2 cores, which was most of the time the tests spent
-on ranks. Every rank is still its own new process running the worker script from the top
+on ranks. The forkserver also compiles the tiny LM once (``_rank_warmup``), so each rank's first
+compile does not pay again for what every process's first compile pays. Every rank is still its own new process running the worker script from the top
 (``runpy``, as ``python worker.py case`` would), so no state passes between tests. A launch with
 ``env`` starts plain interpreters instead: variables such as ``TRITON_INTERPRET`` are read when
 the modules are imported, which in the forkserver happened before.

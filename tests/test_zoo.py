@@ -1,6 +1,7 @@
 """The transformers MoE zoo (moe_compile/zoo.py): every causal-LM family whose config has
-experts, built small, compiled with hiermoe under each experts implementation it has
-(``grouped_mm`` and ``batched_mm``, or its own experts code), forward and backward against eager.
+experts, built small (one layer where the family's layers are alike), compiled with hiermoe
+under each experts implementation it has (``grouped_mm`` and ``batched_mm``, or its own
+experts code), forward and backward against eager.
 
 A family must have every MoE layer rewritten, or be listed in LEFT_ALONE with how many layers are
 rewritten and the words of the reason ``explain`` gives for the others: the test fails when a
@@ -29,9 +30,9 @@ LEFT_ALONE = {
     "longcat_flash": (0, GRAPH_BREAK),
     # product-key experts: rows of two embeddings picked by a top-k of key scores, no expert FFN
     "doge": (0, "top-k is not fed by a router projection"),
-    # the routed MLPs are rewritten; the mixture-of-attention heads have attention between their
-    # projections, not an activation
-    "jetmoe": (2, "`neg` at modeling_jetmoe.py"),
+    # the routed MLP is rewritten; the mixture-of-attention heads have attention between their
+    # projections, not an activation (its layers are alike: built with 1, holding both)
+    "jetmoe": (1, "`neg` at modeling_jetmoe.py"),
     # the routing weights scale the experts' input
     "llama4_text": (0, "multiplies the experts' input by the routing weights"),
 }
