@@ -29,8 +29,9 @@ Assumptions (each a term of the model):
     holds the level's measured efficiency curve (``moe-calibrate`` writes ``all_to_all_<level>``),
     1/n of the transfer at the efficiency r measured at 1/n of the buffer instead (MoNTA Eq. 8-9:
     a smaller message reaches less of the bandwidth, which the fitted alpha alone understates);
-  - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (``op_overhead_s``,
-    default ``OP_OVERHEAD_S``, measured on CPU ranks);
+  - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (``overhead_s``:
+    the topology's ``chunk_overhead_s`` where ``moe-calibrate --chunk-overhead`` measured it,
+    ``fit_chunk_overhead``; else the default ``OP_OVERHEAD_S``, measured on CPU ranks);
   - the worker and the caller do not slow each other down (true when the transfer is on a link,
     not on the cores; on CPU ranks that share cores, measured overlap is less);
   - backward compute is ``BACKWARD_COMPUTE`` times forward's (the local backward recomputes the
@@ -46,7 +47,7 @@ Assumptions (each a term of the model):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from moe_compile.cost.topology import EfficiencyCurve
@@ -174,6 +175,8 @@ class PipelineChoice:
     chunks: int
     times_s: dict[int, float]
     efficiency: tuple[str, ...] = ()  # the levels whose measured efficiency curves timed the chunks
+    overhead_s: float = OP_OVERHEAD_S  # a chunk's fixed cost per direction the search assumed
+    calibrated: bool = False  # ``overhead_s`` was measured (the topology's chunk_overhead_s)
 
     @property
     def serial_s(self) -> float:
@@ -185,7 +188,8 @@ class PipelineChoice:
 
 
 def choose_chunks(times: LayerTimes, num_tokens: int, *, max_chunks: int = MAX_CHUNKS,
-                  overhead_s: float = OP_OVERHEAD_S, min_gain: float = MIN_GAIN) -> PipelineChoice:
+                  overhead_s: float = OP_OVERHEAD_S, min_gain: float = MIN_GAIN,
+                  calibrated: bool = False) -> PipelineChoice:
     """MoNTA Alg. 1-2 on the simulated schedule: every n in 1..``chunk_bound``, the least
     forward+backward time wins, ties to the smaller n (the paper's strict <); n = 1 where chunking
     does not pay, or saves less than ``min_gain`` of the serial time."""
@@ -195,8 +199,32 @@ def choose_chunks(times: LayerTimes, num_tokens: int, *, max_chunks: int = MAX_C
     if predicted[best] > (1.0 - min_gain) * predicted[1]:
         best = 1
     curves = tuple(dict.fromkeys(p.level or "?" for p in (*times.dispatch, *times.combine) if p.efficiency is not None))
-    return PipelineChoice(best, predicted, curves)
+    return PipelineChoice(best, predicted, curves, overhead_s, calibrated)
+
+
+# the overheads fit_chunk_overhead tries: 0 to 100 ms per chunk and direction, in 0.1 ms steps
+_OVERHEAD_GRID_S = tuple(i * 1e-4 for i in range(1001))
+
+
+def fit_chunk_overhead(times: LayerTimes, measured_s: Mapping[int, float]) -> float:
+    """The fixed cost per chunk and direction (``overhead_s``) with which the model best explains
+    measured forward+backward times of one layer in n chunks (``measured_s``: n -> seconds, n = 1
+    and at least one n > 1): least squares of the model's growth over n = 1, ``layer_s(n) -
+    layer_s(1)``, against the measured growth, over n > 1. The growth is what the constant stands
+    for (smaller matmuls, the stage ops, the fills: what the phase and compute terms leave out);
+    the model's serial time itself is not fitted. The schedule is simulated, so the time is
+    piecewise linear in the overhead (a caller waiting on a transfer absorbs it); the search is
+    over a 0.1 ms grid up to 100 ms."""
+    if 1 not in measured_s or not any(n > 1 for n in measured_s):
+        raise ValueError(f"fit_chunk_overhead needs measured times at n = 1 and some n > 1, got n = {sorted(measured_s)}")
+    growth = {n: t - measured_s[1] for n, t in measured_s.items() if n > 1}
+
+    def error(o: float) -> float:
+        base = sum(layer_s(times, 1, o))
+        return sum((sum(layer_s(times, n, o)) - base - g) ** 2 for n, g in growth.items())
+
+    return min(_OVERHEAD_GRID_S, key=error)
 
 
 __all__ = ["BACKWARD_COMPUTE", "MAX_CHUNKS", "MIN_GAIN", "OP_OVERHEAD_S", "LayerTimes", "Phase", "PipelineChoice",
-           "chunk_bound", "choose_chunks", "layer_s", "schedule_s"]
+           "chunk_bound", "choose_chunks", "fit_chunk_overhead", "layer_s", "schedule_s"]

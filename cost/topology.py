@@ -19,6 +19,8 @@ TOML layout (every field named in errors):
     [compute]
     flops_per_s = 9.89e14           # one value, or a list with one value per device
     mem_bw_bytes_per_s = 3.35e12
+    chunk_overhead_s = 6e-3         # optional: the fixed cost of one more pipeline chunk, per
+                                    # direction (moe-calibrate --chunk-overhead measures it)
     [efficiency.all_to_all]         # optional, any collective name
     sizes_bytes = [1024, 1048576]
     values = [0.1, 0.9]
@@ -75,8 +77,15 @@ class Topology:
     mem_bw_bytes_per_s: tuple[float, ...] = (1e11,)
     efficiency: Mapping[str, EfficiencyCurve] = field(default_factory=dict)
     name: str = ""
+    # the fixed cost of one more chunk of the expert-parallel pipeline, per direction, measured
+    # (cost.pipeline; None: its default OP_OVERHEAD_S)
+    chunk_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.chunk_overhead_s is not None and not (math.isfinite(self.chunk_overhead_s)
+                                                      and self.chunk_overhead_s >= 0):
+            raise ValueError(f"topology: compute.chunk_overhead_s must be a finite number of seconds >= 0, "
+                             f"got {self.chunk_overhead_s!r}")
         if not self.levels:
             raise ValueError("topology: 'levels' must list at least one level, slowest first")
         names = [lv.name for lv in self.levels]
@@ -167,7 +176,10 @@ class Topology:
         compute = data.get("compute", {})
         if not isinstance(compute, Mapping):
             raise ValueError("topology: 'compute' must be a table with flops_per_s and mem_bw_bytes_per_s")
-        _check_keys(compute, ("flops_per_s", "mem_bw_bytes_per_s"), "compute")
+        _check_keys(compute, ("flops_per_s", "mem_bw_bytes_per_s", "chunk_overhead_s"), "compute")
+        overhead = compute.get("chunk_overhead_s")
+        if overhead is not None and (not isinstance(overhead, int | float) or isinstance(overhead, bool)):
+            raise ValueError(f"topology: compute.chunk_overhead_s must be a number of seconds, got {overhead!r}")
         efficiency = {}
         for op, raw in (data.get("efficiency") or {}).items():
             where = f"efficiency.{op}"
@@ -183,7 +195,8 @@ class Topology:
         return cls(levels=tuple(levels),
                    flops_per_s=_floats(compute.get("flops_per_s", 1e12), "compute.flops_per_s"),
                    mem_bw_bytes_per_s=_floats(compute.get("mem_bw_bytes_per_s", 1e11), "compute.mem_bw_bytes_per_s"),
-                   efficiency=efficiency, name=str(data.get("name", "")))
+                   efficiency=efficiency, name=str(data.get("name", "")),
+                   chunk_overhead_s=None if overhead is None else float(overhead))
 
     @classmethod
     def load(cls, path: str | Path) -> Topology:
@@ -200,6 +213,8 @@ class Topology:
                           "beta_s_per_byte": lv.beta_s_per_byte} for lv in self.levels]
         out["compute"] = {"flops_per_s": _one_or_list(self.flops_per_s),
                           "mem_bw_bytes_per_s": _one_or_list(self.mem_bw_bytes_per_s)}
+        if self.chunk_overhead_s is not None:
+            out["compute"]["chunk_overhead_s"] = self.chunk_overhead_s
         if self.efficiency:
             out["efficiency"] = {op: {"sizes_bytes": list(c.sizes_bytes), "values": list(c.values)}
                                  for op, c in self.efficiency.items()}

@@ -92,6 +92,8 @@ class LayerPlan:
             return ""
         top = max(p.times_s)
         curves = f"; chunk transfers at the measured efficiency of {', '.join(p.efficiency)}" if p.efficiency else ""
+        if p.calibrated:
+            curves += f"; a chunk's fixed cost {p.overhead_s * 1e3:.3g} ms per direction, calibrated"
         if p.chunks == 1:
             others = {n: t for n, t in p.times_s.items() if n > 1}
             if not others:
@@ -205,6 +207,18 @@ def _pipeline(topology: Topology, work: Workload, decided: Plan, settings: Setti
 
 
 def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busiest: float = 1.0) -> PipelineChoice:
+    """``choose_chunks`` on ``layer_times``, with the topology's measured chunk overhead where
+    calibration wrote one (``moe-calibrate --chunk-overhead``), else ``OP_OVERHEAD_S``."""
+    times = layer_times(topology, work, d, dedup, busiest)
+    if topology.chunk_overhead_s is None:
+        return choose_chunks(times, work.num_tokens)
+    return choose_chunks(times, work.num_tokens, overhead_s=topology.chunk_overhead_s, calibrated=True)
+
+
+def layer_times(topology: Topology, work: Workload, d: int, dedup: bool, busiest: float = 1.0) -> LayerTimes:
+    """The unchunked HD-``d`` layer's stage times the pipeline model schedules: each phase's
+    latency and transfer from the HierMoE model on uniform routing (dispatch with the routing
+    slots' bytes, combine without), the busiest rank's compute, the chunks' gradient sums."""
     stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
 
     def phases(w: Workload) -> tuple[Phase, ...]:
@@ -216,9 +230,8 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busi
     # the rank's share of the expert weights, as the chunks' gradients autograd sums (2 reads, 1 write)
     local_weight_bytes = work.num_experts * work.expert_bytes / topology.world_size
     grad_sum_s = 3 * local_weight_bytes / topology.device_mem_bw(0)
-    times = LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work),
-                       grad_sum_s)
-    return choose_chunks(times, work.num_tokens)
+    return LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work),
+                      grad_sum_s)
 
 
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_compile.cost.hiermoe import phase_times_s, t_d_s, t_hier_nodedup_s
-from moe_compile.cost.pipeline import LayerTimes, Phase, choose_chunks, chunk_bound, layer_s, schedule_s
+from moe_compile.cost.pipeline import (
+    LayerTimes,
+    Phase,
+    choose_chunks,
+    chunk_bound,
+    fit_chunk_overhead,
+    layer_s,
+    schedule_s,
+)
 from moe_compile.cost.planner import uniform_routing
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
@@ -162,3 +170,37 @@ def test_weight_gradient_sums_charge_each_extra_chunk() -> None:
         assert layer_s(summed, n)[1] == pytest.approx(layer_s(plain, n)[1] + (n - 1) * 0.01)
     costly = LayerTimes((Phase(1e-4, 0.1),), (Phase(1e-4, 0.1),), 0.2, grad_sum_s=0.2)
     assert choose_chunks(plain, 4096).chunks > 1 and choose_chunks(costly, 4096).chunks == 1
+
+
+@pytest.mark.parametrize("true_s", [0.0, 0.0023, 0.0061, 0.02])
+def test_chunk_overhead_fit_recovers_the_overhead_that_made_the_times(true_s: float) -> None:
+    """Times made by the model with a known overhead: on a compute-bound layer the fit gives that
+    overhead back, to its 0.1 ms grid; on a communication-bound one, where a small overhead hides
+    behind the transfers (the caller waits for them anyway), it gives one that reproduces the
+    times, which is all the times can tell."""
+    compute_bound = LayerTimes((Phase(1e-4, 0.01),), (Phase(1e-4, 0.01),), 0.12)
+    measured = {n: sum(layer_s(compute_bound, n, true_s)) for n in (1, 2, 4)}
+    assert fit_chunk_overhead(compute_bound, measured) == pytest.approx(true_s, abs=5e-5)
+    times = LayerTimes((Phase(1e-3, 0.08),), (Phase(1e-3, 0.08),), 0.03, grad_sum_s=0.002)
+    measured = {n: sum(layer_s(times, n, true_s)) for n in (1, 2, 4)}
+    fitted = fit_chunk_overhead(times, measured)
+    for n, t in measured.items():
+        assert sum(layer_s(times, n, fitted)) == pytest.approx(t, abs=1e-3 * n)
+    with pytest.raises(ValueError, match="n = 1 and some n > 1"):
+        fit_chunk_overhead(times, {2: 0.1, 4: 0.2})
+
+
+def test_a_calibrated_chunk_overhead_decides_the_chunk_count_and_explain_says_so() -> None:
+    """The planner's chunk search uses the topology's measured chunk_overhead_s in place of the
+    default: a layer that pays in chunks at the default runs whole with an overhead as large as
+    this VM measured, and the plan says the overhead was calibrated."""
+    import dataclasses
+
+    from moe_compile.passes.plan import _search_chunks
+
+    topo = Topology((Level("node", 2, 0.0, 2e-8), Level("gpu", 2, 1e-5, 1e-10)), flops_per_s=(5e10,))
+    work = Workload(512, 256, 256, 8, 4, 4, True, 8)
+    default = _search_chunks(topo, work, 2, True)
+    assert default.chunks > 1 and not default.calibrated
+    measured = _search_chunks(dataclasses.replace(topo, chunk_overhead_s=0.03), work, 2, True)
+    assert measured.chunks == 1 and measured.calibrated and measured.overhead_s == 0.03

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import socket
 from pathlib import Path
@@ -138,6 +139,8 @@ GOOD_LEVEL = 'name = "node"\nsize = 2\nalpha_s = 5e-6\nbeta_s_per_byte = 2.5e-11
     (f'[[levels]]\n{GOOD_LEVEL}[efficiency.all_gather]\nsizes_bytes = [4, 2]\nvalues = [0.5, 0.6]\n',
      "efficiency.all_gather.sizes_bytes"),
     (f'[[levels]]\n{GOOD_LEVEL}[compute]\nflops_per_s = [1e12, 1e12, 1e12]\n', "compute.flops_per_s"),
+    (f'[[levels]]\n{GOOD_LEVEL}[compute]\nchunk_overhead_s = -1e-3\n', "compute.chunk_overhead_s"),
+    (f'[[levels]]\n{GOOD_LEVEL}[compute]\nchunk_overhead_s = "2 ms"\n', "compute.chunk_overhead_s"),
     ('name = "x"\n', "'levels'"),
     ('[[levels]\nname = "node"\n', "not valid TOML"),
 ])
@@ -153,3 +156,16 @@ def test_bandwidth_instead_of_beta(tmp_path: Path) -> None:
     path = tmp_path / "bw.toml"
     path.write_text('[[levels]]\nname = "node"\nsize = 2\nalpha_s = 0\nbandwidth_gbps = 400\n')
     assert Topology.load(path).level("node").beta_s_per_byte == pytest.approx(8 / 400e9)
+
+
+def test_chunk_overhead_round_trips_and_is_optional(tmp_path: Path) -> None:
+    """compute.chunk_overhead_s (moe-calibrate --chunk-overhead) is written and read back; a file
+    without it leaves the pipeline model's default (None)."""
+    path = tmp_path / "t.toml"
+    path.write_text(f"[[levels]]\n{GOOD_LEVEL}")
+    plain = Topology.load(path)
+    assert plain.chunk_overhead_s is None and "chunk_overhead_s" not in plain.to_dict()["compute"]
+    calibrated = dataclasses.replace(plain, chunk_overhead_s=0.0061)
+    calibrated.save(path)
+    assert "chunk_overhead_s = 0.0061" in path.read_text()
+    assert Topology.load(path) == calibrated
