@@ -30,8 +30,9 @@ Assumptions (each a term of the model):
     1/n of the transfer at the efficiency r measured at 1/n of the buffer instead (MoNTA Eq. 8-9:
     a smaller message reaches less of the bandwidth, which the fitted alpha alone understates);
   - a chunk's compute is 1/n of the layer's plus a fixed per-chunk overhead (``overhead_s``:
-    the topology's ``chunk_overhead_s`` where ``moe-calibrate --chunk-overhead`` measured it,
-    ``fit_chunk_overhead``; else the default ``OP_OVERHEAD_S``, measured on CPU ranks);
+    the topology's ``chunk_overhead_s`` where its file gives a measured one (``fit_chunk_overhead``
+    fits it to timed runs of a layer in n chunks); else the default ``OP_OVERHEAD_S``, measured
+    on CPU ranks);
   - the worker and the caller do not slow each other down (true when the transfer is on a link,
     not on the cores; on CPU ranks that share cores, measured overlap is less);
   - backward compute is ``BACKWARD_COMPUTE`` times forward's (the local backward recomputes the

@@ -20,7 +20,7 @@ TOML layout (every field named in errors):
     flops_per_s = 9.89e14           # one value, or a list with one value per device
     mem_bw_bytes_per_s = 3.35e12
     chunk_overhead_s = 6e-3         # optional: the fixed cost of one more pipeline chunk, per
-                                    # direction (moe-calibrate --chunk-overhead measures it)
+                                    # direction, measured (cost.pipeline.fit_chunk_overhead)
     [efficiency.all_to_all]         # optional, any collective name
     sizes_bytes = [1024, 1048576]
     values = [0.1, 0.9]

@@ -208,7 +208,7 @@ def _pipeline(topology: Topology, work: Workload, decided: Plan, settings: Setti
 
 def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busiest: float = 1.0) -> PipelineChoice:
     """``choose_chunks`` on ``layer_times``, with the topology's measured chunk overhead where
-    calibration wrote one (``moe-calibrate --chunk-overhead``), else ``OP_OVERHEAD_S``."""
+    its file gives one (measured: ``cost.pipeline.fit_chunk_overhead``), else ``OP_OVERHEAD_S``."""
     times = layer_times(topology, work, d, dedup, busiest)
     if topology.chunk_overhead_s is None:
         return choose_chunks(times, work.num_tokens)
