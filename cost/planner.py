@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 from moe_compile.cost import hexa, hybridep, monta
-from moe_compile.cost.hiermoe import HDCostModel, phase_times_s
+from moe_compile.cost.hiermoe import HDCostModel, phase_terms, phase_times_s
+from moe_compile.cost.pipeline import LayerTimes, Phase
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import Workload
@@ -264,3 +265,22 @@ def uniform_routing(workload: Workload, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     keys = rng.random((workload.num_tokens, workload.num_experts))
     return np.ascontiguousarray(np.argpartition(keys, workload.top_k - 1, axis=1)[:, : workload.top_k])
+
+
+def layer_times(topology: Topology, work: Workload, d: int, dedup: bool, busiest: float = 1.0) -> LayerTimes:
+    """The unchunked HD-``d`` layer's stage times the pipeline model schedules: each phase's
+    latency and transfer from the HierMoE model on uniform routing (dispatch with the routing
+    slots' bytes, combine without), the busiest rank's compute, the chunks' gradient sums."""
+    stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
+
+    def phases(w: Workload) -> tuple[Phase, ...]:
+        # each phase with its level's measured efficiency curve where calibration wrote one
+        names = [lv.name for lv in topology.levels]
+        return tuple(Phase(a, b, n, topology.efficiency.get(f"all_to_all_{names[level]}"), names[level])
+                     for level, a, b, n in phase_terms(d, topology, w, stats, dedup=dedup))
+
+    # the rank's share of the expert weights, as the chunks' gradients autograd sums (2 reads, 1 write)
+    local_weight_bytes = work.num_experts * work.expert_bytes / topology.world_size
+    grad_sum_s = 3 * local_weight_bytes / topology.device_mem_bw(0)
+    return LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work),
+                      grad_sum_s)

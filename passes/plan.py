@@ -30,10 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moe_compile.cost.hiermoe import phase_terms
-from moe_compile.cost.pipeline import LayerTimes, Phase, PipelineChoice, choose_chunks
-from moe_compile.cost.planner import Plan, compute_s, dispatch_strategy, load_imbalance, plan, uniform_routing
-from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.pipeline import PipelineChoice, choose_chunks
+from moe_compile.cost.planner import Plan, dispatch_strategy, layer_times, load_imbalance, plan
 from moe_compile.cost.topology import Topology
 from moe_compile.cost.workload import SLOT_BYTES, Workload
 from moe_compile.lowering.strategies import REGISTRY, Settings, Strategy, executable
@@ -213,25 +211,6 @@ def _search_chunks(topology: Topology, work: Workload, d: int, dedup: bool, busi
     if topology.chunk_overhead_s is None:
         return choose_chunks(times, work.num_tokens)
     return choose_chunks(times, work.num_tokens, overhead_s=topology.chunk_overhead_s, calibrated=True)
-
-
-def layer_times(topology: Topology, work: Workload, d: int, dedup: bool, busiest: float = 1.0) -> LayerTimes:
-    """The unchunked HD-``d`` layer's stage times the pipeline model schedules: each phase's
-    latency and transfer from the HierMoE model on uniform routing (dispatch with the routing
-    slots' bytes, combine without), the busiest rank's compute, the chunks' gradient sums."""
-    stats = hd_statistics(uniform_routing(work), work.num_experts, topology.sizes, copies=True)
-
-    def phases(w: Workload) -> tuple[Phase, ...]:
-        # each phase with its level's measured efficiency curve where calibration wrote one
-        names = [lv.name for lv in topology.levels]
-        return tuple(Phase(a, b, n, topology.efficiency.get(f"all_to_all_{names[level]}"), names[level])
-                     for level, a, b, n in phase_terms(d, topology, w, stats, dedup=dedup))
-
-    # the rank's share of the expert weights, as the chunks' gradients autograd sums (2 reads, 1 write)
-    local_weight_bytes = work.num_experts * work.expert_bytes / topology.world_size
-    grad_sum_s = 3 * local_weight_bytes / topology.device_mem_bw(0)
-    return LayerTimes(phases(work), phases(replace(work, slot_bytes=0)), busiest * compute_s(topology, work),
-                      grad_sum_s)
 
 
 def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh_levels: int | None,

@@ -150,13 +150,16 @@ def test_build_topology_rejects_flat_times() -> None:
 @pytest.mark.ranks
 def test_torchrun_four_gloo_ranks(tmp_path: Path) -> None:
     """The real command: 4 CPU processes, mesh node=2 x gpu=2, three sizes up to 8 MiB (large enough
-    that the bytes, not scheduling noise on 2 shared cores, set the time, so beta comes out > 0)."""
+    that the bytes, not scheduling noise on 2 shared cores, set the time, so beta comes out > 0);
+    with --chunk-overhead, the probe layer timed in 1, 2 and 4 chunks and the fitted fixed cost
+    of a chunk written to the file."""
     out = tmp_path / "cluster.toml"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "moe_compile.tools.calibrate", "--mesh", "node=2,gpu=2", "--out", str(out),
-           "--min-bytes", "4096", "--max-bytes", str(8 << 20), "--steps", "3", "--reps", "3", "--warmup", "1"]
+           "--min-bytes", "4096", "--max-bytes", str(8 << 20), "--steps", "3", "--reps", "3", "--warmup", "1",
+           "--chunk-overhead"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "r^2" in proc.stdout and "wrote" in proc.stdout
@@ -165,3 +168,5 @@ def test_torchrun_four_gloo_ranks(tmp_path: Path) -> None:
     assert all(lv.alpha_s > 0 and lv.beta_s_per_byte > 0 for lv in topo.levels)
     assert {"all_to_all", "all_gather", "all_to_all_world", "all_gather_node"} <= set(topo.efficiency)
     assert len(topo.efficiency["all_to_all_gpu"].sizes_bytes) == 3
+    assert all(f"n={n} " in proc.stdout for n in (1, 2, 4)) and "fixed cost fitted" in proc.stdout
+    assert topo.chunk_overhead_s is not None and 0.0 <= topo.chunk_overhead_s <= 0.1

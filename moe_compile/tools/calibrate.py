@@ -30,11 +30,20 @@ r(n) = n * (g-1)/g * beta_level / t(n) over the buffer size n, named ``<collecti
 ``all_to_all_world``, against the slowest level's link), plus ``all_to_all`` (slowest level,
 MoNTA's inter-node r1) and ``all_gather`` (fastest level, MoNTA's intra-node r2).  Rank 0 prints a
 table of every fit and writes the file.
+
+``--chunk-overhead`` also measures what one more chunk of the expert-parallel pipeline costs
+beyond the pipeline model's transfer and compute terms (``measure_chunk_overhead``): a probe MoE
+layer compiled with hiermoe on the mesh just fitted, its forward + backward timed in 1, 2 and 4
+chunks, and ``cost.pipeline.fit_chunk_overhead`` fitted to the growth over 1 chunk; the file gets
+it as ``compute.chunk_overhead_s``, which the planner's chunk count then uses in place of its
+default (``cost.pipeline.OP_OVERHEAD_S``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import math
 import os
 import socket
@@ -48,12 +57,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moe_compile.cost.calibrate import efficiency_curve, fit_collective, link_fraction, message_sizes
+from moe_compile.cost.pipeline import fit_chunk_overhead
+from moe_compile.cost.planner import layer_times
 from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
+from moe_compile.cost.workload import SLOT_BYTES, Workload
+from moe_compile.ep.runtime import counters, reset_counters
 from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
 
 _ELEMENT = torch.float32  # the payload's dtype; only its byte count matters
@@ -112,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device compute rate to write instead of a quick matmul measurement")
     p.add_argument("--mem-bw-bytes-per-s", type=float, default=None,
                    help="device memory bandwidth to write instead of a quick copy measurement")
+    p.add_argument("--chunk-overhead", action="store_true",
+                   help="also measure the fixed cost of one more expert-parallel pipeline chunk (compiles a probe "
+                        "MoE layer with hiermoe three times: about a minute on CPU) and write it as "
+                        "compute.chunk_overhead_s")
     return p
 
 
@@ -228,6 +246,97 @@ def measure_compute(device: torch.device) -> tuple[float, float]:
     flops = 2 * n**3 / best(lambda: a @ a)
     mem_bw = 2 * copy_bytes / best(lambda: dst.copy_(src))
     return flops, mem_bw
+
+
+# the probe layer measure_chunk_overhead times, per rank: fp32, SwiGLU experts
+CHUNK_PROBE = {"hidden_size": 256, "ffn_size": 256, "experts_per_rank": 2, "top_k": 2, "tokens": 512}
+CHUNK_COUNTS = (1, 2, 4)
+
+
+class ChunkProbe(torch.nn.Module):
+    """The MoE layer ``measure_chunk_overhead`` compiles: softmax top-k router renormalised over
+    the K chosen, SwiGLU experts stacked in transformers v5's layout (``gate_up_proj`` [E, 2F, H],
+    ``down_proj`` [E, H, F]) looped over as transformers' eager experts do. Only its detection
+    matters: hiermoe replaces it by the expert-parallel stages, whose cost is what is timed."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(num_experts, 2 * ffn, hidden) * hidden**-0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(num_experts, hidden, ffn) * ffn**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(tokens), dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(tokens.dtype)
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(chosen, num_classes=self.gate_up_proj.shape[0]).permute(2, 1, 0)
+        for e in range(self.gate_up_proj.shape[0]):
+            slot, token = torch.where(mask[e])
+            gate, up = F.linear(tokens[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out.view_as(x)
+
+
+def measure_chunk_overhead(mesh: Any, topology: Topology, device: torch.device, reps: int, warmup: int
+                           ) -> tuple[float, dict[int, float]]:
+    """(the fitted fixed cost of a pipeline chunk per direction, the measured forward + backward
+    seconds per chunk count) on ``mesh``, whose links ``topology`` describes.
+
+    The ``CHUNK_PROBE`` layer (``ChunkProbe``, E = 2 per rank, random routing: about uniform) is
+    compiled with hiermoe (HD-1: the flat deduplicating all-to-all; inner compiler aot_eager) once
+    per chunk count in ``CHUNK_COUNTS``; ``warmup`` untimed steps each (at least one: it
+    compiles), then ``reps`` rounds timing one step of every count in a rotated order, each after a
+    barrier, a step's time the slowest rank's, the median per count. MoNTA's schedule of that layer
+    (``cost.planner.layer_times`` at d = 1, as the planner builds it) is then fitted by
+    ``cost.pipeline.fit_chunk_overhead``: the constant that makes its predicted growth over one
+    chunk the measured one. Every rank gets the same value. Collective: every rank calls it at the
+    same point. Raises RuntimeError when the probe did not run expert-parallel in n chunks (the
+    traffic counters of ``ep.runtime`` show how many messages each step sent)."""
+    world = dist.get_world_size()
+    h, f, k, tokens = (CHUNK_PROBE[key] for key in ("hidden_size", "ffn_size", "top_k", "tokens"))
+    num_experts = CHUNK_PROBE["experts_per_rank"] * world
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)  # the same weights on every rank, as a replicated model has
+        layer = ChunkProbe(h, f, num_experts, k).to(device)
+    gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
+    x = torch.randn(4, tokens // 4, h, generator=gen, device=device, requires_grad=True)
+    grad = torch.randn(x.shape, generator=gen, device=device)
+    steps = {}
+    for n in CHUNK_COUNTS:
+        options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "dimension": 1, "pipeline": n,
+                   "expert_gather": False, "model_centric": False}
+        steps[n] = torch.compile(copy.deepcopy(layer), backend="hiermoe", options=options)
+
+    def run(n: int) -> None:
+        x.grad = None
+        (steps[n](x) * grad).sum().backward()
+
+    for n in CHUNK_COUNTS:
+        reset_counters()
+        for _ in range(max(1, warmup)):  # the first step compiles
+            run(n)
+        sent = sum(c["dispatch"]["forward"]["payload_messages"] for c in counters().values())
+        if sent == 0 or sent % n:
+            raise RuntimeError(f"--chunk-overhead: the probe layer compiled with pipeline={n} sent {sent} dispatch "
+                               f"messages in {max(1, warmup)} step(s), not a multiple of {n}: it was not run "
+                               "expert-parallel in chunks, so nothing measured here is a chunk's cost")
+    times: dict[int, list[float]] = {n: [] for n in CHUNK_COUNTS}
+    for rep in range(reps):
+        order = CHUNK_COUNTS[rep % len(CHUNK_COUNTS):] + CHUNK_COUNTS[:rep % len(CHUNK_COUNTS)]
+        for n in order:
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            run(n)
+            _sync(device)
+            times[n].append(time.perf_counter() - t0)
+    measured = {n: _agreed_median(ts, device) for n, ts in times.items()}
+    work = Workload(tokens, h, f, num_experts, k, dtype_bytes=_ELEMENT_BYTES, gated=True, slot_bytes=SLOT_BYTES)
+    return fit_chunk_overhead(layer_times(topology, work, 1, True), measured), measured
 
 
 def _compute_values(local: float, device: torch.device, world_size: int) -> list[float]:
@@ -403,10 +512,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _stdout_console().print(fit_table(fits))
                 err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
             return 1
+        chunk_note = ""
+        if args.chunk_overhead:
+            overhead, per_n = measure_chunk_overhead(mesh, topo, device, args.reps, args.warmup)
+            topo = dataclasses.replace(topo, chunk_overhead_s=overhead)
+            chunk_note = ("pipeline chunks: probe layer forward + backward "
+                          + ", ".join(f"n={n} {t * 1e3:.1f} ms" for n, t in per_n.items())
+                          + f"; a chunk's fixed cost fitted: {overhead * 1e3:.2f} ms per direction")
         if rank == 0:
             console = _stdout_console()
             console.print(fit_table(fits))
             console.print(f"all-to-all timed: {a2a} ({_A2A_WHAT[a2a]})", markup=False, highlight=False)
+            if chunk_note:
+                console.print(chunk_note, markup=False, highlight=False)
             for f in fits:
                 if f.measurement.group in names and f.measurement.collective == "all_to_all" and f.alpha_s < 0:
                     console.print(f"note: level {f.measurement.group}: fitted alpha {f.alpha_s * 1e6:.3g} us < 0 is "
