@@ -10,8 +10,10 @@ T tokens per rank, each rank its own) compiled with hiermoe (mesh node=2,gpu=2, 
 at start as bench_e2e does, the compute rate measured; inner compiler aot_eager) once per chunk
 count n = 1..max, once with pipeline "auto" (the cost model's n on the alpha-beta fit), once as
 "auto+r" (pipeline "auto" on a topology that also holds each level's efficiency curve r(n) from
-the same calibration: chunk transfers at the efficiency measured at a chunk's size) and once with
-"tune" (n measured at compile time, passes/autotune.py); untimed warmup steps, then
+the same calibration: chunk transfers at the efficiency measured at a chunk's size), once as
+"auto+o" (pipeline "auto" on the alpha-beta fit plus the fixed cost of a chunk measured at start,
+moe_compile.tools.calibrate.measure_chunk_overhead: what `moe-calibrate --chunk-overhead`
+writes) and once with "tune" (n measured at compile time, passes/autotune.py); untimed warmup steps, then
 repetitions that each time one forward + backward of every variant in an order rotated per
 repetition, after a barrier; a step's time is its slowest rank's. Every variant's first output
 and input gradient are checked against n = 1's (rel. err < 1e-5).
@@ -59,6 +61,15 @@ def worker(args: argparse.Namespace) -> None:
     # every variant but "auto+r" plans on the alpha-beta fit alone; "auto+r" also on the levels'
     # efficiency curves r(n) measured in the same calibration (cost.pipeline.Phase.chunk_s)
     topology = dataclasses.replace(measured, efficiency={})
+    if args.no_chunk_overhead:
+        with_overhead, chunk_overhead, overhead_times = None, None, {}
+    else:
+        from moe_compile.tools.calibrate import measure_chunk_overhead
+
+        chunk_overhead, overhead_times = measure_chunk_overhead(mesh, topology, torch.device("cpu"), reps=5, warmup=1)
+        with_overhead = dataclasses.replace(topology, chunk_overhead_s=chunk_overhead)
+        say(f"  chunk overhead fitted: {chunk_overhead * 1e3:.1f} ms per chunk and direction (probe layer "
+            + ", ".join(f"n={n} {t * 1e3:.0f} ms" for n, t in overhead_times.items()) + ")", flush=True)
     results = []
     for top_k in args.top_k:
         torch._dynamo.reset()
@@ -71,9 +82,10 @@ def worker(args: argparse.Namespace) -> None:
         variants: dict[str, Any] = {}
         plans: dict[str, str] = {}
         predicted: dict[str, str] = {}
-        for n in [*args.chunks, "auto", "auto+r", "tune"]:
-            options = {"mesh": mesh, "topology": measured if n == "auto+r" else topology, "inner_compiler": "aot_eager",
-                       "pipeline": "auto" if n == "auto+r" else n,
+        for n in [*args.chunks, "auto", "auto+r", *(["auto+o"] if with_overhead else []), "tune"]:
+            topo_n = measured if n == "auto+r" else with_overhead if n == "auto+o" else topology
+            options = {"mesh": mesh, "topology": topo_n, "inner_compiler": "aot_eager",
+                       "pipeline": "auto" if n in ("auto+r", "auto+o") else n,
                        "expert_gather": False, "model_centric": False}  # the chunked token all-to-alls
             # (with model_centric left "auto" the planner ran model0 at K=8, which has no chunks)
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
@@ -131,18 +143,21 @@ def worker(args: argparse.Namespace) -> None:
             return int(plan.split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in plan else 1
 
         chosen, chosen_r = ran(plans["auto"]), ran(plans["auto+r"])
+        chosen_o = ran(plans["auto+o"]) if "auto+o" in plans else None
         tuned = int(predicted["tune"].rsplit("runs ", 1)[1]) if "measured chunks" in predicted["tune"] else 1
         # the model's prediction per n, from the layer's stage times in the "auto" plan's search
         say(f"  K={top_k}: " + "  ".join(f"n={n} {med[n] * 1e3:.0f} ms" for n in names)
             + f"  (auto ran n={chosen}; {predicted['auto']}; auto+r ran n={chosen_r}; tune ran n={tuned})", flush=True)
         results.append({"top_k": top_k, "times_s": times, "median_s": med, "auto_chunks": chosen,
-                        "auto_r_chunks": chosen_r, "tune_chunks": tuned,
+                        "auto_r_chunks": chosen_r, "auto_o_chunks": chosen_o, "tune_chunks": tuned,
                         "plans": plans, "predicted": predicted, "serial_comm_s": comm_s,
                         "serial_compute_s": compute_s,
                         "cpu_floor_s": {n: statistics.median(v) / min(world, _cores()) for n, v in cpu_s.items()}})
         del variants
     if rank == 0:
         Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": measured.to_dict(),
+                                                            "chunk_overhead_s": chunk_overhead,
+                                                            "chunk_overhead_probe_s": overhead_times,
                                                             "configs": results}))
     dist.destroy_process_group()
 
@@ -169,13 +184,19 @@ def report(payload: dict[str, Any]) -> str:
              "backward of every variant (rotated order, barrier first, slowest rank's time).", ""]
     for run in payload["runs"]:
         lines += rate_header(run)
+        if run.get("chunk_overhead_s") is not None:
+            probe = ", ".join(f"n={n} {t * 1e3:.0f} ms" for n, t in run["chunk_overhead_probe_s"].items())
+            lines += [f"Chunk overhead (auto+o): {run['chunk_overhead_s'] * 1e3:.1f} ms per chunk and direction, fitted to "
+                      f"the probe layer's forward + backward ({probe}; moe_compile.tools.calibrate."
+                      "measure_chunk_overhead), against the model's default 2 ms.", ""]
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
                      " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
                      " auto+r ms (n) | auto+r within 5 % of fastest |"
+                     " auto+o ms (n) | auto+o within 5 % of fastest |"
                      " tune ms (n) | tune within 5 % of fastest |"
                      " n=1 comm / compute ms | perfect-overlap bound at the fastest n ms | fastest / bound |"
                      " CPU floor n=1 / fastest n ms | predicted by the model |")
-        lines.append("|" + "---|" * (len(args["chunks"]) + 15))
+        lines.append("|" + "---|" * (len(args["chunks"]) + 17))
         for c in run["configs"]:
             med = c["median_s"]
             chunks = [str(n) for n in args["chunks"]]
@@ -194,9 +215,12 @@ def report(payload: dict[str, Any]) -> str:
                         f"{'yes' if med['tune'] <= 1.05 * med[fastest] else 'no'}") if "tune" in med else "- | -"
             auto_r_txt = (f"{med['auto+r'] * 1e3:.0f} ({c['auto_r_chunks']}) | "
                           f"{'yes' if med['auto+r'] <= 1.05 * med[fastest] else 'no'}") if "auto+r" in med else "- | -"
+            auto_o_txt = (f"{med['auto+o'] * 1e3:.0f} ({c['auto_o_chunks']}) | "
+                          f"{'yes' if med['auto+o'] <= 1.05 * med[fastest] else 'no'}") if "auto+o" in med else "- | -"
             lines.append(f"| {c['top_k']} | " + " | ".join(f"{med[n] * 1e3:.0f}" for n in chunks)
                          + f" | {med['auto'] * 1e3:.0f} ({c['auto_chunks']}) | {fastest} | {serial / med[fastest]:.2f}x"
-                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {auto_r_txt} | {tune_txt} |"
+                         f" | {serial / med['auto']:.2f}x | {'yes' if within else 'no'} | {auto_r_txt} | {auto_o_txt}"
+                         f" | {tune_txt} |"
                          f" {' | '.join(split)} |"
                          f" {floor_txt} | {c['predicted']['auto']} |")
         lines.append("")
@@ -225,6 +249,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7; 3 quick)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-chunk-overhead", action="store_true",
+                   help="skip measuring the fixed cost of a chunk at start (and the auto+o variant)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="results path without suffix (default bench/results/pipeline; "
                                                "--quick: none)")
