@@ -54,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from cluster_bench import cluster_rank, forward_backward
 
     from moe_compile.backend import collect_reports
+    from moe_compile.cost.pipeline import OP_OVERHEAD_S
     from moe_compile.ep import runtime
     from moe_compile.samples import SAMPLES
 
@@ -157,6 +158,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(os.environ["PIPE_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": measured.to_dict(),
                                                             "chunk_overhead_s": chunk_overhead,
+                                                            "default_chunk_overhead_s": OP_OVERHEAD_S,
                                                             "chunk_overhead_probe_s": overhead_times,
                                                             "configs": results}))
     dist.destroy_process_group()
@@ -188,7 +190,8 @@ def report(payload: dict[str, Any]) -> str:
             probe = ", ".join(f"n={n} {t * 1e3:.0f} ms" for n, t in run["chunk_overhead_probe_s"].items())
             lines += [f"Chunk overhead (auto+o): {run['chunk_overhead_s'] * 1e3:.1f} ms per chunk and direction, fitted to "
                       f"the probe layer's forward + backward ({probe}; moe_compile.tools.calibrate."
-                      "measure_chunk_overhead), against the model's default 2 ms.", ""]
+                      "measure_chunk_overhead), against the model's default "
+                      f"{run.get('default_chunk_overhead_s', 2e-3) * 1e3:g} ms (auto).", ""]
         lines.append("| K | " + " | ".join(f"n={n} ms" for n in args["chunks"]) + " | auto ms (n) | fastest n |"
                      " speedup fastest / n=1 | speedup auto / n=1 | auto within 5 % of fastest |"
                      " auto+r ms (n) | auto+r within 5 % of fastest |"

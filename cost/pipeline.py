@@ -55,10 +55,12 @@ from moe_compile.cost.topology import EfficiencyCurve
 
 # a chunk's fixed cost per direction beyond its collectives' latencies: its stage ops (Python, the
 # route, the split sizes' exchange), the smaller matmuls of a smaller chunk, the comm thread's
-# copies competing with the caller for the core. bench/results/pipeline.md (CPU ranks on gloo, a
-# core each, 400 Mbit): forward + backward grew 4-13 ms per chunk beyond 3 chunks, about 2 ms per
-# chunk and direction at n = 2-3
-OP_OVERHEAD_S = 2e-3
+# copies competing with the caller for the core. Measured by moe-calibrate --chunk-overhead's
+# probe (tools/calibrate.py) on CPU ranks on gloo, a core each (bench/results/pipeline.md,
+# 2026-11-27): 5.6 ms at 400 Mbit, 4.4 ms at 1 Gbit; with it the chunk count is within 5 % of the
+# fastest in 5 of 6 configurations there, with the earlier 2 ms in 2 of 6. A cluster's own value
+# (the topology's chunk_overhead_s) replaces it.
+OP_OVERHEAD_S = 5e-3
 BACKWARD_COMPUTE = 2.0
 MAX_CHUNKS = 8
 # chunks run only where the model predicts at least this fraction saved: its error is larger than
