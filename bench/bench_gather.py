@@ -37,7 +37,9 @@ variant is the measured fastest or within 10 % of it; the planner's predicted ti
 candidates' communication + expert compute, ``RegionReport.predicted_s``) for the best token
 all-to-all, gather1 and gather0; the seconds each gather variant's forward waited for its gather
 (``EPLayer.gather_exposed_s``, slowest rank, median); per shape the measured and the predicted
-crossover rate (the lowest rate at which the all-to-all beats the best gather).
+crossover rate (the lowest rate at which the all-to-all beats the best gather); per variant the
+step's peak memory per rank (one more step after the timed ones: how far the rank's resident
+memory rose above where the step started, ``cluster_bench.step_peak_bytes``, the highest rank).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ WITHIN = 1.10  # the planner's pick counts as good within 10 % of the measured f
 
 
 def worker(args: argparse.Namespace) -> None:
-    from cluster_bench import cluster_rank, forward_backward
+    from cluster_bench import cluster_rank, forward_backward, step_peak_bytes
 
     from moe_compile.backend import collect_reports, hiermoe_backend
     from moe_compile.ep import runtime
@@ -175,6 +177,14 @@ def worker(args: argparse.Namespace) -> None:
                 if lay.domain is not None:
                     exposed[name].append(float(both[1]))
                 dims[name].append(lay.last_dimension if lay.domain is None else None)
+        # memory: one more step of each variant, its resident memory's peak above where it started
+        # (every thread's allocations: cluster_bench.step_peak_bytes), the highest rank's
+        peaks: dict[str, int] = {}
+        for name in order_names:
+            dist.barrier()
+            peak = torch.tensor([step_peak_bytes(functools.partial(step, variants[name]))[1]], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            peaks[name] = int(peak)
         med = {n: statistics.median(v) for n, v in times.items()}
         pick = plans["planner"].split()[0]
         tuned_pick = plans["tuned"].split()[0] if "tuned" in plans else None
@@ -191,7 +201,8 @@ def worker(args: argparse.Namespace) -> None:
                         "predicted_s": predicted, "plan_notes": notes, "executable": executable, "pipeline": pipelines,
                         "first_step_rel_err": errors, "warmup_steps": warmups,
                         "gather_exposed_s": {n: statistics.median(v) for n, v in exposed.items() if v},
-                        "dimensions": dims, "rank0_sent_bytes": sent})
+                        "dimensions": dims, "rank0_sent_bytes": sent, "step_peak_bytes": peaks,
+                        "weight_bytes_per_rank": sum(p.numel() * p.element_size() for p in layer.parameters())})
         del variants
     if rank == 0:
         Path(os.environ["GATHER_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
@@ -301,15 +312,23 @@ def report(payload: dict[str, Any]) -> str:
              "Predicted: the planner's forward times (communication + expert compute, cost/planner.py; the "
              "gathers' without prefetch) from the topology fitted at start; the measured step is forward + "
              "backward, so compare ratios. Gather wait: the seconds the forward waited for its gather "
-             "(EPLayer.gather_exposed_s; a single layer has nothing to prefetch behind), slowest rank, median.", ""]
+             "(EPLayer.gather_exposed_s; a single layer has nothing to prefetch behind), slowest rank, median.", "",
+             "Step peak: after the timed repetitions, one more forward + backward of each variant; how far the "
+             "rank's resident memory rose above where the step started (freed heap memory returned to the OS "
+             "first, the kernel's peak mark reset: bench/cluster_bench.py step_peak_bytes; every thread's "
+             "allocations, gloo's included), the highest rank's, in MiB. Between steps every rank holds the "
+             "whole layer (no shard_experts): "
+             + "; ".join(f"{c['shape']['name']} {c['weight_bytes_per_rank'] / 2**20:.1f} MiB"
+                         for c in payload["runs"][0]["configs"] if "weight_bytes_per_rank" in c) + ".", ""]
     good = total = tuned_good = tuned_total = 0
     crossings: dict[str, dict[str, list[tuple[float, str, float, float]]]] = {}
     for run in payload["runs"]:
         lines += rate_header(run)
         lines.append("| shape | a2a ms | gather1 ms | gather0 ms | model0 ms | planner ms (its pick) | measured fastest |"
                      " planner pick within 10 % of fastest? | predicted fw ms: a2a (best) / gather1 / gather0 / model0 |"
-                     " gather wait fw ms: gather1 / gather0 | a2a plan | tuned ms (its pick) | tuned within 10 %? |")
-        lines.append("|" + "---|" * 13)
+                     " gather wait fw ms: gather1 / gather0 | a2a plan | tuned ms (its pick) | tuned within 10 %? |"
+                     " step peak MiB: a2a / gather1 / gather0 / model0 / planner |")
+        lines.append("|" + "---|" * 14)
         for c in run["configs"]:
             med = c["median_s"]
             pred = c["predicted_s"]["planner"]
@@ -327,10 +346,13 @@ def report(payload: dict[str, Any]) -> str:
                 f"{pred[n] * 1e3:.3g}" if n in pred else "-" for n in ("gather1", "gather0", "model0"))
             wait = c.get("gather_exposed_s", {})
             wait_txt = " / ".join(f"{wait[n] * 1e3:.1f}" if n in wait else "-" for n in ("gather1", "gather0"))
+            peaks = c.get("step_peak_bytes", {})
+            peak_txt = " / ".join(f"{peaks[n] / 2**20:.1f}" if n in peaks else "-"
+                                  for n in ("a2a", "gather1", "gather0", "model0", "planner"))
             lines.append(f"| {c['shape']['name']} | " + " | ".join(
                 f"{med[n] * 1e3:.0f}" if n in med else "-" for n in ("a2a", "gather1", "gather0", "model0"))
                 + f" | {med['planner'] * 1e3:.0f} ({c['pick']}) | {LABELS[fastest]} | {words} | {pred_txt} |"
-                f" {wait_txt} | {c['plans']['a2a']} | {tuned_txt} |")
+                f" {wait_txt} | {c['plans']['a2a']} | {tuned_txt} | {peak_txt} |")
             if gathers:
                 per = crossings.setdefault(c["shape"]["name"], {"measured": [], "predicted": []})
                 bits = parse_rate(run["rate"])

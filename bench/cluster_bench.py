@@ -12,13 +12,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from bench_hier_a2a import calibrate_local
 
 from moe_compile.cost.topology import Topology
+
+T = TypeVar("T")
 
 
 def cluster_rank(quick: bool, rate: str, efficiency: bool = False
@@ -103,6 +105,33 @@ def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.T
     y = fn(xi)
     (gx,) = torch.autograd.grad(y, xi, g)
     return y.detach(), gx
+
+
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: the peak since the last reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status (the memory figures need Linux)")
+
+
+def step_peak_bytes(run: Callable[[], T]) -> tuple[T, int]:
+    """(what ``run()`` returned, the bytes this process's resident memory rose by at its peak
+    during that one call): every
+    thread's allocations (autograd's, the collectives' buffers on gloo's threads), which the torch
+    profiler's CPU memory events miss on the communication threads. Before the call, freed heap
+    memory goes back to the OS (``malloc_trim``), so memory the step reuses counts as it is touched
+    again, and the kernel's peak-RSS mark is reset (``/proc/self/clear_refs`` 5); after it, the
+    peak (VmHWM) less the resident memory before. Linux, glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    out = run()
+    return out, (_status_kib("VmHWM") - base) * 1024
 
 
 def drive_rates(script: Path, args: Any, argv: list[str], out_env: str, report: Callable[[dict[str, Any]], str],
