@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._functorch import config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -179,7 +180,13 @@ def _compiled(cand: Candidate, args: Sequence[Any], values: Mapping[int, torch.T
         g.recompile()
         return boxed_nop(g, ex)  # type: ignore[arg-type]
 
-    return aot_eager(gm, list(fakes.values()), fw_compiler=nop, bw_compiler=nop)  # type: ignore[arg-type]
+    # the backward compiled now, not at its first call: that call comes during the user's compile
+    # (measure runs inside it), and a lazy backward compile there records its metrics into the
+    # user's compile's (Dynamo: "Metric(s) {'is_forward'} have already been set"). AOTAutograd
+    # compiles it lazily where the graph saves no symbolic size for backward (a gather, a flat
+    # all-to-all of fixed shapes)
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        return aot_eager(gm, list(fakes.values()), fw_compiler=nop, bw_compiler=nop)  # type: ignore[arg-type]
 
 
 def measure(*, key: tuple[Any, ...], op_args: Sequence[Any], candidates: Mapping[str, Candidate], baseline: str,
