@@ -52,7 +52,10 @@ losses. Every hiermoe variant must have rewritten every MoE layer.
 
 Time: ``--warmup`` untimed steps per variant (the first compiles and is the check), one untimed
 step for the bytes (``moe_compile.counters()``: token payload per mesh level, dispatch + combine,
-forward + backward, summed over ranks), then ``--reps`` repetitions; each times one step of every
+forward + backward, summed over ranks) and the memory (what the rank holds between steps:
+parameters and AdamW state, sharded experts at their shard; the step's peak above that:
+``cluster_bench.step_peak_bytes``, every thread's allocations; the highest rank), then ``--reps``
+repetitions; each times one step of every
 variant, in an order rotated by one per repetition, each after a barrier; a step's time is its
 slowest rank's. Reported: median, min and max; speedups are median ratios. d*: the d each layer of
 ``hiermoe d*`` used in each timed step (and the cost model's predicted times), against the
@@ -64,6 +67,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -90,6 +94,9 @@ from moe_compile.ep import runtime
 from moe_compile.tools import calibrate
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cluster_bench import step_peak_bytes  # noqa: E402
+
 DEFAULT_CLUSTER = HERE / "clusters" / "two_node.toml"
 MODELS = ("tiny_lm", "hf_mixtral")
 
@@ -245,6 +252,20 @@ def average_gradients(r: Runner, world: int) -> int:
     return flat.numel() * flat.element_size()
 
 
+def held_bytes(r: Runner) -> int:
+    """The bytes of the tensors the variant's rank holds between steps: its parameters (a DTensor's
+    local shard; shard_experts' other ranks' experts hold no storage) and the optimizer's state."""
+    tensors = [*r.model.parameters()]
+    if r.opt is not None:
+        tensors += [t for st in r.opt.state.values() for t in st.values() if isinstance(t, Tensor)]
+    storages: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def train_step(r: Runner, model_kind: str, ids_BS: Tensor, world: int) -> tuple[float, int]:
     """(loss, gradient bytes all-reduced by this rank)."""
     assert r.opt is not None
@@ -352,9 +373,13 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     # what the expert-parallel layers keep from forward to backward on a rank (the dispatched rows,
     # the gathered expert weights not gathered again), the largest over the ranks
     kept = torch.zeros(len(runners), dtype=torch.int64)
+    # memory per rank: held between steps, and the step's peak above what the rank held before it
+    memory = torch.zeros(len(runners), 2, dtype=torch.int64)
     for i, r in enumerate(runners):
         runtime.reset_counters()
-        grad_bytes.append(train_step(r, model_kind, batches[2], world)[1])
+        memory[i, 0] = held_bytes(r)
+        (_, grad_sent), memory[i, 1] = step_peak_bytes(functools.partial(train_step, r, model_kind, batches[2], world))
+        grad_bytes.append(grad_sent)
         for j in r.ep_layers:
             lay = runtime.layer(j)
             kept[i] += lay.saved_bytes + (lay.gathered_bytes if lay.domain is not None and not lay.regathered else 0)
@@ -365,6 +390,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
                 traffic[i, -1] += sum(d["meta_bytes"] for ph in c[n].values() for d in ph.values())
     dist.all_reduce(traffic)
     dist.all_reduce(kept, op=dist.ReduceOp.MAX)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
 
     # Step 4: interleaved timed repetitions; d* records the d of each of its layers in each step.
     times = torch.zeros(args.reps, len(runners), dtype=torch.float64)
@@ -411,6 +437,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
             "grad_allreduce_bytes": grad_bytes[i] if r.averages else None,
             "gather_wait_s": gather_wait[:, i].tolist() if r.variant.kind == "hiermoe" else None,
             "plans": r.plans, "kept_bytes": int(kept[i]) if r.variant.kind == "hiermoe" else None,
+            "held_bytes": int(memory[i, 0]), "step_peak_bytes": int(memory[i, 1]),
         })
     canonical = [v.name for v in variants(len(names), model_kind)]
     results.sort(key=lambda res: canonical.index(res["variant"]))

@@ -81,6 +81,7 @@ def variant_rows(config: dict[str, Any], levels: list[str]) -> list[list[str]]:
                      f"{eager['median_s'] / r['median_s']:.2f}x" if eager else "-", d,
                      *(_mib(per_level.get(n)) if r["payload_bytes_per_level"] else "-" for n in levels),
                      _mib(r["meta_bytes"]), _mib(r["grad_allreduce_bytes"]), _mib(r.get("kept_bytes")),
+                     _mib(r.get("held_bytes")), _mib(r.get("step_peak_bytes")),
                      f"{r['first_loss_max_rel_err']:.1e}",
                      f"{r['warmup_first_step_s']:.1f}"])
     return rows
@@ -204,7 +205,7 @@ def markdown(payload: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 + (f", written to `{payload['topology_saved']}`" if payload.get("topology_saved") else ""))
     headers = ["variant", "median ms", "min / max ms", "speedup vs flat A2A", "speedup vs eager DDP", "d",
                *(f"{n} MiB/step" for n in levels), "meta MiB", "grad all-reduce MiB/rank",
-               "kept for backward MiB/rank", "1st-step loss rel err",
+               "kept for backward MiB/rank", "held MiB/rank", "step peak MiB/rank", "1st-step loss rel err",
                "1st step s"]
     lines = [
         "# End-to-end training step on the emulated cluster", "",
@@ -241,7 +242,10 @@ def markdown(payload: dict[str, Any], summary: list[dict[str, Any]]) -> str:
         "per repetition, each after a barrier; a step's time is its slowest rank's. Speedups are "
         "median(reference) / median(variant), above 1 = faster. Bytes: moe_compile.counters() of one step, "
         "payload per mesh level (tokens: dispatch + combine; expert weights: gathers and their reduce-scatters; forward + backward), summed over ranks; metadata "
-        "apart; transformers' all-to-alls are not counted (\"-\"). \"1st-step loss rel err\": every variant's "
+        "apart; transformers' all-to-alls are not counted (\"-\"). Memory, in the same untimed step, the "
+        "highest rank's: \"held\" the parameters (sharded experts at their shard) and AdamW state a rank "
+        "holds between steps, \"step peak\" how far its resident memory rose above where the step started "
+        "(gradients, activations, buffers, gathered experts, every thread's; cluster_bench.step_peak_bytes). \"1st-step loss rel err\": every variant's "
         "first step ran on the same batch as eager DDP's, max over ranks of |loss - loss_eager| / loss_eager "
         f"(the run stops above {payload['loss_rtol']:g}). \"1st step s\": that step, compilation included.", "",
         "## Hugging Face transformers' expert parallelism", "",
