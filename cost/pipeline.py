@@ -57,9 +57,10 @@ from moe_compile.cost.topology import EfficiencyCurve
 # route, the split sizes' exchange), the smaller matmuls of a smaller chunk, the comm thread's
 # copies competing with the caller for the core. Measured by moe-calibrate --chunk-overhead's
 # probe (tools/calibrate.py) on CPU ranks on gloo, a core each (bench/results/pipeline.md,
-# 2026-11-27): 5.6 ms at 400 Mbit, 4.4 ms at 1 Gbit; with it the chunk count is within 5 % of the
-# fastest in 5 of 6 configurations there, with the earlier 2 ms in 2 of 6. A cluster's own value
-# (the topology's chunk_overhead_s) replaces it.
+# 2026-11-27): 5.4-5.6 ms at 400 Mbit, 4.4-5.4 ms at 1 Gbit. With the earlier default, 2 ms, the
+# chunk count was within 5 % of the fastest in 2 of 6 configurations there; with 5 ms in 6 of 6
+# (n = 1 throughout: no chunk count paid on that run). A cluster's own value (the topology's
+# chunk_overhead_s) replaces it.
 OP_OVERHEAD_S = 5e-3
 BACKWARD_COMPUTE = 2.0
 MAX_CHUNKS = 8

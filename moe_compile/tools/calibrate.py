@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device memory bandwidth to write instead of a quick copy measurement")
     p.add_argument("--chunk-overhead", action="store_true",
                    help="also measure the fixed cost of one more expert-parallel pipeline chunk (compiles a probe "
-                        "MoE layer with hiermoe three times: about a minute on CPU) and write it as "
+                        "MoE layer with hiermoe three times: about half a minute on CPU) and write it as "
                         "compute.chunk_overhead_s")
     return p
 
