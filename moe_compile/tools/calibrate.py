@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import math
 import os
 import socket
@@ -328,12 +329,7 @@ def measure_chunk_overhead(mesh: Any, topology: Topology, device: torch.device, 
     for rep in range(reps):
         order = CHUNK_COUNTS[rep % len(CHUNK_COUNTS):] + CHUNK_COUNTS[:rep % len(CHUNK_COUNTS)]
         for n in order:
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            run(n)
-            _sync(device)
-            times[n].append(time.perf_counter() - t0)
+            times[n] += _time_runs(functools.partial(run, n), device, reps=1, warmup=0)
     measured = {n: _agreed_median(ts, device) for n, ts in times.items()}
     work = Workload(tokens, h, f, num_experts, k, dtype_bytes=_ELEMENT_BYTES, gated=True, slot_bytes=SLOT_BYTES)
     return fit_chunk_overhead(layer_times(topology, work, 1, True), measured), measured
