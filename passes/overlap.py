@@ -74,7 +74,12 @@ def _stage_targets() -> dict[Any, tuple[Any, Any]]:
 
 
 def _pure(n: fx.Node) -> bool:
-    """Whether ``n`` may run earlier than written: a plain function of its inputs."""
+    """Whether ``n`` may run earlier than written: a plain function of its inputs, or a read of one
+    of the module's constants (``get_attr``: AOTAutograd lifts tensors the model builds from
+    literals, such as the empty key/value cache transformers makes, to ``_tensor_constant`` reads
+    in the middle of a layer; a prefetch must pass them)."""
+    if n.op == "get_attr":
+        return True
     if n.op != "call_function":
         return False
     t = n.target

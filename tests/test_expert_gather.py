@@ -3,12 +3,17 @@ mesh block, on 4 real gloo ranks (2 x 2 mesh), against the eager model; the plan
 
 from __future__ import annotations
 
+import operator
+
 import pytest
+import torch
+import torch.fx as fx
 from dist_utils import run_ranks
 
 from moe_compile.cost import planner
 from moe_compile.cost.topology import Level, Topology
 from moe_compile.cost.workload import Workload
+from moe_compile.passes.overlap import split_stages
 
 
 @pytest.mark.ranks
@@ -120,7 +125,8 @@ def test_gather_prefetch_starts_layers_ahead() -> None:
     layer l+n-1's gather was waited for, not earlier); 0: each gather where its layer is. With
     gather_keep_bytes one layer's worth, the last layer keeps its gathered weights and the two
     before gather theirs again in backward (tagged for the partitioner's recompute). The
-    results are those of eager whatever the schedule."""
+    results are those of eager whatever the schedule. HF Mixtral too, whose layers read
+    constants (its key/value cache) that the gathers start above."""
     results = run_ranks(4, "prefetch", worker="gather_worker.py", shape=[2, 2], prefetch=[0, 2])
     g, w, x = "ep_gather_start", "ep_gather_wait", "experts"
     expected = {"0": [g, w, x, g, w, x, g, w, x],
@@ -128,6 +134,13 @@ def test_gather_prefetch_starts_layers_ahead() -> None:
                 "2": [g, g, w, g, x, w, x, w, x]}
     expected["1 keep 147456"] = expected["1"]
     for rank, res in enumerate(results):
+        hf = res.pop("hf_mixtral")
+        # HF Mixtral (key/value cache on: constant reads inside each layer): layer l+1's gather
+        # starts right after layer l's gather was waited for
+        assert hf["constants"] > 0, hf  # the case this checks is there
+        assert hf["starts"][1:3] == ["ep_gather_1_start after ep_gather_wait",
+                                     "ep_gather_2_start after ep_gather_1_wait"], hf["starts"]
+        assert abs(hf["loss"] - hf["loss_ref"]) <= 1e-5 * abs(hf["loss_ref"]) and hf["grad_err"] < 1e-4, (rank, hf)
         for ahead, r in res.items():
             assert r["events"] == expected[ahead], (rank, ahead, r["events"])
             assert abs(r["loss"] - r["loss_ref"]) <= 1e-6 * abs(r["loss_ref"]), (rank, ahead)
@@ -137,6 +150,27 @@ def test_gather_prefetch_starts_layers_ahead() -> None:
             assert r["regathered"] == ([True, True, False] if regather else [False] * 3), (rank, ahead, r)
             assert r["backward_gathers"] == (2 if regather else 0), (rank, ahead, r)
             assert len(r["starts"]) == 3 + r["backward_gathers"], r["starts"]
+
+
+def test_gather_prefetch_passes_constant_reads() -> None:
+    """AOTAutograd lifts tensors a model builds from literals (transformers' empty key/value cache)
+    to ``get_attr`` reads in the middle of a layer: the next layer's gather, and the slices of its
+    weights that it reads, still start right after the previous gather's wait (before layer 0's
+    experts), not below the constant read."""
+    g = fx.Graph()
+    x, w0, w1 = (g.placeholder(n) for n in ("x", "w0", "w1"))
+    gathered0 = g.call_function(torch.ops.hiermoe.ep_gather.default, ([w0], 0, True))
+    h = g.call_function(torch.ops.aten.mm.default, (x, g.call_function(operator.getitem, (gathered0, 0))))
+    const = g.get_attr("_tensor_constant0")
+    h = g.call_function(torch.ops.aten.add.Tensor, (h, g.call_function(torch.ops.aten.lift_fresh_copy.default, (const,))))
+    gate = g.call_function(torch.ops.aten.slice.Tensor, (w1, 1, 0, 4))
+    gathered1 = g.call_function(torch.ops.hiermoe.ep_gather.default, ([gate], 1, True))
+    g.output(g.call_function(torch.ops.aten.mm.default, (h, g.call_function(operator.getitem, (gathered1, 0)))))
+    split = split_stages(g, prefetch=1)
+    order = [n.name for n in g.nodes]
+    assert split.gather_starts == ["ep_gather_default_start after w1",
+                                  "ep_gather_default_1_start after ep_gather_default_wait"], split
+    assert order.index("slice_tensor") < order.index("ep_gather_default_1_start") < order.index("mm_default"), order
 
 
 @pytest.mark.ranks
