@@ -16,7 +16,7 @@ Contract:
               the wait of the gather ``prefetch`` gathers before it; 0: it stays), then moves before each wait
               every later node that neither depends on it (or on a later stage) nor comes after
               a node with side effects (a mutation, a seeded random op, anything not a plain
-              operator): on the caller's thread it runs while the worker's lanes
+              operator or a read of a module constant): on the caller's thread it runs while the worker's lanes
               (``moe_compile.ep.worker``) move the tokens. The stages keep their order among
               themselves (the chunked pipeline's order, ``cost.pipeline``), so every rank issues
               its collectives in the same order.
