@@ -118,10 +118,11 @@ def _status_kib(field: str) -> int:
 def step_peak_bytes(run: Callable[[], T]) -> tuple[T, int]:
     """(what ``run()`` returned, the bytes this process's resident memory rose by at its peak
     during that one call): every thread's allocations (autograd's, the collectives' buffers on
-    gloo's threads), which the torch profiler's CPU memory events miss on the communication threads. Before the call, freed heap
-    memory goes back to the OS (``malloc_trim``), so memory the step reuses counts as it is touched
-    again, and the kernel's peak-RSS mark is reset (``/proc/self/clear_refs`` 5); after it, the
-    peak (VmHWM) less the resident memory before. Linux, glibc."""
+    gloo's threads), which the torch profiler's CPU memory events miss on the communication
+    threads. Before the call, freed heap memory goes back to the OS (``malloc_trim``), so memory
+    the step reuses counts as it is touched again, and the kernel's peak-RSS mark is reset
+    (``/proc/self/clear_refs`` 5); after it, the peak (VmHWM) less the resident memory before.
+    Linux, glibc."""
     import ctypes
     import gc
 
