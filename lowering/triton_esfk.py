@@ -2,9 +2,11 @@
 expert-specific kernel ESFK (HEXA-MoE, papers/hexa-moe.txt Sec. 4.2 "Fused Kernel in Backward
 Propagation", App. A Alg. 2-4, Table 5 steps 4-10 top-k column, Table 6).
 
-Two launches after the re-index (nothing but the op's inputs is saved by forward):
+Two launches after the re-index (nothing but the op's inputs is saved by forward; the training
+form ``experts_triton_keep`` also passes the forward's pre-activations, and the hidden launch then
+runs one matmul with its own tiles, ``KernelConfig.kept``):
 
-  hidden (grid: blocks x F tiles; Table 5 steps 6-7 and the routing-weight gradient)
+  hidden (blocks x F tiles in ``block_tile``'s grouped order; Table 5 steps 6-7 and the routing-weight gradient)
       recompute up, gate (ESMM over x), dhu[s] = g[t] W_down[e] (ESMM with the transposed
       down weight; g = dL/dy), then h = act(gate) * up, dh = w[s] dhu[s],
       d_up = dh act(gate), d_gate = dh up act'(gate) (non-gated: d_up = dh act'(up)), and the
@@ -20,7 +22,10 @@ Two launches after the re-index (nothing but the op's inputs is saved by forward
              (Alg. 4; Table 5 steps 5, 9): one program per (expert, output tile), looping over that
              expert's blocks of v from starts[e] to starts[e+1].
       ESMM   dx[t] += d_up[s] W_up[e] + d_gate[s] W_gate[e] (Table 5 step 10), accumulated over the
-             top-k like the forward's y: atomic add into fp32 [T, H] or per-slot [N, H] + sum.
+             top-k like the forward's y: atomic add into fp32 [T, H] or per-slot [N, H] + sum;
+             (block, H tile) programs in ``block_tile``'s grouped order (Mixtral's shape on an
+             H100: all blocks at once streamed each expert's whole W_up and W_gate once per few
+             blocks; grouped, the backward took 29.8 -> 25.2 ms at T = 8192).
       ESS    db_up[e] = sum_s d_up[s], db_gate[e], db_down[e] = sum_s w[s] g[t] (Alg. 2; steps 4, 8).
   The ESTMM range comes first in the grid: its programs loop over a whole expert (the longest
   work) and start earliest. With ``KernelConfig.fused = False`` the same kernel is launched three
@@ -44,7 +49,16 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from moe_compile.lowering.experts_ref import _GROUPED_MM_DTYPES, ACTIVATIONS
-from moe_compile.lowering.triton_esmm import KernelConfig, act_fwd, act_grad, esmm_tile, strides2, strides3
+from moe_compile.lowering.triton_esmm import (
+    INTERPRETED,
+    KernelConfig,
+    act_fwd,
+    act_grad,
+    block_tile,
+    esmm_tile,
+    strides2,
+    strides3,
+)
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex
 
 
@@ -53,13 +67,13 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
                         keep_up_ptr, keep_gate_ptr, h_ptr, d_up_ptr, d_gate_ptr, dw_part_ptr, v_ptr, block_expert_ptr,
                         num_h, num_f, top_k,
                         s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h, s_down_e, s_down_h, s_down_f,
-                        s_bup_e, s_bup_f, s_bgate_e, s_bgate_f, s_bdown_e, s_bdown_h,
+                        s_bup_e, s_bup_f, s_bgate_e, s_bgate_f, s_bdown_e, s_bdown_h, num_blocks, group,
                         ACT: tl.constexpr, GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr,
                         HAS_B_DOWN: tl.constexpr, BLK: tl.constexpr, BLOCK_F: tl.constexpr,
                         BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                         ZERO_UNUSED: tl.constexpr, KEPT: tl.constexpr):
-    pid_b = tl.program_id(0)
-    pid_f = tl.program_id(1)
+    num_ft = tl.cdiv(num_f, BLOCK_F)
+    pid_b, pid_f = block_tile(tl.program_id(0), num_blocks, num_ft, group)
     expert = tl.load(block_expert_ptr + pid_b)
     if expert >= 0:
         pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
@@ -116,7 +130,7 @@ def _hidden_grad_kernel(x_ptr, g_ptr, tw_ptr, w_up_ptr, w_gate_ptr, w_down_ptr, 
                                  other=0.0).to(tl.float32)
                     bd = tl.load(b_down_ptr + e64 * s_bdown_e + offs_h * s_bdown_h, mask=h_ok, other=0.0)
                     part += tl.sum(gt * bd.to(tl.float32)[None, :], axis=1)
-        tl.store(dw_part_ptr + slot * tl.num_programs(1) + pid_f, part, mask=ok)
+        tl.store(dw_part_ptr + slot * num_ft + pid_f, part, mask=ok)
     elif ZERO_UNUSED:  # a block past the last expert's: zero rows, so a grouped GEMM may read them
         pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
         offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -199,7 +213,7 @@ def _ess_tile(out_ptr, expert, start, end, a_ptr, num_a, tile_a, tw_ptr, v_ptr, 
 def _esfk_kernel(x_ptr, g_ptr, tw_ptr, h_ptr, d_up_ptr, d_gate_ptr, w_up_ptr, w_gate_ptr,
                  dx_ptr, dw_up_ptr, dw_gate_ptr, dw_down_ptr, db_up_ptr, db_gate_ptr, db_down_ptr,
                  v_ptr, block_expert_ptr, starts_ptr, num_experts, num_blocks, num_h, num_f, top_k,
-                 s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h,
+                 s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h, group,
                  GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr, HAS_B_DOWN: tl.constexpr,
                  ATOMIC: tl.constexpr, DO_ESTMM: tl.constexpr, DO_ESMM: tl.constexpr, DO_ESS: tl.constexpr,
                  BLK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -229,15 +243,14 @@ def _esfk_kernel(x_ptr, g_ptr, tw_ptr, h_ptr, d_up_ptr, d_gate_ptr, w_up_ptr, w_
                 _estmm_tile(dw_gate_ptr, e, start, end, d_gate_ptr, num_f, t // n_h, x_ptr, num_h, t % n_h, tw_ptr,
                             v_ptr, top_k, False, False, True, BLK, BLOCK_F, BLOCK_H, UPCAST, PRECISION)
     elif pid < n_estmm + n_esmm:
-        q = pid - n_estmm
-        b = q // n_h
+        b, tile_h = block_tile(pid - n_estmm, num_blocks, n_h, group)
         expert = tl.load(block_expert_ptr + b)
         if expert >= 0:
             pos = b * BLK + tl.arange(0, BLK).to(tl.int64)
             slot = tl.load(v_ptr + pos).to(tl.int64)
             ok = slot >= 0
             e64 = expert.to(tl.int64)
-            offs_h = (q % n_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+            offs_h = tile_h * BLOCK_H + tl.arange(0, BLOCK_H)
             # ESMM with W_up (not transposed: element (o=h, i=f) is w_up[e, f, h])
             acc = esmm_tile(tl.zeros((BLK, BLOCK_H), tl.float32), d_up_ptr, pos, pos >= 0, w_up_ptr, e64 * s_up_e,
                             s_up_h, s_up_f, offs_h, num_h, num_f, BLOCK_F, UPCAST, PRECISION)
@@ -309,22 +322,23 @@ def esfk_backward(
     grouped = cfg.wgrad == "grouped"
 
     # Step 1: recompute h; dhu = g W_down (ESMM, transposed weight); activation backward; dL/dw partials.
-    num_ft = triton.cdiv(num_f, cfg.hidden.block_f)
+    hidden = cfg.hidden if kept is None else cfg.kept
+    num_ft = triton.cdiv(num_f, hidden.block_f)
     h_PF = x_TH.new_empty(r.v_P.shape[0], num_f)  # in v's order (rows of unused blocks are never read)
     d_up_PF = torch.empty_like(h_PF)
     d_gate_PF = torch.empty_like(h_PF) if gated else absent
     dw_part_NJ = torch.zeros(num_t * num_k, num_ft, dtype=torch.float32, device=dev)
-    wrap_triton(_hidden_grad_kernel)[(num_blocks, num_ft)](
+    wrap_triton(_hidden_grad_kernel)[(num_blocks * num_ft,)](
         x_TH, g_TH, tw_N, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH, w_down_EHF,
         absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
         absent if b_down_EH is None else b_down_EH, absent if kept is None else kept[0],
         absent if kept is None or kept[1] is None else kept[1], h_PF, d_up_PF, d_gate_PF, dw_part_NJ,
         r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides3(w_down_EHF),
-        *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH),
+        *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH), num_blocks,
         ACT=ACTIVATIONS.index(activation), GATED=gated, HAS_B_UP=b_up_EF is not None,
         HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, ZERO_UNUSED=grouped, KEPT=kept is not None, **common,
-        **cfg.hidden.launch(),
+        **hidden.launch(num_blocks),
     )
     d_tw_N = dw_part_NJ.sum(1)
 
@@ -355,7 +369,7 @@ def esfk_backward(
             r.v_P, r.block_expert_B, r.starts_E1, num_e, num_blocks, num_h, num_f, num_k,
             *strides3(w_up_EFH), *strides3(w_gate_EFH),
             GATED=gated, HAS_B_UP=biases[0], HAS_B_GATE=biases[1], HAS_B_DOWN=biases[2], ATOMIC=atomic,
-            DO_ESTMM=do_estmm, DO_ESMM=do_esmm, DO_ESS=do_ess, **common, **cfg.esfk.launch(),
+            DO_ESTMM=do_estmm, DO_ESMM=do_esmm, DO_ESS=do_ess, **common, **cfg.esfk.launch(num_blocks),
         )
     if grouped:
         d_w_up, d_w_gate, d_w_down = _grouped_wgrad(g_TH, x_TH, tw_N, h_PF, d_up_PF, d_gate_PF if gated else None,
@@ -365,6 +379,40 @@ def esfk_backward(
             d_w_gate = d_w_gate.to(w_gate_EFH.dtype)
     dx_TH = dx_acc if atomic else dx_acc.view(num_t, num_k, num_h).sum(1)
     return dx_TH.to(x_TH.dtype), d_tw_N, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, tw_ptr, v_ptr, out_ptr, num_rows, num_h, top_k, WEIGHTED: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[p] = src[v[p] // K], times w[v[p]] in fp32 with WEIGHTED and rounded once to out's dtype;
+    zero where v[p] = -1 (padding)."""
+    pos = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    p_ok = pos < num_rows
+    slot = tl.load(v_ptr + pos, mask=p_ok, other=-1).to(tl.int64)
+    ok = slot >= 0
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < num_h
+    row = tl.load(src_ptr + (slot // top_k)[:, None] * num_h + offs_h[None, :], mask=ok[:, None] & h_ok[None, :],
+                  other=0.0)
+    if WEIGHTED:
+        row = row.to(tl.float32) * tl.load(tw_ptr + slot, mask=ok, other=0.0)[:, None]
+    tl.store(out_ptr + pos[:, None] * num_h + offs_h[None, :], row.to(out_ptr.dtype.element_ty),
+             mask=p_ok[:, None] & h_ok[None, :])
+
+
+def gather_rows(src_TH: Tensor, v_P: Tensor, num_k: int, tw_N: Tensor | None = None) -> Tensor:
+    """[P, H] rows of ``src_TH`` in v's order (row p = src[v[p] // K], zero at padding), each times
+    its slot's routing weight where ``tw_N`` (fp32) is given: one read of the rows and one write,
+    where index_select, the weight product in fp32, the cast and the padding mask each took a pass
+    over [P, H] (the fp32 product alone 2 GB at Qwen3-30B-A3B's shape, T = 32768)."""
+    num_rows, num_h = v_P.shape[0], src_TH.shape[1]
+    out = src_TH.new_empty(num_rows, num_h)
+    block_r = 16 if INTERPRETED else 32
+    block_h = min(32 if INTERPRETED else 256, triton.next_power_of_2(num_h))
+    wrap_triton(_gather_rows_kernel)[(triton.cdiv(num_rows, block_r), triton.cdiv(num_h, block_h))](
+        src_TH, src_TH if tw_N is None else tw_N, v_P, out, num_rows, num_h, num_k, WEIGHTED=tw_N is not None,
+        BLOCK_R=block_r, BLOCK_H=block_h)
+    return out
 
 
 def grouped_wgrad_ok(dtype: torch.dtype, device: torch.device, num_h: int, num_f: int) -> bool:
@@ -389,16 +437,12 @@ def _grouped_wgrad(g_TH: Tensor, x_TH: Tensor, tw_N: Tensor, h_PF: Tensor, d_up_
         dW_down[e] = wg_P[run e]^T     h_P[run e]       wg_P[p] = w[v[p]] g[v[p] // K]
 
     The hidden launch stored h, d_up and d_gate in v's order, zero in the blocks past the last run,
-    so only x and w g are gathered (one [P, H] buffer at a time). Returns (dW_up, dW_gate or None,
+    so only x and w g are gathered, by ``gather_rows`` (one [P, H] buffer at a time). Returns (dW_up, dW_gate or None,
     dW_down) in the operands' dtype (fp32 accumulation inside the GEMM)."""
-    slot_P = r.v_P.to(torch.int64)
-    valid_P1 = (slot_P >= 0).unsqueeze(1)
-    tok_P = slot_P.clamp(min=0) // num_k
     ends_E = r.starts_E1[1:]
-    x_PH = torch.where(valid_P1, x_TH.index_select(0, tok_P), 0)
+    x_PH = gather_rows(x_TH, r.v_P, num_k)
     d_w_up = torch._grouped_mm(d_up_PF.t(), x_PH, offs=ends_E)
     d_w_gate = None if d_gate_PF is None else torch._grouped_mm(d_gate_PF.t(), x_PH, offs=ends_E)
     del x_PH
-    w_P1 = tw_N.index_select(0, slot_P.clamp(min=0)).unsqueeze(1)
-    wg_PH = torch.where(valid_P1, g_TH.index_select(0, tok_P) * w_P1, 0).to(g_TH.dtype)
+    wg_PH = gather_rows(g_TH, r.v_P, num_k, tw_N)
     return d_w_up, d_w_gate, torch._grouped_mm(wg_PH.t(), h_PF, offs=ends_E)

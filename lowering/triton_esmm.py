@@ -6,15 +6,22 @@ expert, gathers those slots' rows straight from the un-permuted input (x for the
 the slot-indexed hidden h for the second: no dispatched copy of the tokens is made), multiplies by
 that one expert's weight tile and adds its bias. Two launches for the FFN (Table 5, steps 1-3):
 
-  up   (grid: blocks x F tiles)  h[s] = act(x[t] W_gate^T + b_gate) * (x[t] W_up^T + b_up)
-                                 (or act(x[t] W_up^T + b_up) non-gated): the gated activation
-                                 (SwiGLU / GeGLU) is fused, so up and gate never reach memory.
-  down (grid: blocks x H tiles)  y[t] += w[s] * (h[s] W_down^T + b_down): the routing weight is
-                                 applied in the epilogue, and the top-k results are accumulated
-                                 either by atomic add into an fp32 [T, H] buffer (HEXA-MoE Sec. 4.2,
-                                 "Memory Optimization for Top-k Routing", Fig. 5c) or, with
-                                 combine="slots", stored per slot into an fp32 [N, H] buffer that
-                                 is summed over K afterwards (deterministic; no atomics needed).
+  up   (blocks x F tiles)  h[s] = act(x[t] W_gate^T + b_gate) * (x[t] W_up^T + b_up)
+                           (or act(x[t] W_up^T + b_up) non-gated): the gated activation
+                           (SwiGLU / GeGLU) is fused, so up and gate never reach memory.
+  down (blocks x H tiles)  y[t] += w[s] * (h[s] W_down^T + b_down): the routing weight is
+                           applied in the epilogue, and the top-k results are accumulated
+                           either by atomic add into an fp32 [T, H] buffer (HEXA-MoE Sec. 4.2,
+                           "Memory Optimization for Top-k Routing", Fig. 5c) or, with
+                           combine="slots", stored per slot into an fp32 [N, H] buffer that
+                           is summed over K afterwards (deterministic; no atomics needed).
+
+Both grids are 1-D, (block, output tile) pairs in ``block_tile``'s grouped order: ``Tiles.group``
+consecutive blocks take all their output tiles before the next blocks start, so the programs
+resident at once share a few blocks' gathered rows and a few weight tiles in L2 (on an H100,
+bf16, T = 8192, group 8 against all blocks at once: Mixtral's forward 13.1 -> 11.7 ms, its
+training step 44.4 -> 38.5 ms, Qwen3-30B-A3B's 10.0 -> 9.0 ms: ``bench/results/kernels_h100_g0.md``
+against ``kernels_h100_run1.json``, one lease; per kernel and group: ``tune_groups.json``).
 
 Slot s = t*K + k is token t's k-th choice; h is indexed by slot, so it needs N*F elements, no
 padding rows. All pointer offsets that scale with T or N are int64. Accumulation is fp32; h is
@@ -28,12 +35,14 @@ w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, h_NF, y_TH.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from moe_compile.lowering.experts_ref import ACTIVATIONS
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex
@@ -54,27 +63,37 @@ class Tiles:
     # fused ESFK spills and the gated up kernel sits at 255 registers
     num_warps: int = 8
     num_stages: int = 3
+    # program order (``block_tile``): how many consecutive re-index blocks take all their output
+    # tiles before the next blocks start; 0: all blocks at once (each output tile in turn over
+    # every block, the order before groups). Read at launch (no recompile per value).
+    group: int = 8
 
     def __post_init__(self) -> None:
         for b in (self.block_f, self.block_h):
             assert b >= 16 and b & (b - 1) == 0, "tile sizes are tl.dot dimensions: powers of two >= 16"
+        assert self.group >= 0, "group is a block count (0: all blocks)"
 
-    def launch(self) -> dict[str, int]:
+    def launch(self, num_blocks: Any) -> dict[str, Any]:
+        """Launch keywords of a kernel over ``num_blocks`` re-index blocks."""
         return dict(BLOCK_F=self.block_f, BLOCK_H=self.block_h, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+                    num_stages=self.num_stages, group=self.group or num_blocks)
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters of the forward and backward kernels: one re-index block size and each
     kernel's own tiles (``up`` and ``down``: the forward's two ESMM launches; ``hidden``: the
-    backward's first launch; ``esfk``: the fused ESTMM/ESMM/ESS launch)."""
+    backward's first launch, ``kept`` the same reading kept pre-activations; ``esfk``: the fused
+    ESTMM/ESMM/ESS launch)."""
 
     blk: int = 64  # slots per block: the re-index padding unit and the M tile of every ESMM
     up: Tiles = Tiles()
     down: Tiles = Tiles()
     hidden: Tiles = Tiles()
     esfk: Tiles = Tiles()
+    # the hidden launch when the forward kept the pre-activations: one matmul (g W_down) instead of
+    # three, so its best tile differs
+    kept: Tiles = Tiles()
     combine: str = "atomic"  # top-k accumulation of y and dx: "atomic" or "slots"
     fused: bool = True  # backward: one ESFK launch, or ESTMM, ESMM and ESS launched separately
     # backward's weight gradients: "estmm" (the ESTMM range of ESFK) or "grouped" (torch's grouped
@@ -92,7 +111,7 @@ class KernelConfig:
     def uniform(cls, blk: int, block_f: int, block_h: int, **kw: object) -> KernelConfig:
         """Every kernel with the same tiles."""
         t = Tiles(block_f, block_h)
-        return cls(blk=blk, up=t, down=t, hidden=t, esfk=t, **kw)  # type: ignore[arg-type]
+        return cls(blk=blk, up=t, down=t, hidden=t, esfk=t, kept=t, **kw)  # type: ignore[arg-type]
 
 
 @triton.jit
@@ -140,6 +159,22 @@ def act_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def block_tile(pid, num_blocks, num_tiles, group):
+    """(re-index block, output tile) of program ``pid`` of a 1-D grid of num_blocks * num_tiles:
+    programs go through ``group`` consecutive blocks at a time, blocks fastest, all output tiles of
+    those blocks before the next group (the grouped ordering of Triton's matmul tutorial, "L2 cache
+    optimizations"). A wave of resident programs then reads a few blocks' rows and a few weight
+    tiles, where blocks-fastest over all blocks streams every gathered row once per output tile
+    (Mixtral's up launch at T = 8192: all of x, 128 MB, per F tile). group >= num_blocks gives that
+    old order."""
+    per_group = group * num_tiles
+    first = (pid // per_group) * group
+    size = tl.minimum(num_blocks - first, group)
+    r = pid % per_group
+    return first + r % size, r // size
+
+
+@triton.jit
 def esmm_tile(acc, a_ptr, a_row, row_ok, w_ptr, w_off, s_wo, s_wi, offs_o, num_o, num_in,
               BLOCK_I: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """acc[BLK, BLOCK_O] += A[a_row, :] @ W[offs_o, :]^T (Alg. 3 inner loop). A has contiguous rows
@@ -165,19 +200,21 @@ def esmm_tile(acc, a_ptr, a_row, row_ok, w_ptr, w_off, s_wo, s_wi, offs_o, num_o
 def _esmm_up_kernel(x_ptr, w_up_ptr, w_gate_ptr, b_up_ptr, b_gate_ptr, h_ptr, keep_up_ptr, keep_gate_ptr, v_ptr,
                     block_expert_ptr, num_h, num_f, top_k,
                     s_up_e, s_up_f, s_up_h, s_gate_e, s_gate_f, s_gate_h, s_bup_e, s_bup_f, s_bgate_e, s_bgate_f,
+                    num_blocks, group,
                     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B_UP: tl.constexpr, HAS_B_GATE: tl.constexpr,
                     BLK: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr,
                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, KEEP: tl.constexpr):
-    """Table 5 steps 1-2: h[s, f-tile] for the BLK slots of block program_id(0). With KEEP, also the
-    pre-activations up (and gate) of every row of the block, stored in v's order for the backward."""
-    pid_b = tl.program_id(0)
+    """Table 5 steps 1-2: h[s, f-tile] for the BLK slots of one block (``block_tile``). With KEEP,
+    also the pre-activations up (and gate) of every row of the block, stored in v's order for the
+    backward."""
+    pid_b, pid_f = block_tile(tl.program_id(0), num_blocks, tl.cdiv(num_f, BLOCK_F), group)
     expert = tl.load(block_expert_ptr + pid_b)
     if expert >= 0:  # blocks past N' hold no slots
         slot = tl.load(v_ptr + pid_b * BLK + tl.arange(0, BLK)).to(tl.int64)
         ok = slot >= 0
         tok = slot // top_k
         e64 = expert.to(tl.int64)
-        offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = offs_f < num_f
         up = esmm_tile(tl.zeros((BLK, BLOCK_F), tl.float32), x_ptr, tok, ok, w_up_ptr, e64 * s_up_e,
                        s_up_f, s_up_h, offs_f, num_f, num_h, BLOCK_H, UPCAST, PRECISION)
@@ -204,7 +241,7 @@ def _esmm_up_kernel(x_ptr, w_up_ptr, w_gate_ptr, b_up_ptr, b_gate_ptr, h_ptr, ke
                  mask=ok[:, None] & f_ok[None, :])
     elif KEEP:  # a block past the last expert's: its kept rows are zeros (the op's outputs are defined)
         pos = pid_b * BLK + tl.arange(0, BLK).to(tl.int64)
-        offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
         mask = (pos >= 0)[:, None] & (offs_f < num_f)[None, :]
         zero_q = tl.zeros((BLK, BLOCK_F), tl.float32).to(keep_up_ptr.dtype.element_ty)
         tl.store(keep_up_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
@@ -212,19 +249,23 @@ def _esmm_up_kernel(x_ptr, w_up_ptr, w_gate_ptr, b_up_ptr, b_gate_ptr, h_ptr, ke
             tl.store(keep_gate_ptr + pos[:, None] * num_f + offs_f[None, :], zero_q, mask=mask)
 
 
+# @triton.jit made InterpretedFunctions: TRITON_INTERPRET=1 was set when triton was imported.
+INTERPRETED = isinstance(_esmm_up_kernel, InterpretedFunction)
+
+
 @triton.jit
 def _esmm_down_kernel(h_ptr, w_down_ptr, b_down_ptr, tw_ptr, out_ptr, v_ptr, block_expert_ptr,
-                      num_h, num_f, top_k, s_down_e, s_down_h, s_down_f, s_bdown_e, s_bdown_h,
+                      num_h, num_f, top_k, s_down_e, s_down_h, s_down_f, s_bdown_e, s_bdown_h, num_blocks, group,
                       HAS_B_DOWN: tl.constexpr, ATOMIC: tl.constexpr, BLK: tl.constexpr,
                       BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Table 5 step 3: w[s] * (h[s] W_down^T + b_down) accumulated into token t's output row."""
-    pid_b = tl.program_id(0)
+    pid_b, pid_h = block_tile(tl.program_id(0), num_blocks, tl.cdiv(num_h, BLOCK_H), group)
     expert = tl.load(block_expert_ptr + pid_b)
     if expert >= 0:
         slot = tl.load(v_ptr + pid_b * BLK + tl.arange(0, BLK)).to(tl.int64)
         ok = slot >= 0
         e64 = expert.to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < num_h
         acc = esmm_tile(tl.zeros((BLK, BLOCK_H), tl.float32), h_ptr, slot, ok, w_down_ptr, e64 * s_down_e,
                         s_down_h, s_down_f, offs_h, num_h, num_f, BLOCK_F, UPCAST, PRECISION)
@@ -267,24 +308,24 @@ def esmm_forward(
     num_blocks = r.block_expert_B.shape[0]
     absent = x_TH  # stands in for a missing optional tensor; its HAS_* flag keeps it unread
     h_NF = x_TH.new_empty(num_t * num_k, num_f)
-    wrap_triton(_esmm_up_kernel)[(num_blocks, triton.cdiv(num_f, cfg.up.block_f))](
+    wrap_triton(_esmm_up_kernel)[(num_blocks * triton.cdiv(num_f, cfg.up.block_f),)](
         x_TH, w_up_EFH, absent if w_gate_EFH is None else w_gate_EFH,
         absent if b_up_EF is None else b_up_EF, absent if b_gate_EF is None else b_gate_EF,
         h_NF, absent if keep is None else keep[0], absent if keep is None or keep[1] is None else keep[1],
         r.v_P, r.block_expert_B, num_h, num_f, num_k,
-        *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides2(b_up_EF), *strides2(b_gate_EF),
+        *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides2(b_up_EF), *strides2(b_gate_EF), num_blocks,
         ACT=ACTIVATIONS.index(activation), GATED=w_gate_EFH is not None, HAS_B_UP=b_up_EF is not None,
         HAS_B_GATE=b_gate_EF is not None, BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision,
-        KEEP=keep is not None, **cfg.up.launch(),
+        KEEP=keep is not None, **cfg.up.launch(num_blocks),
     )
     atomic = cfg.combine == "atomic"
     rows = num_t if atomic else num_t * num_k
     out = torch.zeros(rows, num_h, dtype=torch.float32, device=x_TH.device)
-    wrap_triton(_esmm_down_kernel)[(num_blocks, triton.cdiv(num_h, cfg.down.block_h))](
+    wrap_triton(_esmm_down_kernel)[(num_blocks * triton.cdiv(num_h, cfg.down.block_h),)](
         h_NF, w_down_EHF, absent if b_down_EH is None else b_down_EH, tw_N, out, r.v_P, r.block_expert_B,
-        num_h, num_f, num_k, *strides3(w_down_EHF), *strides2(b_down_EH),
+        num_h, num_f, num_k, *strides3(w_down_EHF), *strides2(b_down_EH), num_blocks,
         HAS_B_DOWN=b_down_EH is not None, ATOMIC=atomic, BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision,
-        **cfg.down.launch(),
+        **cfg.down.launch(num_blocks),
     )
     y_TH = out if atomic else out.view(num_t, num_k, num_h).sum(1)  # fixed order over k
     return y_TH.to(x_TH.dtype)

@@ -36,7 +36,9 @@ Top-k accumulation (``KernelConfig.combine``), chosen per call from HIERMOE_TRIT
 HIERMOE_TRITON_FUSED=0 runs the backward's ESTMM, ESMM and ESS as three launches instead of ESFK.
 HIERMOE_TRITON_WGRAD (auto, estmm, grouped): the backward's weight gradients by the ESTMM kernel or by
 torch's grouped GEMM over the rows the hidden launch stores in v's order; "auto" (the default) takes
-grouped GEMM wherever it accepts the operands. All three variables are read when the op runs (or is traced: a compiled graph keeps its choice).
+grouped GEMM wherever it accepts the operands. HIERMOE_TRITON_GROUP (a block count, 0: all) overrides every
+GPU launch's program grouping (``Tiles.group``, ``triton_esmm.block_tile``), for sweeps. All four
+variables are read when the op runs (or is traced: a compiled graph keeps its choice).
 
 Shape legend: T tokens, K experts per token, N = T*K, E experts, H hidden, F ffn; x_TH, topk_idx_TK,
 topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, grad_TH.
@@ -51,7 +53,6 @@ from typing import Any
 import torch
 import triton
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
 from moe_compile.lowering import triton_esmm
 from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
@@ -68,8 +69,7 @@ Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 Kept = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # y, up_PF, gate_PF, v_P, block_expert_B, starts_E1
 
 
-# @triton.jit made InterpretedFunctions: TRITON_INTERPRET=1 was set when triton was imported.
-INTERPRETED = isinstance(triton_esmm._esmm_up_kernel, InterpretedFunction)
+INTERPRETED = triton_esmm.INTERPRETED  # TRITON_INTERPRET=1 was set when triton was imported
 
 
 def interpreter_error(device: torch.device) -> str | None:
@@ -97,12 +97,14 @@ def _combine() -> str:
 
 
 # GPU launch tiles per kernel (block_f, block_h, warps, stages), chosen by bench/tune_kernels.py on an
-# H100 (bench/results/tune_kernels.md). They need up to ~200 KiB of shared memory per block (the
+# H100 (bench/results/tune_kernels.md; ``kept`` by its --from-shipped sweep, tune_kept.json: 64x128 at
+# 4 stages, 1-4 % of the backward faster than 128x128 at Mixtral's and Qwen3's shapes), each with
+# the default program group 8 (--groups: within 1 % of the best group per shape, tune_groups.json). They need up to ~200 KiB of shared memory per block (the
 # up kernel's two 128x128 weight tiles and its x tile, 3 stages deep), which Hopper has (227 KiB);
 # devices with less get 64-wide tiles (about 72 KiB per block for 16-bit types; only run on the
 # H100 so far, where they were the default before the sweep).
 HOPPER_TILES = KernelConfig(up=Tiles(128, 128, 8, 3), down=Tiles(64, 256, 8, 4), hidden=Tiles(128, 128, 8, 3),
-                            esfk=Tiles(128, 128, 8, 3))
+                            esfk=Tiles(128, 128, 8, 3), kept=Tiles(64, 128, 8, 4))
 SMALL_TILES = KernelConfig()  # 64-wide tiles for every kernel (Tiles' defaults)
 GPU_BLK_MAX = 128
 
@@ -154,11 +156,23 @@ def kernel_config(x_TH: Tensor, num_k: int, num_e: int, num_f: int, blk: int | N
         def tile(n: int) -> int:
             return min(32, max(16, triton.next_power_of_2(n)))
 
-        return KernelConfig.uniform(blk or 16, tile(num_f), tile(num_h), combine=_combine(), fused=fused,
-                                    upcast=True, wgrad=wgrad)
+        return _grouped(KernelConfig.uniform(blk or 16, tile(num_f), tile(num_h), combine=_combine(), fused=fused,
+                                             upcast=True, wgrad=wgrad))
     tf32 = x_TH.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
-    return dataclasses.replace(gpu_tiles(x_TH.device, x_TH.dtype), blk=blk or gpu_blk(x_TH.shape[0] * num_k, num_e),
-                               combine=_combine(), fused=fused, precision="tf32" if tf32 else "ieee", wgrad=wgrad)
+    return dataclasses.replace(_grouped(gpu_tiles(x_TH.device, x_TH.dtype)),
+                               blk=blk or gpu_blk(x_TH.shape[0] * num_k, num_e), combine=_combine(), fused=fused,
+                               precision="tf32" if tf32 else "ieee", wgrad=wgrad)
+
+
+def _grouped(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with every launch's program group set from HIERMOE_TRITON_GROUP, where it is set."""
+    value = os.environ.get("HIERMOE_TRITON_GROUP")
+    if value is None:
+        return cfg
+    if not value.isdigit():
+        raise ValueError(f"HIERMOE_TRITON_GROUP must be a block count >= 0 (0: all blocks), got {value!r}")
+    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), group=int(value))
+                                       for k in ("up", "down", "hidden", "esfk", "kept")})
 
 
 def keep_blk(x_TH: Tensor, num_k: int, num_e: int) -> int:
