@@ -13,6 +13,12 @@ one of them varied), the backward ones through ``esfk_backward``. A candidate th
 with its error. Last, the re-index block: blk in {64, 128} with the winning tiles, forward +
 backward.
 
+``--groups`` instead sweeps each kernel's program grouping (``Tiles.group``, ``triton_esmm.block_tile``:
+how many consecutive re-index blocks take all their output tiles before the next; 0 = all blocks,
+the order before groups) with the shipped tiles and block (``kernel_config``), the forward in its
+training form (pre-activations kept) and the backward reading them, one kernel varied at a time;
+then the whole forward + backward with every kernel at its best group, at the default and at 0.
+
 ``--breakdown`` instead runs the op as shipped (``torch.ops.hiermoe.experts_triton`` forward +
 backward, the tiles of ``kernel_config``) under each top-k combine (atomic, slots) and backward form
 (fused ESFK, or ESTMM/ESMM/ESS as three launches) and reports every kernel's CUDA time from
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -39,13 +46,16 @@ from bench_kernels import MODELS, make_args  # noqa: E402
 
 from moe_compile.lowering.triton_esfk import esfk_backward  # noqa: E402
 from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward  # noqa: E402
-from moe_compile.lowering.triton_experts import SMALL_TILES  # noqa: E402
+from moe_compile.lowering.triton_experts import HOPPER_TILES, SMALL_TILES, keep_blk, kernel_config  # noqa: E402
 from moe_compile.lowering.triton_reindex import build_reindex  # noqa: E402
 
 PAIRS = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 64), (64, 256), (256, 128), (128, 256))
 LAUNCH = ((4, 3), (8, 3), (8, 4), (4, 4), (8, 2), (4, 2))
-KERNELS = ("up", "down", "hidden", "esfk")
+KERNELS = ("up", "down", "hidden", "esfk", "kept")
 FORWARD = ("up", "down")
+GROUPS = (0, 1, 2, 4, 8, 16, 32, 64)
+# what kernel_config ships on Hopper for bf16 (its wgrad is "grouped" there; the template's default is estmm)
+SHIPPED = dataclasses.replace(HOPPER_TILES, wgrad="grouped")
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -63,18 +73,23 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
 
 
 def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None],
-          kernels: tuple[str, ...] = KERNELS) -> dict[str, Any]:
+          kernels: tuple[str, ...] = KERNELS, start: KernelConfig = SMALL_TILES) -> dict[str, Any]:
     hidden, ffn, num_e, top_k = MODELS[model]
     x, idx, tw, w_up, w_gate, w_down, *_ = make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")
     tw_N = tw.reshape(-1).float().contiguous()
     g = torch.randn_like(x)
-    best = SMALL_TILES  # the winners so far; the kernels not yet swept keep 64-wide tiles
+    best = start  # the winners so far; the kernels not yet swept keep their tiles in ``start``
 
     def run(kernel: str, cfg: KernelConfig) -> Callable[[], Any]:
         r = build_reindex(idx, num_e, cfg.blk)
         if kernel in FORWARD:
             return lambda: esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
-        return lambda: esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
+        kept = None
+        if kernel == "kept":  # the backward of the training form: a forward fills the kept pre-activations
+            kept = (x.new_empty(r.v_P.shape[0], ffn), x.new_empty(r.v_P.shape[0], ffn))
+            esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r, keep=kept)
+        return lambda: esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r,
+                                     kept=kept)
 
     def measure(kernel: str, tiles: Tiles, blk: int = 128) -> float:
         cfg = dataclasses.replace(best, blk=blk, **{kernel: tiles})
@@ -101,7 +116,7 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
         w, s = min(launch_ms, key=lambda k: launch_ms[k])
         best = dataclasses.replace(best, **{kernel: Tiles(pf, ph, w, s)})
     blk_ms = {}
-    for blk in (64, 128):
+    for blk in (64, 128) if start is SMALL_TILES else ():  # from the shipped tiles: their block stays
         cfg = dataclasses.replace(best, blk=blk)
         r = build_reindex(idx, num_e, blk)
 
@@ -115,7 +130,52 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
                 blk_ms=blk_ms)
 
 
-def breakdown(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None]) -> None:
+def group_sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Each kernel's time per program group (see the module note); returns the best group per kernel
+    and the forward + backward times with those, with the default groups and with 0 (all blocks)."""
+    hidden, ffn, num_e, top_k = MODELS[model]
+    x, idx, tw, w_up, w_gate, w_down, *_ = make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")
+    tw_N = tw.reshape(-1).float().contiguous()
+    g = torch.randn_like(x)
+    shipped = kernel_config(x, top_k, num_e, ffn)
+    r = build_reindex(idx, num_e, shipped.blk)
+    kept = (x.new_empty(r.v_P.shape[0], ffn), x.new_empty(r.v_P.shape[0], ffn))
+
+    def fwd(cfg: KernelConfig) -> None:
+        esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r, keep=kept)
+
+    def bwd(cfg: KernelConfig) -> None:
+        esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r, kept=kept)
+
+    def with_groups(groups: dict[str, int]) -> KernelConfig:
+        return dataclasses.replace(shipped, **{k: dataclasses.replace(getattr(shipped, k), group=v)
+                                               for k, v in groups.items()})
+
+    fwd(shipped)  # fills the kept buffers the backward reads
+    best: dict[str, int] = {}
+    for kernel in KERNELS:
+        ms = {}
+        call: Callable[[KernelConfig], None] = fwd if kernel in FORWARD else bwd
+        for group in GROUPS:
+            ms[group] = timed(functools.partial(call, with_groups({kernel: group})), reps)
+            log(dict(model=model, tokens=num_t, kernel=kernel, blk=shipped.blk, group=group, ms=ms[group],
+                     **{k: v for k, v in dataclasses.asdict(getattr(shipped, kernel)).items() if k != "group"}))
+        best[kernel] = min(ms, key=lambda k: ms[k])
+    both = {}
+    for name, groups in (("best", best), ("default", {k: getattr(shipped, k).group for k in KERNELS}),
+                         ("all blocks (0)", dict.fromkeys(KERNELS, 0))):
+        cfg = with_groups(groups)
+        def step(cfg: KernelConfig = cfg) -> None:
+            fwd(cfg)
+            bwd(cfg)
+
+        both[name] = timed(step, reps)
+        log(dict(model=model, tokens=num_t, kernel="fwd+bwd", blk=shipped.blk, groups=name, ms=both[name]))
+    return dict(model=model, tokens=num_t, best_group=best, fwd_bwd_ms=both)
+
+
+def breakdown(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None],
+              keep_form: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     hidden, ffn, num_e, top_k = MODELS[model]
@@ -124,33 +184,39 @@ def breakdown(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]],
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     g = torch.randn_like(args[0])
 
-    def call() -> None:
-        y = torch.ops.hiermoe.experts_triton(*args, "silu")
+    blk = keep_blk(args[0], top_k, num_e)
+
+    def call(keep: bool) -> None:
+        if keep:  # the training form lower_kernels emits: pre-activations kept for the backward
+            y = torch.ops.hiermoe.experts_triton_keep(*args, "silu", blk)[0]
+        else:
+            y = torch.ops.hiermoe.experts_triton(*args, "silu")
         torch.autograd.grad(y, leaves, g)
 
-    for combine in ("atomic", "slots"):
-        for fused in ("1", "0"):
-            os.environ["HIERMOE_TRITON_COMBINE"], os.environ["HIERMOE_TRITON_FUSED"] = combine, fused
-            call()
+    variants = [("atomic", "1", True), ("atomic", "1", False)] if keep_form else \
+        [(c, f, False) for c in ("atomic", "slots") for f in ("1", "0")]
+    for combine, fused, keep in variants:
+        os.environ["HIERMOE_TRITON_COMBINE"], os.environ["HIERMOE_TRITON_FUSED"] = combine, fused
+        call(keep)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                call(keep)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    call()
-                torch.cuda.synchronize()
-            kernels: dict[str, float] = {}
-            for ev in prof.key_averages():
-                us = getattr(ev, "device_time_total", 0.0)
-                if us > 0:
-                    kernels[ev.key[:60]] = round(us / reps / 1000, 3)
-            row = dict(model=model, tokens=num_t, combine=combine, fused=fused == "1",
-                       total_ms=round(sum(kernels.values()), 3), kernels=kernels)
-            if fused == "0":  # the launches of _esfk_kernel in order: ESTMM, ESMM (dx), ESS (only with biases)
-                launches = [ev.device_time_total for ev in prof.events()
-                            if ev.name.startswith("_esfk_kernel") and ev.device_time_total > 0]
-                n = len(launches) // reps
-                row["esfk_split_ms"] = {part: round(sum(launches[i::n]) / reps / 1000, 3)
-                                        for i, part in enumerate(("estmm", "esmm_dx", "ess")[:n])}
-            log(row)
+        kernels: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", 0.0)
+            if us > 0:
+                kernels[ev.key[:60]] = round(us / reps / 1000, 3)
+        row = dict(model=model, tokens=num_t, combine=combine, fused=fused == "1", keep=keep,
+                   total_ms=round(sum(kernels.values()), 3), kernels=kernels)
+        if fused == "0":  # the launches of _esfk_kernel in order: ESTMM, ESMM (dx), ESS (only with biases)
+            launches = [ev.device_time_total for ev in prof.events()
+                        if ev.name.startswith("_esfk_kernel") and ev.device_time_total > 0]
+            n = len(launches) // reps
+            row["esfk_split_ms"] = {part: round(sum(launches[i::n]) / reps / 1000, 3)
+                                    for i, part in enumerate(("estmm", "esmm_dx", "ess")[:n])}
+        log(row)
 
 
 def report(data: dict[str, Any]) -> str:
@@ -159,12 +225,19 @@ def report(data: dict[str, Any]) -> str:
              f"Device: {data.get('device', '?')}; torch {data.get('torch', '?')}.", ""]
     sweep_rows = [r for r in data["rows"] if "kernels" not in r]
     if sweep_rows:
-        lines += ["| model | T | kernel | blk | block_f | block_h | warps | stages | ms |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| model | T | kernel | blk | block_f | block_h | warps | stages | group | ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sweep_rows:
             ms = r.get("error") or f"{r['ms']:.2f}"
             lines.append(f"| {r['model']} | {r['tokens']} | {r['kernel']} | {r['blk']} | {r.get('block_f', '')} | "
-                         f"{r.get('block_h', '')} | {r.get('num_warps', '')} | {r.get('num_stages', '')} | {ms} |")
+                         f"{r.get('block_h', '')} | {r.get('num_warps', '')} | {r.get('num_stages', '')} | "
+                         f"{r.get('group', r.get('groups', ''))} | {ms} |")
         for res in data.get("results", []):
+            if "best_group" in res:
+                lines += ["", f"{res['model']} T={res['tokens']}: best group per kernel "
+                          + ", ".join(f"{k} {v}" for k, v in res["best_group"].items()) + "; fwd+bwd "
+                          + ", ".join(f"{k} {v:.2f} ms" for k, v in res["fwd_bwd_ms"].items())]
+                continue
             best = ", ".join(f"{k} {v['block_f']}x{v['block_h']} w{v['num_warps']} s{v['num_stages']}"
                              for k, v in res["best"].items())
             lines += ["", f"Best for {res['model']} T={res['tokens']}: {best}; fwd+bwd by blk: "
@@ -179,6 +252,7 @@ def report(data: dict[str, Any]) -> str:
             split_ms = ", ".join(f"{k} {v:.2f}" for k, v in r.get("esfk_split_ms", {}).items())
             lines.append(f"| {r['model']} | {r['tokens']} | {r['combine']} | "
                          f"{'ESFK' if r['fused'] else 'separate launches'}{f' ({split_ms})' if split_ms else ''}"
+                         f"{', kept pre-activations' if r.get('keep') else ''}"
                          f" | {r['total_ms']:.2f} | " + " | ".join(f"{v:.2f}" for v in ours)
                          + f" | {r['total_ms'] - sum(ours):.2f} |")
     return "\n".join(lines) + "\n"
@@ -191,6 +265,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--breakdown", action="store_true", help="per-kernel times of the shipped op, no sweep")
+    parser.add_argument("--keep", action="store_true",
+                        help="--breakdown of the training form (kept pre-activations) and the recompute form, "
+                             "atomic combine and fused backward only")
+    parser.add_argument("--from-shipped", action="store_true",
+                        help="sweep starting from the shipped Hopper tiles (HOPPER_TILES) instead of 64-wide ones")
+    parser.add_argument("--groups", action="store_true", help="sweep each kernel's program group (module note)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tune_kernels")
     parser.add_argument("--report", nargs="+", type=Path, default=None,
                         help="no GPU needed: rewrite bench/results/tune_kernels.md from these results JSONs")
@@ -219,9 +299,14 @@ def main() -> None:
             gc.collect()  # the previous shape's tensors go before the next shape's are made
             torch.cuda.empty_cache()
             if args.breakdown:
-                breakdown(model, num_t, args.reps, log)
+                breakdown(model, num_t, args.reps, log, args.keep)
                 continue
-            results.append(sweep(model, num_t, args.reps, log, tuple(args.kernels)))
+            if args.groups:
+                results.append(group_sweep(model, num_t, args.reps, log))
+                print(json.dumps(results[-1]), flush=True)
+                continue
+            results.append(sweep(model, num_t, args.reps, log, tuple(args.kernels),
+                                 SHIPPED if args.from_shipped else SMALL_TILES))
             print(json.dumps(results[-1]), flush=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(**head, rows=rows, results=results), indent=1))
 
