@@ -5,7 +5,8 @@ the Triton kernels (``hiermoe::experts_triton`` / ``_keep``) or the torch loweri
 
 The table (``kernel_table.json`` beside this module) is written from a ``bench/bench_kernels.py``
 run on the device by ``python bench/bench_kernels.py --write-table RESULTS.json``; each entry is one
-(model shape, T, mode) row pair of that run with both medians. A layer takes the decision of the
+(model shape, T, mode) row pair of that run with both medians. One run per device: writing a run
+replaces its device's entries and keeps the other devices' (``sources`` names each device's run). A layer takes the decision of the
 nearest measured shape (log-distance over tokens per expert, H, F and E; the same dtype and mode)
 on the same device name, else on a device of the same compute capability; where nothing was
 measured for the device the torch lowering runs, so "auto" never picks an unmeasured kernel.
