@@ -65,7 +65,8 @@ class Tiles:
     num_stages: int = 3
     # program order (``block_tile``): how many consecutive re-index blocks take all their output
     # tiles before the next blocks start; 0: all blocks at once (each output tile in turn over
-    # every block, the order before groups). Read at launch (no recompile per value).
+    # every block, the order before groups). A runtime argument: values compile once each
+    # specialization Triton makes of an int (1, multiples of 16, others), not once per value.
     group: int = 8
 
     def __post_init__(self) -> None:
