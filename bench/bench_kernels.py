@@ -443,21 +443,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_table is not None:
         from moe_compile.lowering import kernel_table
 
-        results = json.loads(args.write_table.read_text())
-        entries = kernel_table.entries_from_bench(results, MODELS)
+        results = {**json.loads(args.write_table.read_text()), "source": str(args.write_table)}
         old = json.loads(kernel_table.TABLE_PATH.read_text()) if kernel_table.TABLE_PATH.exists() else {}
-        # one source per device: this run's entries replace the table's for its device, others stay
-        listed = old.get("sources") or [{"device": d, "source": old["source"], "command": old["command"]}
-                                        for d in sorted({e["device"] for e in old.get("entries", [])})]
-        sources = {s["device"]: s for s in listed if s["device"] != results["machine"]["gpu"]}
-        sources[results["machine"]["gpu"]] = {"device": results["machine"]["gpu"], "source": str(args.write_table),
-                                              "command": results["command"]}
-        kept = [e for e in old.get("entries", []) if e["device"] != results["machine"]["gpu"]]
-        kernel_table.TABLE_PATH.write_text(json.dumps(
-            {"sources": sorted(sources.values(), key=lambda s: s["device"]), "entries": kept + entries},
-            indent=1) + "\n")
-        print(f"wrote {len(entries)} entries for {results['machine']['gpu']} to {kernel_table.TABLE_PATH} "
-              f"({len(kept)} of other devices kept)")
+        table = kernel_table.merged(old, results, MODELS)
+        kernel_table.TABLE_PATH.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {kernel_table.TABLE_PATH}: {len(table['entries'])} entries, "
+              f"{', '.join(s['device'] for s in table['sources'])}")
         return
     if not lowering.HAS_TRITON:
         raise SystemExit("the triton package is not installed: pip install 'triton>=3.3'")

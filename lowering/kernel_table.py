@@ -114,3 +114,19 @@ def entries_from_bench(results: dict, models: dict[str, tuple[int, int, int, int
                         tokens=tokens, top_k=top_k, experts=experts, hidden=hidden, ffn=ffn,
                         triton_ms=round(tri["median_ms"], 4), torch_ms=round(r["median_ms"], 4)))
     return out
+
+
+def merged(table: dict, results: dict, models: dict[str, tuple[int, int, int, int]]) -> dict:
+    """The table (the JSON ``kernel_table.json`` holds) with a bench_kernels.py run's entries for its
+    device in place of the ones it had for that device; other devices' entries and sources stay.
+    A table of the older one-source form (``source``/``command`` at the top) is read as the source
+    of every device it has entries for."""
+    device = results["machine"]["gpu"]
+    listed = table.get("sources") or [{"device": d, "source": table["source"], "command": table["command"]}
+                                      for d in sorted({e["device"] for e in table.get("entries", [])})]
+    sources = {s["device"]: s for s in listed if s["device"] != device}
+    sources[device] = {"device": device, "source": results.get("source", ""), "command": results["command"]}
+    kept = [e for e in table.get("entries", []) if e["device"] != device]
+    return {"sources": sorted(sources.values(), key=lambda s: s["device"]),
+            "entries": kept + entries_from_bench(results, models)}
+

@@ -453,6 +453,40 @@ def test_pass_auto_on_cuda_follows_the_measured_table(monkeypatch: pytest.Monkey
     assert "no fwd+bwd measurement" in why and "GPU Y" in why
 
 
+def test_kernel_table_takes_each_device_from_its_own_run() -> None:
+    """--write-table's merge (kernel_table.merged): a bench run's entries (Triton's training form
+    against the torch lowering for fwd+bwd, the plain op for fwd; failed rows skipped) replace its
+    device's and keep every other device's, also from a table of the older one-source form."""
+    from moe_compile.lowering import kernel_table
+
+    models = {"m": (16, 32, 4, 2)}
+
+    def run(device: str, keep_ms: float, command: str) -> dict[str, Any]:
+        rows = [dict(model="m", tokens=64, mode="fwd+bwd", impl="triton_keep", median_ms=keep_ms),
+                dict(model="m", tokens=64, mode="fwd+bwd", impl="triton", median_ms=0.1),  # not the training form
+                dict(model="m", tokens=64, mode="fwd+bwd", impl="composite", median_ms=2.0),
+                dict(model="m", tokens=64, mode="fwd", impl="triton", median_ms=1.5),
+                dict(model="m", tokens=64, mode="fwd", impl="composite", median_ms=1.0),
+                dict(model="m", tokens=512, mode="fwd", impl="triton", median_ms=None, error="OOM"),
+                dict(model="m", tokens=512, mode="fwd", impl="composite", median_ms=3.0)]
+        return dict(machine=dict(gpu=device, capability=[9, 0]), command=command, source=f"{device}.json",
+                    rows=rows)
+
+    old = dict(source="h200.json", command="bench on the H200",
+               entries=kernel_table.entries_from_bench(run("H200", 3.0, "x"), models))
+    table = kernel_table.merged(old, run("H100", 1.0, "bench on the H100"), models)
+    assert [s["device"] for s in table["sources"]] == ["H100", "H200"]
+    assert table["sources"][1] == {"device": "H200", "source": "h200.json", "command": "bench on the H200"}
+    by = {(e["device"], e["mode"]): e for e in table["entries"]}
+    assert len(table["entries"]) == 4  # (H100, H200) x (fwd, fwd+bwd) at T=64; T=512 has no Triton row
+    assert (by["H100", "fwd+bwd"]["triton_ms"], by["H100", "fwd+bwd"]["torch_ms"]) == (1.0, 2.0)
+    assert (by["H100", "fwd"]["triton_ms"], by["H100", "fwd"]["torch_ms"]) == (1.5, 1.0)
+    assert by["H200", "fwd+bwd"]["triton_ms"] == 3.0
+    again = kernel_table.merged(table, run("H100", 5.0, "a later H100 run"), models)
+    assert len(again["entries"]) == 4 and again["sources"][0]["command"] == "a later H100 run"
+    assert {e["triton_ms"] for e in again["entries"] if e["mode"] == "fwd+bwd"} == {5.0, 3.0}
+
+
 def test_pass_rejects_unknown_choice() -> None:
     with pytest.raises(ValueError, match="kernels must be one of"):
         lower_kernels_pass(_op_graph()[0], "cuda")
