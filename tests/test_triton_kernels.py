@@ -272,21 +272,32 @@ def test_combine_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_launchers_with_many_small_tiles(fused: bool, wgrad: str) -> None:
     """16-wide tiles: H = 40 and F = 24 span 3 and 2 tiles with masked tails; both combines; weight
     gradients by the ESTMM kernel and by grouped GEMM over v's order."""
-    lv, build = make_case(True, True, torch.float32, num_t=20)
-    args = build(lv)
+    args, grad, want_y, want = _launcher_case(20, 3, "gelu")
     x, idx, tw, w_up, w_gate, w_down, b_up, b_gate, b_down = args
-    grad = torch.randn(20, H, generator=torch.Generator().manual_seed(3))
-    want_y = torch.ops.hiermoe.experts(*args, "gelu")
-    want = experts_reference_backward(grad, *args, "gelu")
     for combine in ("atomic", "slots"):
         cfg = triton_esmm.KernelConfig.uniform(16, 16, 16, combine=combine, fused=fused, upcast=True, wgrad=wgrad)
         tw_N = tw.reshape(-1).float()
         y = triton_esmm.esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
         got = triton_esfk.esfk_backward(grad, x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "gelu", cfg)
         assert rel_err(y, want_y) <= 1e-5
-        for name, a, b in zip(("x", "tw", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"), got, want,
-                              strict=True):
-            assert a is not None and rel_err(a.reshape(b.shape), b) <= 1e-5, (combine, name)
+        _assert_grads(got, want, combine)
+
+
+def _launcher_case(num_t: int, seed: int, activation: str) -> tuple[list[Any], Tensor, Tensor, list[Tensor]]:
+    """A gated fp32 case with biases for calling the launchers directly: the op's args, an upstream
+    gradient, and the torch op's output and reference gradients."""
+    lv, build = make_case(True, True, torch.float32, num_t=num_t)
+    args = build(lv)
+    grad = torch.randn(num_t, H, generator=torch.Generator().manual_seed(seed))
+    return (args, grad, torch.ops.hiermoe.experts(*args, activation),
+            list(experts_reference_backward(grad, *args, activation)))
+
+
+def _assert_grads(got: tuple[Tensor | None, ...], want: list[Tensor], tag: object) -> None:
+    """esfk_backward's eight gradients equal the reference's (fp32: 1e-5)."""
+    for name, a, b in zip(("x", "tw", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"), got, want,
+                          strict=True):
+        assert a is not None and rel_err(a.reshape(b.shape), b) <= 1e-5, (tag, name)
 
 
 @interp
@@ -297,12 +308,8 @@ def test_program_groups_cover_every_block_and_tile(group: int) -> None:
     same results; 16-wide tiles so H = 40 and F = 24 span 3 and 2 output tiles; the backward with
     and without kept pre-activations (its hidden launch has tiles of its own). Weight gradients by
     grouped GEMM only: the ESTMM range walks experts, not blocks (other tests cover it)."""
-    lv, build = make_case(True, True, torch.float32, num_t=30)
-    args = build(lv)
+    args, grad, want_y, want = _launcher_case(30, 4, "silu")
     x, idx, tw, w_up, w_gate, w_down, b_up, b_gate, b_down = args
-    grad = torch.randn(30, H, generator=torch.Generator().manual_seed(4))
-    want_y = torch.ops.hiermoe.experts(*args, "silu")
-    want = experts_reference_backward(grad, *args, "silu")
     base = triton_esmm.KernelConfig.uniform(16, 16, 16, upcast=True)
     tiles = {k: dataclasses.replace(getattr(base, k), group=group) for k in ("up", "down", "hidden", "esfk", "kept")}
     tw_N = tw.reshape(-1).float()
@@ -316,9 +323,7 @@ def test_program_groups_cover_every_block_and_tile(group: int) -> None:
     for keep in (None, kept):
         got = triton_esfk.esfk_backward(grad, x, idx, tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down, "silu", cfg,
                                         r, kept=keep)
-        for name, a, b in zip(("x", "tw", "w_up", "w_gate", "w_down", "b_up", "b_gate", "b_down"), got, want,
-                              strict=True):
-            assert a is not None and rel_err(a.reshape(b.shape), b) <= 1e-5, (keep is None, name)
+        _assert_grads(got, want, keep is None)
 
 
 @needs_triton
