@@ -252,11 +252,11 @@ def _outputs(fn: Callable[..., Tensor], args: Args, grad: Tensor | None) -> list
 
 def _rel_err_big(a: Tensor, b: Tensor, rows: int = 1 << 24) -> float:
     """rel_err in fp32 slices of the flattened tensors (a DeepSeek-shape weight gradient has 3.8e9
-    elements: no double copy of it fits beside the model)."""
+    elements: no double copy of it fits beside the model); ``b`` may live on the host."""
     a, b = a.reshape(-1), b.reshape(-1)
     diff = scale = 0.0
     for i in range(0, a.numel(), rows):
-        x, y = a[i:i + rows].float(), b[i:i + rows].float()
+        x, y = a[i:i + rows].float(), b[i:i + rows].to(a.device).float()
         diff = max(diff, (x - y).abs().max().item())
         scale = max(scale, y.abs().max().item())
     return diff / max(1.0, scale)
@@ -270,8 +270,8 @@ def _check_against_ref(model: str, num_t: int, impl: str, fn: Callable[..., Tens
     key = (model, num_t, grad is not None)
     got = _outputs(fn, args, grad)
     if impl == REF_IMPL:
-        _REF_OUT.clear()  # one reference at a time (DeepSeek's gradients are 22 GiB)
-        _REF_OUT[key] = got
+        _REF_OUT.clear()  # one reference at a time, in host memory: DeepSeek's gradients are 22 GiB,
+        _REF_OUT[key] = [t.cpu() for t in got]  # which beside its weights and another impl's filled an H100
         return 0.0
     want = _REF_OUT.get(key)
     if want is None:
