@@ -47,11 +47,11 @@ from bench_kernels import MODELS, make_args  # noqa: E402
 from moe_compile.lowering.triton_esfk import esfk_backward  # noqa: E402
 from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward  # noqa: E402
 from moe_compile.lowering.triton_experts import HOPPER_TILES, SMALL_TILES, keep_blk, kernel_config  # noqa: E402
-from moe_compile.lowering.triton_reindex import build_reindex  # noqa: E402
+from moe_compile.lowering.triton_reindex import Reindex, build_reindex  # noqa: E402
 
 PAIRS = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 64), (64, 256), (256, 128), (128, 256))
 LAUNCH = ((4, 3), (8, 3), (8, 4), (4, 4), (8, 2), (4, 2))
-KERNELS = ("up", "down", "hidden", "esfk", "kept")
+KERNELS = KernelConfig.LAUNCHES
 FORWARD = ("up", "down")
 GROUPS = (0, 1, 2, 4, 8, 16, 32, 64)
 # what kernel_config ships on Hopper for bf16 (its wgrad is "grouped" there; the template's default is estmm)
@@ -72,24 +72,51 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+@dataclasses.dataclass
+class Case:
+    """One bench shape's bf16 inputs on the GPU (``make_args``: gated SwiGLU, no biases), its fp32
+    routing weights and an upstream gradient; calls the launchers on them."""
+
+    model: str
+    num_t: int
+
+    def __post_init__(self) -> None:
+        _hidden, self.ffn, self.num_e, self.top_k = MODELS[self.model]
+        self.x, self.idx, tw, self.w_up, self.w_gate, self.w_down, *_ = make_args(
+            self.num_t, _hidden, self.ffn, self.num_e, self.top_k, torch.bfloat16, "cuda")
+        self.tw_N = tw.reshape(-1).float().contiguous()
+        self.g = torch.randn_like(self.x)
+
+    def reindex(self, blk: int) -> Reindex:
+        return build_reindex(self.idx, self.num_e, blk)
+
+    def kept(self, r: Reindex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for the pre-activations the training form's forward keeps."""
+        return self.x.new_empty(r.v_P.shape[0], self.ffn), self.x.new_empty(r.v_P.shape[0], self.ffn)
+
+    def forward(self, cfg: KernelConfig, r: Reindex, keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        esmm_forward(self.x, self.idx, self.tw_N, self.w_up, self.w_gate, self.w_down, None, None, None, "silu", cfg,
+                     r, keep=keep)
+
+    def backward(self, cfg: KernelConfig, r: Reindex, kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        esfk_backward(self.g, self.x, self.idx, self.tw_N, self.w_up, self.w_gate, self.w_down, None, None, None,
+                      "silu", cfg, r, kept=kept)
+
+
 def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None],
           kernels: tuple[str, ...] = KERNELS, start: KernelConfig = SMALL_TILES) -> dict[str, Any]:
-    hidden, ffn, num_e, top_k = MODELS[model]
-    x, idx, tw, w_up, w_gate, w_down, *_ = make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")
-    tw_N = tw.reshape(-1).float().contiguous()
-    g = torch.randn_like(x)
+    case = Case(model, num_t)
     best = start  # the winners so far; the kernels not yet swept keep their tiles in ``start``
 
     def run(kernel: str, cfg: KernelConfig) -> Callable[[], Any]:
-        r = build_reindex(idx, num_e, cfg.blk)
+        r = case.reindex(cfg.blk)
         if kernel in FORWARD:
-            return lambda: esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
+            return functools.partial(case.forward, cfg, r)
         kept = None
         if kernel == "kept":  # the backward of the training form: a forward fills the kept pre-activations
-            kept = (x.new_empty(r.v_P.shape[0], ffn), x.new_empty(r.v_P.shape[0], ffn))
-            esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r, keep=kept)
-        return lambda: esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r,
-                                     kept=kept)
+            kept = case.kept(r)
+            case.forward(cfg, r, kept)
+        return functools.partial(case.backward, cfg, r, kept)
 
     def measure(kernel: str, tiles: Tiles, blk: int = 128) -> float:
         cfg = dataclasses.replace(best, blk=blk, **{kernel: tiles})
@@ -117,61 +144,41 @@ def sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], Non
         best = dataclasses.replace(best, **{kernel: Tiles(pf, ph, w, s)})
     blk_ms = {}
     for blk in (64, 128) if start is SMALL_TILES else ():  # from the shipped tiles: their block stays
-        cfg = dataclasses.replace(best, blk=blk)
-        r = build_reindex(idx, num_e, blk)
-
-        def both(cfg: KernelConfig = cfg, r: Any = r) -> None:
-            esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
-            esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r)
-
-        blk_ms[blk] = timed(both, reps)
+        blk_ms[blk] = timed(functools.partial(_step, case, dataclasses.replace(best, blk=blk), case.reindex(blk)), reps)
         log(dict(model=model, tokens=num_t, kernel="fwd+bwd", blk=blk, ms=blk_ms[blk]))
     return dict(model=model, tokens=num_t, best={k: dataclasses.asdict(getattr(best, k)) for k in KERNELS},
                 blk_ms=blk_ms)
 
 
+def _step(case: Case, cfg: KernelConfig, r: Reindex, kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One forward and backward (the training form where ``kept`` buffers are given)."""
+    case.forward(cfg, r, kept)
+    case.backward(cfg, r, kept)
+
+
 def group_sweep(model: str, num_t: int, reps: int, log: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Each kernel's time per program group (see the module note); returns the best group per kernel
     and the forward + backward times with those, with the default groups and with 0 (all blocks)."""
-    hidden, ffn, num_e, top_k = MODELS[model]
-    x, idx, tw, w_up, w_gate, w_down, *_ = make_args(num_t, hidden, ffn, num_e, top_k, torch.bfloat16, "cuda")
-    tw_N = tw.reshape(-1).float().contiguous()
-    g = torch.randn_like(x)
-    shipped = kernel_config(x, top_k, num_e, ffn)
-    r = build_reindex(idx, num_e, shipped.blk)
-    kept = (x.new_empty(r.v_P.shape[0], ffn), x.new_empty(r.v_P.shape[0], ffn))
-
-    def fwd(cfg: KernelConfig) -> None:
-        esmm_forward(x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r, keep=kept)
-
-    def bwd(cfg: KernelConfig) -> None:
-        esfk_backward(g, x, idx, tw_N, w_up, w_gate, w_down, None, None, None, "silu", cfg, r, kept=kept)
-
-    def with_groups(groups: dict[str, int]) -> KernelConfig:
-        return dataclasses.replace(shipped, **{k: dataclasses.replace(getattr(shipped, k), group=v)
-                                               for k, v in groups.items()})
-
-    fwd(shipped)  # fills the kept buffers the backward reads
+    case = Case(model, num_t)
+    shipped = kernel_config(case.x, case.top_k, case.num_e, case.ffn)
+    r = case.reindex(shipped.blk)
+    kept = case.kept(r)
+    case.forward(shipped, r, kept)  # fills the kept buffers the backward reads
     best: dict[str, int] = {}
     # the training form's launches: its backward's hidden launch runs with the ``kept`` tiles
     # (``hidden``'s are the recompute form's, which this sweep does not run)
     for kernel in ("up", "down", "kept", "esfk"):
         ms = {}
-        call: Callable[[KernelConfig], None] = fwd if kernel in FORWARD else bwd
+        call = case.forward if kernel in FORWARD else case.backward
         for group in GROUPS:
-            ms[group] = timed(functools.partial(call, with_groups({kernel: group})), reps)
+            ms[group] = timed(functools.partial(call, shipped.with_groups({kernel: group}), r, kept), reps)
             log(dict(model=model, tokens=num_t, kernel=kernel, blk=shipped.blk, group=group, ms=ms[group],
                      **{k: v for k, v in dataclasses.asdict(getattr(shipped, kernel)).items() if k != "group"}))
         best[kernel] = min(ms, key=lambda k: ms[k])
     both = {}
     for name, groups in (("best", best), ("default", {k: getattr(shipped, k).group for k in best}),
                          ("all blocks (0)", dict.fromkeys(best, 0))):
-        cfg = with_groups(groups)
-        def step(cfg: KernelConfig = cfg) -> None:
-            fwd(cfg)
-            bwd(cfg)
-
-        both[name] = timed(step, reps)
+        both[name] = timed(functools.partial(_step, case, shipped.with_groups(groups), r, kept), reps)
         log(dict(model=model, tokens=num_t, kernel="fwd+bwd", blk=shipped.blk, groups=name, ms=both[name]))
     return dict(model=model, tokens=num_t, best_group=best, fwd_bwd_ms=both)
 

@@ -6,10 +6,11 @@ the Triton kernels (``hiermoe::experts_triton`` / ``_keep``) or the torch loweri
 The table (``kernel_table.json`` beside this module) is written from a ``bench/bench_kernels.py``
 run on the device by ``python bench/bench_kernels.py --write-table RESULTS.json``; each entry is one
 (model shape, T, mode) row pair of that run with both medians. One run per device: writing a run
-replaces its device's entries and keeps the other devices' (``sources`` names each device's run). A layer takes the decision of the
-nearest measured shape (log-distance over tokens per expert, H, F and E; the same dtype and mode)
-on the same device name, else on a device of the same compute capability; where nothing was
-measured for the device the torch lowering runs, so "auto" never picks an unmeasured kernel.
+replaces its device's entries and keeps the other devices' (``sources`` names each device's run).
+A layer takes the decision of the nearest measured shape (log-distance over tokens per expert, H,
+F and E; the same dtype and mode) on the same device name, else on a device of the same compute
+capability; where nothing was measured for the device the torch lowering runs, so "auto" never
+picks an unmeasured kernel.
 
 Pure Python and json: the passes call it without importing Triton (DESIGN.md, Layout).
 """
@@ -129,4 +130,3 @@ def merged(table: dict, results: dict, models: dict[str, tuple[int, int, int, in
     kept = [e for e in table.get("entries", []) if e["device"] != device]
     return {"sources": sorted(sources.values(), key=lambda s: s["device"]),
             "entries": kept + entries_from_bench(results, models)}
-

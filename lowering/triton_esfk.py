@@ -6,7 +6,7 @@ Two launches after the re-index (nothing but the op's inputs is saved by forward
 form ``experts_triton_keep`` also passes the forward's pre-activations, and the hidden launch then
 runs one matmul with its own tiles, ``KernelConfig.kept``):
 
-  hidden (blocks x F tiles in ``block_tile``'s grouped order; Table 5 steps 6-7 and the routing-weight gradient)
+  hidden (blocks x F tiles, ``block_tile``'s grouped order; Table 5 steps 6-7, routing-weight gradient)
       recompute up, gate (ESMM over x), dhu[s] = g[t] W_down[e] (ESMM with the transposed
       down weight; g = dL/dy), then h = act(gate) * up, dh = w[s] dhu[s],
       d_up = dh act(gate), d_gate = dh up act'(gate) (non-gated: d_up = dh act'(up)), and the

@@ -34,8 +34,9 @@ w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, h_NF, y_TH.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -87,6 +88,8 @@ class KernelConfig:
     backward's first launch, ``kept`` the same reading kept pre-activations; ``esfk``: the fused
     ESTMM/ESMM/ESS launch)."""
 
+    LAUNCHES: ClassVar[tuple[str, ...]] = ("up", "down", "hidden", "esfk", "kept")  # the Tiles fields
+
     blk: int = 64  # slots per block: the re-index padding unit and the M tile of every ESMM
     up: Tiles = Tiles()
     down: Tiles = Tiles()
@@ -111,8 +114,11 @@ class KernelConfig:
     @classmethod
     def uniform(cls, blk: int, block_f: int, block_h: int, **kw: object) -> KernelConfig:
         """Every kernel with the same tiles."""
-        t = Tiles(block_f, block_h)
-        return cls(blk=blk, up=t, down=t, hidden=t, esfk=t, kept=t, **kw)  # type: ignore[arg-type]
+        return cls(blk=blk, **dict.fromkeys(cls.LAUNCHES, Tiles(block_f, block_h)), **kw)  # type: ignore[arg-type]
+
+    def with_groups(self, groups: Mapping[str, int]) -> KernelConfig:
+        """This config with the named launches' program groups (``Tiles.group``) replaced."""
+        return replace(self, **{k: replace(getattr(self, k), group=v) for k, v in groups.items()})
 
 
 @triton.jit

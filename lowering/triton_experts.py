@@ -99,8 +99,9 @@ def _combine() -> str:
 # GPU launch tiles per kernel (block_f, block_h, warps, stages), chosen by bench/tune_kernels.py on an
 # H100 (bench/results/tune_kernels.md; ``kept`` by its --from-shipped sweep, tune_kept.json: 64x128 at
 # 4 stages, 1-4 % of the backward faster than 128x128 at Mixtral's and Qwen3's shapes), each with
-# the default program group 8 (--groups: within 1 % of the best group per shape, tune_groups.json). They need up to ~200 KiB of shared memory per block (the
-# up kernel's two 128x128 weight tiles and its x tile, 3 stages deep), which Hopper has (227 KiB);
+# the default program group 8 (--groups: within 1 % of the best group per shape, tune_groups.json).
+# They need up to ~200 KiB of shared memory per block (the up kernel's two 128x128 weight tiles and
+# its x tile, 3 stages deep), which Hopper has (227 KiB);
 # devices with less get 64-wide tiles (about 72 KiB per block for 16-bit types; only run on the
 # H100 so far, where they were the default before the sweep).
 HOPPER_TILES = KernelConfig(up=Tiles(128, 128, 8, 3), down=Tiles(64, 256, 8, 4), hidden=Tiles(128, 128, 8, 3),
@@ -171,8 +172,7 @@ def _grouped(cfg: KernelConfig) -> KernelConfig:
         return cfg
     if not value.isdigit():
         raise ValueError(f"HIERMOE_TRITON_GROUP must be a block count >= 0 (0: all blocks), got {value!r}")
-    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), group=int(value))
-                                       for k in ("up", "down", "hidden", "esfk", "kept")})
+    return cfg.with_groups(dict.fromkeys(KernelConfig.LAUNCHES, int(value)))
 
 
 def keep_blk(x_TH: Tensor, num_k: int, num_e: int) -> int:

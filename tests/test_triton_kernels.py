@@ -311,9 +311,8 @@ def test_program_groups_cover_every_block_and_tile(group: int) -> None:
     args, grad, want_y, want = _launcher_case(30, 4, "silu")
     x, idx, tw, w_up, w_gate, w_down, b_up, b_gate, b_down = args
     base = triton_esmm.KernelConfig.uniform(16, 16, 16, upcast=True)
-    tiles = {k: dataclasses.replace(getattr(base, k), group=group) for k in ("up", "down", "hidden", "esfk", "kept")}
     tw_N = tw.reshape(-1).float()
-    cfg = dataclasses.replace(base, wgrad="grouped", **tiles)
+    cfg = dataclasses.replace(base.with_groups(dict.fromkeys(base.LAUNCHES, group)), wgrad="grouped")
     r = triton_reindex.build_reindex(idx, E, cfg.blk)
     assert r.block_expert_B.shape[0] % 4 == 1  # 9 blocks: with group 4, two whole groups and a short one
     rows = r.v_P.shape[0]
