@@ -93,7 +93,8 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
                                            ctx.plans[reg.name].describe_measured()) if d)
             if reg.name in ctx.plans else "",
             plan_notes=list(ctx.plans[reg.name].plan.notes) if reg.name in ctx.plans else [],
-            layout=lay.describe(), drops=reg.drops,
+            layout=lay.describe() + (", weights scale the input (a row per token and expert)" if r.weights.scales == "input" else ""),
+            drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
             backward_err=r.verdict.backward_err if r.verdict else float("nan"), graph=index,

@@ -121,7 +121,8 @@ def _agreement(ctx: PassContext) -> Agree:
         assert interp is not None
         reg = d.region
         return (f"E={reg.num_experts} K={reg.top_k} H={reg.hidden_size} {reg.dtype}: {interp.layout.signature()}",
-                f"output {index.anchor(interp.output.node)}, weights {index.anchor(interp.weights.node)}")
+                f"output {index.anchor(interp.output.node)}, weights {index.anchor(interp.weights.node)} "
+                f"scaling the {interp.weights.scales}")
 
     def planned(d: Decision, agreed: agreement.Agreed) -> str:
         """The candidate every rank runs the layer with: each plans it alike, from the token count

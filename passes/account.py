@@ -19,7 +19,8 @@ Contract
     a combine (sum, accumulating add, index_add / scatter_add); routing bookkeeping on expert
     ids (sorting, counting, one-hot, masks); zeroing expert values where a routing mask says
     (``where(mask, x, 0)``, ``masked_fill(x, mask, 0)``); arithmetic or comparisons with 0 on
-    routing weights.
+    routing weights; and, only for an interpretation whose routing weights scale the experts'
+    input (Llama-4, ``input_scaled``), the multiply of the input by them before the projections.
     Refuses: anything else on the expert values (a clamp, a constant scale or offset, another
     nonlinearity outside the layout's activation, a comparison of expert values) or on the routing weights (clamp, thresholds
     other than 0), and anything but data movement on expert weights before their matmul; the
@@ -103,11 +104,16 @@ def describe(n: fx.Node) -> str:
 class Unexplained(NamedTuple):
     reason: str
     node: fx.Node  # the op no role of the expert op accounts for
+    # the op multiplies the experts' input by routing weights: an interpretation whose weights
+    # scale the input (RoutingWeights.scales "input") may account for it
+    scales_input: bool = False
 
 
 def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, cand: OutputCandidate,
-                   layout: ExpertLayout, keep: set[fx.Node]) -> Unexplained | None:
-    """Why the interpretation does not account for some op the rewrite removes, or None."""
+                   layout: ExpertLayout, keep: set[fx.Node], input_scaled: bool = False) -> Unexplained | None:
+    """Why the interpretation does not account for some op the rewrite removes, or None.
+    ``input_scaled``: the interpretation's routing weights scale the experts' input (Llama-4), so
+    a multiply of the input by routing weights before the up/gate projections is its role."""
     replaced = [n for n in index.ordered(cand.nodes)
                 if n not in params and n not in keep and n.op in ("call_function", "call_method", "call_module")]
     weights = _role_nodes((layout.up, layout.gate, layout.down))
@@ -149,7 +155,13 @@ def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, can
         cls[n] = c
         # Step 2
         scaled_input = n in before_projection and any(a in routed and of(a) == "W" for a in n.all_input_nodes)
-        why = _check(n, c, layout, of, scaled_input)
+        if scaled_input and c == "X" and _name(n) in ("mul", "mul_") \
+                and not any(isinstance(a, int | float) for a in _operands(n)):
+            if input_scaled:
+                continue  # the interpretation's own input scaling
+            return Unexplained(f"{describe(n)} multiplies the experts' input by the routing weights; the expert "
+                               "op weights their outputs, and FFN(w x) is not w FFN(x)", n, scales_input=True)
+        why = _check(n, c, layout, of)
         if why:
             return Unexplained(why, n)
     return None
@@ -173,7 +185,7 @@ def _operands(n: fx.Node) -> list[object]:
     return flat
 
 
-def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str], scaled_input: bool) -> str | None:
+def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]) -> str | None:
     name = _name(n)
     what = describe(n)
     if c == "R":
@@ -223,9 +235,6 @@ def _check(n: fx.Node, c: str, layout: ExpertLayout, of: Callable[[object], str]
     if name in ("mul", "mul_"):
         if consts:
             return f"{what} scales the expert values by {consts[0]}"
-        if scaled_input:  # Llama-4
-            return (f"{what} multiplies the experts' input by the routing weights; the expert op weights their "
-                    "outputs, and FFN(w x) is not w FFN(x)")
         if classes.count("X") >= 2:
             return None if layout.gated else f"{what} multiplies expert values with each other"
         return None  # by a routing weight or mask

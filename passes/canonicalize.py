@@ -113,12 +113,12 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
             return result
     routing = _routing(gm, example_inputs, index, regions)
     # Step 1
-    decisions = [_decide(index, params, region, values, verify, result) for region in regions]
+    decisions = [_as_op(_decide(index, params, region, values, verify, result)) for region in regions]
+    op_routing = {d.region.name: _op_routing(d, routing[r.topk]) for d, r in zip(decisions, regions) if r.topk in routing}
     # Step 2
     routers_left = [s for s in found.skipped if s.router_weight is not None]
     if agree is not None and (decisions or routers_left):
-        decisions = agree(decisions, routers_left,
-                          {r.name: routing[r.topk] for r in regions if r.topk in routing})
+        decisions = agree(decisions, routers_left, op_routing)
     chosen = {d.region.name: d for d in decisions}
     for region in reversed(found.regions):
         if region.existing_op is not None:  # already the expert op: nothing to verify or rewrite
@@ -147,8 +147,8 @@ def canonicalize_moe_regions_pass(gm: fx.GraphModule, example_inputs: Sequence[o
         _erase_dead(index, cand)
         # capacity-limited: a [T, E, C] tensor exists and the weights that verified carry its drops
         capacity = any(w.kind == "combine" for w in region.weights)
-        region = replace(region, drops=capacity and weights.kind != "topk", ffn_size=layout.ffn_size)
-        result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node, routing.get(region.topk),
+        region = replace(decision.region, drops=capacity and weights.kind != "topk", ffn_size=layout.ffn_size)
+        result.rewritten.append(Rewritten(region, cand, layout, weights, verdict, op_node, op_routing.get(region.name),
                                           decision.vacuous))
     result.rewritten.reverse()
     gm.graph.lint()
@@ -168,6 +168,20 @@ def _routing(gm: fx.GraphModule, example_inputs: Sequence[object], index: GraphI
     return {n: v[1] if isinstance(v, tuple) else v for n, v in values.items() if isinstance(v, tuple | torch.Tensor)}
 
 
+def _as_op(d: Decision) -> Decision:
+    """The decision with its region as the op computes it: where the routing weights scale the
+    experts' input, the op gets K rows per token (w_k x, to expert k with weight 1), so every
+    later pass (planning, expert parallelism, sample placement) sees T*K tokens routed to 1."""
+    if d.chosen is None or d.chosen.weights.scales != "input":
+        return d
+    return replace(d, region=replace(d.region, num_tokens=d.region.num_tokens * d.region.top_k, top_k=1))
+
+
+def _op_routing(d: Decision, ids_TK: torch.Tensor) -> torch.Tensor:
+    """A region's [T, K] expert ids as the op reads them ([T*K, 1] where the weights scale the input)."""
+    return ids_TK.reshape(-1, 1) if d.chosen is not None and d.chosen.weights.scales == "input" else ids_TK
+
+
 def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, object], verify: bool,  # type: ignore[no-untyped-def]
             result: CanonicalizeResult) -> Decision:
     vacuous = region.num_tokens == 0
@@ -184,7 +198,11 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
             for weights in region.weights:
                 if weights.node not in reads:
                     continue  # the op multiplies by these weights: an output without them is not the layer's
-                why = unexplained_op(index, params, region, cand, layout, kept_nodes(index, params, region, cand, weights))
+                keep = kept_nodes(index, params, region, cand, weights)
+                why = unexplained_op(index, params, region, cand, layout, keep)
+                if why is not None and why.scales_input:  # Llama-4: the weights scale the experts' input
+                    weights = replace(weights, scales="input")
+                    why = unexplained_op(index, params, region, cand, layout, keep, input_scaled=True)
                 if why is not None:
                     unexplained.append(why)
                     continue
@@ -198,7 +216,8 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
                 if verdict.ok:
                     return Decision(region, Interpretation(cand, layout, weights, verdict))
                 failed.append(f"{layout.describe()}, activation {layout.activation}, weights from "
-                              f"{weights.kind} node {weights.node.name}: {verdict.reason}")
+                              f"{weights.kind} node {weights.node.name} scaling the experts' {weights.scales}: "
+                              f"{verdict.reason}")
     if passing:
         return Decision(region, passing[0], vacuous=True, passing=tuple(passing))
     n = len(region.outputs) * len(region.layouts) * len(region.weights)

@@ -86,11 +86,21 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
         w_down = fn(torch.transpose, (w_down, 1, 2))
     b_down = stacked(layout.b_down)
 
+    if weights.scales == "input":
+        # y = sum_k FFN_k(w_k x) (Llama-4): K rows per token, row (t, k) = w_tk x_t going to
+        # expert idx_tk with weight 1, then the K rows of a token summed
+        x_TKH = fn(operator.mul, (graph.call_method("unsqueeze", (x_TH, 1)),
+                                  graph.call_method("unsqueeze", (graph.call_method("to", (topk_w_TK, x_TH)), -1))))
+        x_TH = graph.call_method("reshape", (x_TKH, -1, hidden))
+        topk_idx_TK = graph.call_method("reshape", (topk_idx_TK, -1, 1))
+        topk_w_TK = fn(torch.ones_like, (graph.call_method("reshape", (topk_w_TK, -1, 1)),))
     op = fn(
         torch.ops.hiermoe.experts.default,
         (x_TH, topk_idx_TK, topk_w_TK, w_up, w_gate, w_down, b_up, b_gate, b_down, layout.activation),
     )
     y_TH = op
+    if weights.scales == "input":
+        y_TH = fn(torch.sum, (graph.call_method("reshape", (y_TH, -1, k, hidden)), 1))
     out_shape = static_shape(output)
     if out_shape is not None and out_shape != (region.num_tokens, hidden):
         template = shape_source(region, output)

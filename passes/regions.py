@@ -81,10 +81,15 @@ class RoutingWeights:
     kind "topk": ``node`` already is [T, K]; "dense": ``node`` is [T, E], gathered at the top-k
     indices; "combine": ``node`` is a [T, E, C] capacity combine tensor, summed over C first (a
     dropped token has an all-zero row there, so drops are kept exactly).
+
+    ``scales`` "output": the layer weights each expert's output, y = sum_k w_k FFN_k(x) (what
+    ``hiermoe::experts`` computes); "input": it weights each expert's input, y = sum_k FFN_k(w_k x)
+    (Llama-4), which the rewrite emits as K rows per token, w_k x routed to expert k with weight 1.
     """
 
     node: fx.Node
     kind: str
+    scales: str = "output"
 
 
 @dataclass(frozen=True)

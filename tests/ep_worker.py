@@ -246,6 +246,29 @@ def case_compile() -> dict[str, Any]:
     return out
 
 
+def case_llama4() -> dict[str, Any]:
+    """transformers' Llama-4 (its routing weights scale the experts' input) with K = PARAMS["k"],
+    compiled over the mesh with the token all-to-alls: loss and gradients summed over the ranks
+    against eager, the rewritten layers' layouts and plans, the layers that ran."""
+    from hf_models import build, input_ids
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    model = build("llama4_text", None, num_experts_per_tok=PARAMS["k"])
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager",
+                                                                 "expert_gather": False})
+    ids = input_ids(seed=rank)
+    with collect_reports() as graphs:
+        runtime.reset_counters()
+        loss, loss_ref = compiled(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        loss_ref.backward()
+    return {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+            "layouts": [r.layout for g in graphs for r in g.regions], "plans": [r.plan for g in graphs for r in g.regions],
+            "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers())}
+
+
 @contextmanager
 def _counting(module: Any, name: str) -> Iterator[list[int]]:
     """Counts the calls of ``module.name`` inside the block (the real function still runs)."""

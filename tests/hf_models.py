@@ -16,8 +16,10 @@ _SMALL = dict(
 )
 
 
-def build(model_type: str, experts_implementation: str = "grouped_mm", seed: int = 0,
+def build(model_type: str, experts_implementation: str | None = "grouped_mm", seed: int = 0,
           **overrides: object) -> torch.nn.Module:
+    """``experts_implementation`` None: the family's own experts (one without transformers'
+    experts interface, such as Llama-4)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type)
@@ -32,7 +34,8 @@ def build(model_type: str, experts_implementation: str = "grouped_mm", seed: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(cfg)
-    model.set_experts_implementation(experts_implementation)
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
     return model
 
 

@@ -81,6 +81,18 @@ def test_dedup_sends_less_than_flat() -> None:
 
 
 @pytest.mark.ranks
+def test_llama4_input_scaled_experts_over_ranks() -> None:
+    """transformers' Llama-4 at K = 2, whose routing weights scale the experts' input (the op gets
+    K rows per token), over 2 gloo ranks with the token all-to-alls: loss and summed gradients
+    equal eager's, both layers rewritten as input-scaled and run expert parallel."""
+    for rank, r in enumerate(run_ranks(2, "llama4", shape=[2], k=2)):
+        assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, r)
+        assert r["grad_err"] < 1e-5, (rank, r)
+        assert len(r["layouts"]) == 2 and all("weights scale the input" in lay for lay in r["layouts"]), r
+        assert r["layers_run"] == 2 and not any(p.startswith(("local", "gather")) for p in r["plans"]), r
+
+
+@pytest.mark.ranks
 @pytest.mark.parametrize("options", [{"dimension": 2}, {"dimension": 1, "dedup": False},
                                      {"dimension": 2, "ep_backward": "resend"}])
 def test_compiled_samples_match_eager(options: dict) -> None:

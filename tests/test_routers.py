@@ -5,12 +5,15 @@ Each layer must be rewritten into one expert op, with the routing left as writte
 projection before the logits while the experts read the tokens themselves, a top-k written as
 masked argmaxes, a fixed token -> experts table (hash routing), group-limited greedy routing, a
 skip class the router masks; and a routed sum scaled and mixed with a gated shared expert and a
-norm after it (the routed part rewritten, the rest kept).
+norm after it (the routed part rewritten, the rest kept). Routing weights that scale the experts'
+input (Llama-4) instead of their output are rewritten as such, and a layer that scales both is
+left alone.
 If one fails, fix the finder, not the assertion.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from compile_utils import compare_compiled, op_count
@@ -196,3 +199,53 @@ def test_what_follows_the_routed_sum_stays_as_written() -> None:
     assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
     after = cmp.report.after
     assert "routed_scale" in after and "shared_gate" in after and "layer_norm" in after
+
+
+class InputScaled(nn.Module):
+    """Llama-4's routing, written as a sparse loop: each expert computes FFN_e(w x) on its tokens,
+    so the routing weights scale the experts' input, not their output. ``both``: the output is
+    weighted again (w FFN(w x)), which no interpretation computes."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4, k: int = 2, bias: bool = False, both: bool = False) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate = nn.ModuleList(nn.Linear(h, f, bias=bias) for _ in range(e))
+        self.up = nn.ModuleList(nn.Linear(h, f, bias=bias) for _ in range(e))
+        self.down = nn.ModuleList(nn.Linear(f, h, bias=bias) for _ in range(e))
+        self.e, self.k, self.both = e, k, both
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.topk(self.router(x), self.k)
+        w = torch.sigmoid(w)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(idx == e)
+            xs = x[tok] * w[tok, slot, None]
+            y = self.down[e](F.silu(self.gate[e](xs)) * self.up[e](xs))
+            out.index_add_(0, tok, y * w[tok, slot, None] if self.both else y)
+        return out
+
+
+@pytest.mark.parametrize("k,bias", [(1, False), (2, False), (2, True)])
+def test_routing_weights_that_scale_the_experts_input(k: int, bias: bool) -> None:
+    """sum_k FFN_k(w_k x) is rewritten (the op gets K rows per token, w_k x each, routed to one
+    expert) and equals eager, forward and backward, with and without biases; the report says
+    the weights scale the input."""
+    torch.manual_seed(0)
+    cmp = compare_compiled(InputScaled(k=k, bias=bias), [torch.randn(12, 16)])
+    cmp.assert_close()
+    assert len(cmp.report.regions) == 1 and op_count(cmp.report) == 1, cmp.report.skipped
+    region = cmp.report.regions[0]
+    # the op's rows: one per token and expert, each to one expert
+    assert (region.top_k, region.num_tokens) == (1, 12 * k) and "weights scale the input" in region.layout, region
+
+
+def test_routing_weights_on_input_and_output_leave_the_layer_alone() -> None:
+    """w FFN(w x): neither reading of the weights computes it, so verification refuses both and
+    the layer stays as written (and equal to eager)."""
+    torch.manual_seed(0)
+    cmp = compare_compiled(InputScaled(both=True), [torch.randn(12, 16)])
+    cmp.assert_close()
+    assert op_count(cmp.report) == 0 and len(cmp.report.skipped) == 1
+    reason = cmp.report.skipped[0].reason
+    assert "fail verification" in reason and "scaling the experts' input: router: outputs differ" in reason, reason

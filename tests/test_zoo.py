@@ -33,8 +33,6 @@ LEFT_ALONE = {
     # the routed MLP is rewritten; the mixture-of-attention heads have attention between their
     # projections, not an activation (its layers are alike: built with 1, holding both)
     "jetmoe": (1, "`neg` at modeling_jetmoe.py"),
-    # the routing weights scale the experts' input
-    "llama4_text": (0, "multiplies the experts' input by the routing weights"),
 }
 FAMILIES = moe_families()
 
