@@ -9,6 +9,8 @@ Cases (fp32 unless --dtype bfloat16, one training step = forward + loss + backwa
   hf_mixtral    transformers MixtralForCausalLM from a small random config, experts "grouped_mm"
   hf_qwen3_moe  transformers Qwen3MoeForCausalLM, the same way
   hf_olmoe      transformers OlmoeForCausalLM, the same way
+  hf_llama4     transformers Llama4ForCausalLM (text), its own experts code: every expert on every
+                token, the routing weights scaling the input (opt-in: --cases hf_llama4)
 
 Variants: eager; hiermoe with inner compiler inductor; hiermoe with inner compiler aot_eager; and
 plain torch.compile (inductor, no MoE rewrite) as a reference for what the rewrite itself adds.
@@ -52,7 +54,8 @@ from moe_compile.samples import SAMPLES
 
 VARIANTS = ("eager", "hiermoe+inductor", "hiermoe+aot_eager", "inductor")
 HF = ("hf_mixtral", "hf_qwen3_moe", "hf_olmoe")
-CASES = (*SAMPLES, *HF)  # every sample, then the transformers models
+OPT_IN = ("hf_llama4",)  # not in the default run (bench/results/single_process.md)
+CASES = (*SAMPLES, *HF, *OPT_IN)  # every sample, then the transformers models
 # Wide enough for the results table when stdout is a file or pipe (rich assumes 80 columns there).
 console = Console(width=None if Console().is_terminal else 170)
 
@@ -94,7 +97,8 @@ class Result:
 # (config, model) class names in transformers
 _HF_CASES = {"hf_mixtral": ("MixtralConfig", "MixtralForCausalLM"),
              "hf_qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-             "hf_olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
+             "hf_olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+             "hf_llama4": ("Llama4TextConfig", "Llama4ForCausalLM")}
 
 
 def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
@@ -122,9 +126,11 @@ def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module
             vocab_size=1024, hidden_size=shape.hidden, intermediate_size=shape.ffn, moe_intermediate_size=shape.ffn,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_local_experts=shape.experts,
             num_experts=shape.experts, num_experts_per_tok=shape.top_k, max_position_embeddings=max(shape.seq, 128),
+            intermediate_size_mlp=shape.ffn,  # Llama-4's shared expert
         )
         hf = model_cls(config)
-        hf.set_experts_implementation("grouped_mm")
+        if case != "hf_llama4":  # Llama-4 has no ExpertsInterface
+            hf.set_experts_implementation("grouped_mm")
         cast(nn.Module, hf).to(device=device, dtype=dtype)  # transformers' typed wrapper of .to confuses mypy
         ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
 
@@ -292,11 +298,11 @@ HEADERS = ["case", "variant", "median ms", "min / max ms", "time vs eager", "(mi
 
 
 def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], shape: Shape,
-                  command: str) -> None:
+                  command: str, name: str = "single_process") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"command": command, "machine": info, "shape": asdict(shape),
                "results": [{**asdict(r), "median_s": r.median_s} for r in results]}
-    (out_dir / "single_process.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
         "# Single-process benchmark: hiermoe vs eager (forward + backward)",
         "",
@@ -311,7 +317,9 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         f"Shape: {shape.tokens} tokens (batch {shape.batch} x seq {shape.seq}), hidden {shape.hidden}, "
         f"ffn {shape.ffn}, {shape.experts} experts, top-{shape.top_k}, {shape.dtype}. hf_mixtral, hf_qwen3_moe and hf_olmoe "
         "are 2-layer MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM (vocab 1024, 4 heads) with "
-        "experts implementation grouped_mm.",
+        "experts implementation grouped_mm"
+        + ("; hf_llama4 is a 2-layer Llama4ForCausalLM the same way, with its own experts code." if any(
+            r.case == "hf_llama4" for r in results) else "."),
         "",
         "Time: one training step (forward, loss, backward); median and min/max over the repetitions, "
         "variants interleaved. Peak: tensor bytes live at once during one step above those before it "
@@ -325,7 +333,7 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
     ]
     for row in rows(results):
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
-    (out_dir / "single_process.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 512; 64 quick)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=[c for c in CASES if c not in OPT_IN])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default, one per usable core)")
@@ -348,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default bench/results; with --quick nothing is written "
                              "unless --out is given)")
+    parser.add_argument("--name", default="single_process", help="results file stem (<out>/<name>.md and .json)")
     args = parser.parse_args(argv)
 
     quick = args.quick
@@ -383,8 +392,8 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(*row)
     console.print(table)
     if out_dir is not None:
-        write_results(out_dir, results, info, shape, command.strip())
-        console.print(f"wrote {out_dir / 'single_process.md'} and {out_dir / 'single_process.json'}")
+        write_results(out_dir, results, info, shape, command.strip(), args.name)
+        console.print(f"wrote {out_dir / (args.name + '.md')} and {out_dir / (args.name + '.json')}")
 
 
 if __name__ == "__main__":
