@@ -260,7 +260,8 @@ def _sample_placement(ctx: PassContext) -> dict[str, int]:
     pos = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
     rewritten = sorted(ctx.canonical.rewritten, key=lambda r: pos[r.op_node])
     layers = [PlacementLayer(r.region.name, r.op_node, r.op_node.args[1], r.region.top_k,  # type: ignore[arg-type]
-                             r.region.hidden_size * getattr(torch, r.region.dtype).itemsize) for r in rewritten]
+                             r.region.hidden_size * getattr(torch, r.region.dtype).itemsize,
+                             input_scaled=r.weights.scales == "input") for r in rewritten]
     identity = tuple(ctx.found.params.value.get(r.region.router_weight) for r in rewritten)
     levels = int(opts.mesh.mesh.ndim)
 

@@ -95,6 +95,9 @@ class Layer:
     topk_idx: fx.Node
     top_k: int
     hidden_bytes: int  # bytes of one token's hidden row
+    # the routing weights scale the experts' input (Llama-4): the op's rows are (token, expert)
+    # pairs, w_k x, not the tokens themselves
+    input_scaled: bool = False
 
 
 # -- analysis --------------------------------------------------------------------------------------
@@ -222,6 +225,10 @@ def _trial(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence
     compared with the graph."""
     if len(layers) < 2:
         return "one MoE layer in this graph: no later all-to-all gains from moving samples", 0, 0
+    scaled = [lay.name for lay in layers if lay.input_scaled]
+    if scaled:
+        return (f"the routing weights of {scaled[0]} scale the experts' input, so its expert op's rows are "
+                "(token, expert) pairs, not tokens; the sample analysis follows tokens"), 0, 0
     tokens = layers[0].op.args[0]
     samples = sample_dimension(tokens) if isinstance(tokens, fx.Node) else None
     if samples is None:

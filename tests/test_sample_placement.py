@@ -30,7 +30,8 @@ def _place(model: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Placement
         _canonicalize(ctx)
         assert ctx.canonical is not None and ctx.found is not None
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-        layers = [Layer(r.region.name, r.op_node, r.op_node.args[1], r.region.top_k, 4 * r.region.hidden_size)
+        layers = [Layer(r.region.name, r.op_node, r.op_node.args[1], r.region.top_k, 4 * r.region.hidden_size,
+                        input_scaled=r.weights.scales == "input")
                   for r in sorted(ctx.canonical.rewritten, key=lambda r: pos[r.op_node])]
         results.append(sample_placement_pass(gm, layers, example_inputs, ctx.found.params, world=1))
         return gm.forward
@@ -108,6 +109,17 @@ def test_an_op_that_mixes_samples_between_layers_returns_them_first() -> None:
     res, want, got = _place(_BatchMixer(), ids)
     assert res.reason is not None and "do not follow" in res.reason and "mean" in res.reason, res.reason
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_input_scaled_experts_are_refused_with_the_reason() -> None:
+    """Llama-4's routing weights scale the experts' input: the op's rows are (token, expert) pairs
+    (its T*K rows would read as T*K samples of one token), so the pass leaves the graph alone and
+    says why; the compiled model still equals eager."""
+    model = hf_models.build("llama4_text", None, num_hidden_layers=2)
+    res, want, got = _place(model, input_ids=hf_models.input_ids(batch=3, seq=8))
+    assert res.reason is not None and "scale the experts' input" in res.reason, res.reason
+    assert res.cuts == []
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
 
 
 def test_one_sample_per_rank_is_refused() -> None:
