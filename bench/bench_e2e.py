@@ -38,7 +38,8 @@ Variants; one training step is zero_grad, forward + loss, backward, gradient ave
                FSDP2: the dense gradients averaged as for every variant below
   eager DDP    the eager model with all experts on every rank, every gradient all-reduced
 The hiermoe variants keep only their own experts (``moe_compile.shard_experts``, ``--no-shard`` to
-keep all) and compile with ``--inner-compiler`` (default aot_eager: the comparison is of the MoE
+keep all: then "hiermoe d*" runs what the planner picks for experts on every rank, replicated with
+nothing sent in the layer, and the other variants set replicated_experts False) and compile with ``--inner-compiler`` (default aot_eager: the comparison is of the MoE
 rewrite and its communication, not of Inductor's code generation for the rest).
 
 Gradient averaging (all but HF EP, whose FSDP2 does its own): the gradients of every parameter all
@@ -118,15 +119,18 @@ class Variant:
 
 
 def variants(num_levels: int, model: str) -> list[Variant]:
-    out = [Variant("hiermoe d*", "hiermoe"), Variant("hiermoe d* resend", "hiermoe", (("ep_backward", "resend"),)),
-           Variant("hiermoe d* tune", "hiermoe", (("pipeline", "tune"),))]
+    # replicated_experts False: with --no-shard every rank holds every expert and the planner would run
+    # the layers replicated (nothing sent); "hiermoe d*" keeps the planner's whole choice
+    no_rep = ("replicated_experts", False)
+    out = [Variant("hiermoe d*", "hiermoe"), Variant("hiermoe d* resend", "hiermoe", (("ep_backward", "resend"), no_rep)),
+           Variant("hiermoe d* tune", "hiermoe", (("pipeline", "tune"), no_rep))]
     out += [Variant(f"hiermoe HD{d}", "hiermoe", (("dimension", d),)) for d in range(num_levels, 0, -1)]
     out += [Variant(f"hiermoe HD{d} serial", "hiermoe", (("dimension", d), ("pipeline", False)))
             for d in range(num_levels, 0, -1)]
     out += [Variant(f"hiermoe HD{d} inline", "hiermoe", (("dimension", d), ("pipeline", False), ("overlap", False)))
             for d in range(num_levels, 0, -1)]
     out.append(Variant("flat A2A", "hiermoe", (("dimension", 1), ("dedup", False))))
-    out.append(Variant("hiermoe a2a only", "hiermoe", (("expert_gather", False),)))
+    out.append(Variant("hiermoe a2a only", "hiermoe", (("expert_gather", False), no_rep)))
     out += [Variant(f"hiermoe gather{j}", "hiermoe", (("expert_gather", j),)) for j in range(num_levels)]
     out += [Variant(f"hiermoe gather{j} no prefetch", "hiermoe", (("expert_gather", j), ("gather_prefetch", 0)))
             for j in range(num_levels)]

@@ -12,7 +12,8 @@ top-K, T tokens per rank as [batch, T / batch, H], each rank its own, a seeded u
 the layer compiled with hiermoe (the links fitted at start as bench_e2e does, the compute rate
 measured; inner compiler aot_eager) once per variant, each a copy of the same layer:
 
-  a2a (HD d*)  options {"expert_gather": False, "model_centric": False}: the planner's choice among
+  a2a (HD d*)  options {"expert_gather": False, "model_centric": False, "replicated_experts": False}:
+               the planner's choice among
                the token all-to-alls
   gather1      {"expert_gather": "gpu"} (level 1): each node's ranks
                all-gather their experts, tokens cross nodes
@@ -21,7 +22,9 @@ measured; inner compiler aot_eager) once per variant, each a copy of the same la
   model0       {"model_centric": "always"}: HEXA-MoE's model-centric mode (lowering/strategies/model.py):
                every rank's tokens all-gathered, each rank computing its F/S columns of every
                expert, the partial outputs reduce-scattered (--no-model leaves it out)
-  planner      {} (expert_gather and model_centric "auto"): the planner chooses among all of them
+  planner      {"replicated_experts": False} (expert_gather and model_centric "auto"): the planner
+               chooses among all of them (the layer is on every rank, so without that option it
+               would run replicated, nothing sent: this bench weighs moving tokens against experts)
   tuned        the planner's options and tune_strategy: the candidates it predicts within 2x of its
                best timed at compile time on the ranks, the fastest runs (passes/autotune.py;
                --no-tune leaves it out)
@@ -80,11 +83,15 @@ def worker(args: argparse.Namespace) -> None:
 
     rank, world, mesh, names, topology, say = cluster_rank(args.quick, args.rate)
     # gather j needs mesh level j: a one-level mesh (--ranks-per-node 1) has no gather1
-    gathers: dict[str, dict[str, Any]] = {"a2a": {"expert_gather": False, "model_centric": False}}
+    # every rank holds the whole layer (no shard_experts), where the planner would run it replicated
+    # (nothing sent): left out, this bench weighs moving tokens against moving experts
+    gathers: dict[str, dict[str, Any]] = {"a2a": {"expert_gather": False, "model_centric": False,
+                                                  "replicated_experts": False}}
     gathers.update({f"gather{j}": {"expert_gather": names[j]} for j in (1, 0) if j < len(names)})
     if args.model:
         gathers["model0"] = {"expert_gather": False, "model_centric": "always"}
-    gathers["planner"] = {} if args.model else {"model_centric": False}
+    gathers["planner"] = {"replicated_experts": False} if args.model else {"model_centric": False,
+                                                                           "replicated_experts": False}
     if args.tune:
         gathers["tuned"] = {**gathers["planner"], "tune_strategy": True}
     results = []
@@ -305,7 +312,7 @@ def report(payload: dict[str, Any]) -> str:
              "across nodes), gather0 = expert_gather level 0 (the whole mesh gathers, no token moves)"
              + (", model0 = model_centric \"always\" (every rank's tokens all-gathered, each rank computing its F/S "
                 "columns of every expert, the partial outputs reduce-scattered)" if args.get("model", False) else "")
-             + ", planner = the default \"auto\"" + (", tuned = the same with tune_strategy" if args.get("tune") else "")
+             + ", planner = expert_gather and model_centric \"auto\", replicated_experts False" + (", tuned = the same with tune_strategy" if args.get("tune") else "")
              + f". {args['warmup']} untimed step(s) per variant, more while its dimension tuner "
              f"explores (up to {args['tune_cap']}), then {args['reps']} repetitions each timing one forward + "
              "backward of every variant (rotated order, barrier first, slowest rank's time); medians in ms.", "",

@@ -87,7 +87,8 @@ def worker(args: argparse.Namespace) -> None:
             topo_n = measured if n == "auto+r" else with_overhead if n == "auto+o" else topology
             options = {"mesh": mesh, "topology": topo_n, "inner_compiler": "aot_eager",
                        "pipeline": "auto" if n in ("auto+r", "auto+o") else n,
-                       "expert_gather": False, "model_centric": False}  # the chunked token all-to-alls
+                       "expert_gather": False, "model_centric": False,  # the chunked token all-to-alls
+                       "replicated_experts": False}  # (the layer is on every rank: else replicated, nothing sent)
             # (with model_centric left "auto" the planner ran model0 at K=8, which has no chunks)
             # a copy per variant: the ranks' agreement on a layer is kept per weights, for its recompiles
             variants[str(n)] = torch.compile(copy.deepcopy(layer), backend="hiermoe", options=options)

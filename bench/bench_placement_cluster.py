@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
             models = {}
             for name, place in VARIANTS.items():
                 options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "expert_gather": False,
-                           "sample_placement": place}
+                           "sample_placement": place, "replicated_experts": False}  # unplaced: the all-to-alls
                 models[name] = torch.compile(copy.deepcopy(base), backend=functools.partial(hiermoe_backend,
                                                                                               options=options))
 

@@ -5,6 +5,13 @@ over the strategies the lowering implements (STYLE.md: find, then decide, then r
 Candidates and where their times come from (seconds of one layer's forward on one rank):
 
     local              the experts computed on this rank only: compute time, no communication
+                       (with several ranks: every rank's tokens on one device)
+    replicated         every rank holds every expert whole and runs its own tokens through them
+                       (the lowering's ``strategies.replicated``, data parallel): the compute of
+                       its T*K pairs, balanced whatever the routing, plus reading the weights of
+                       the E - E/S experts an expert-parallel rank does not hold; no communication
+                       (the gradient all-reduce a replicated expert needs is the same under every
+                       candidate, so none is charged it)
     flat_a2a           flat all-to-all, one copy per (token, expert) - what Megatron and HF do
     hier_a2a           hierarchical all-to-all without dedup (Tutel 2DH), topologies with >= 2 levels
     hier{d}_a2a        the same over d >= 3 levels (HierMoE's H-d)
@@ -103,6 +110,8 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
     params: dict[str, dict[str, Any]] = {"local": {}}
     notes: list[str] = []
     if topology is not None and topology.world_size > 1:
+        predicted["replicated"] = replicated_time_s(topology, workload, compute)
+        params["replicated"] = {}
         if workload.num_experts % topology.world_size:
             notes.append(f"{workload.num_experts} experts do not split evenly over {topology.world_size} ranks: "
                          "expert-parallel candidates not evaluated")
@@ -127,6 +136,15 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
     best = min(choices, key=predicted.__getitem__)
     return Plan(strategy=best, params=params.get(best, {}), predicted=predicted, implemented=allowed,
                 notes=tuple(notes))
+
+
+def replicated_time_s(topology: Topology, workload: Workload, compute_s: float) -> float:
+    """Candidate ``replicated``'s forward: the rank's own T*K pairs (``compute_s``) and one read of
+    the experts' weights it holds beyond an expert-parallel rank's E/S, at the device's memory
+    bandwidth (the term that makes expert parallelism pay for few tokens and large experts)."""
+    world = topology.world_size
+    extra = workload.num_experts - workload.num_experts / world
+    return compute_s + extra * workload.expert_bytes / topology.device_mem_bw(0)
 
 
 def compute_s(topology: Topology | None, workload: Workload) -> float:

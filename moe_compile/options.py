@@ -36,7 +36,9 @@ class Options:
         (default: Triton on CUDA, torch on CPU).
     mesh: a ``DeviceMesh`` with named dims, slowest level first (e.g. ("node", "gpu")): every MoE
         layer runs expert-parallel over it (experts split contiguously over the ranks, tokens
-        data-parallel, HierMoE HD-d all-to-all). Needs torch.distributed initialized.
+        data-parallel, HierMoE HD-d all-to-all), or, where every rank holds every expert whole
+        and the planner predicts it faster, replicated (see 'replicated_experts'). Needs
+        torch.distributed initialized.
     dimension: with a mesh, fix the all-to-all dimension d (1 = flat, 2 = node then inside the
         node, ... up to the mesh levels); default None = d* per layer and step from the
         topology's cost model (HierMoE Eq. 6 / Alg. 1).
@@ -88,6 +90,16 @@ class Options:
         layer, False = never, "always" = every layer. It needs every expert whole on every rank,
         so a model sharded by ``shard_experts`` never runs it ("always" is then an error), nor
         does one compiled with 'expert_swap'.
+    replicated_experts: with a mesh, whether a layer whose experts every rank holds whole (the
+        model not sharded by ``moe_compile.shard_experts``, no 'expert_swap', no
+        'sample_placement') may run replicated (``lowering.strategies.replicated``): every rank
+        runs its own tokens through its own copy of every expert and nothing is sent, as eager
+        DDP does; the expert gradients are then each rank's own tokens', summed by the
+        all-reduce every replicated parameter needs (DDP's). "auto" (default) = weighed against
+        the other candidates per layer (it sends nothing, so it wins unless reading every
+        expert's weights costs more than the communication), False = never (every layer runs
+        expert-parallel even though each rank holds every expert). Shard the experts
+        (``shard_experts``) to save their memory: then the layer runs expert-parallel.
     gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
         (``passes.overlap``): it runs during the layers before it, and the weights of this
         many further layers are in memory at once (default 1; 0 = where the layer starts).
@@ -130,6 +142,7 @@ class Options:
     gather_compress: float | None = None
     sample_placement: bool = False
     model_centric: str | bool = "auto"
+    replicated_experts: str | bool = "auto"
 
 
 def parse_options(raw: Mapping[str, object] | None) -> Options:
@@ -214,6 +227,8 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
         if mc == "always" and (dim is not None or kw.get("expert_gather", "auto") not in ("auto", False)):
             raise ValueError("option 'model_centric' = 'always' runs every layer model-centric; options 'dimension' "
                              "and 'expert_gather' (a level) fix another way: give one of them")
+    if "replicated_experts" in kw and kw["replicated_experts"] not in ("auto", False):
+        raise ValueError(f"option 'replicated_experts' must be 'auto' or False, got {kw['replicated_experts']!r}")
     if "gather_keep_bytes" in kw:
         keep = kw["gather_keep_bytes"]
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
@@ -235,10 +250,10 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
                                    or "tune_strategy" in kw
                                    or "expert_gather" in kw or "gather_prefetch" in kw or "gather_keep_bytes" in kw
                                    or "gather_compress" in kw or kw.get("sample_placement")
-                                   or "model_centric" in kw):
+                                   or "model_centric" in kw or "replicated_experts" in kw):
         raise ValueError("options 'dimension', 'dedup', 'ep_backward', 'overlap', 'pipeline', 'tune_dimension', "
                          "'tune_strategy', 'expert_gather', 'gather_prefetch', 'gather_keep_bytes', 'gather_compress', "
-                         "'model_centric' and 'sample_placement' set how "
+                         "'model_centric', 'replicated_experts' and 'sample_placement' set how "
                          "expert-parallel layers communicate; they need options['mesh'] (a DeviceMesh)")
     if "expert_swap" in kw:
         kw["expert_swap"] = parse_swap_options(kw["expert_swap"])

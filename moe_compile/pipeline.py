@@ -113,7 +113,8 @@ def _agreement(ctx: PassContext) -> Agree:
     settings = (f"mesh {tuple(mesh.mesh.shape)} {tuple(mesh.mesh_dim_names or ())} ranks {mesh.mesh.flatten().tolist()}; "
                 f"dimension {opts.dimension}; dedup {opts.dedup}; topology {opts.topology!r}; "
                 f"expert_swap {opts.expert_swap!r}; verify {opts.verify}; expert_gather {opts.expert_gather!r}; "
-                f"gather_compress {opts.gather_compress!r}")
+                f"gather_compress {opts.gather_compress!r}; model_centric {opts.model_centric!r}; "
+                f"replicated_experts {opts.replicated_experts!r}; sharded {_not_whole(ctx) is not None}")
 
     def key(d: Decision, i: int) -> tuple[str, str]:
         """(what the experts compute, where the output and the routing weights are read)."""
@@ -132,7 +133,7 @@ def _agreement(ctx: PassContext) -> Agree:
         lp = plan_layer(region, d.chosen.layout, None, ctx.topology, mesh_levels=_mesh_levels(opts),
                         dimension=opts.dimension, dedup=opts.dedup, chunks=_chunks(opts), gather=_gather(opts),
                         gather_compress=opts.gather_compress, model_centric=_model_centric(ctx),
-                        tune_strategy=opts.tune_strategy, expert_load=agreed.load)
+                        replicated=_replicated(ctx), tune_strategy=opts.tune_strategy, expert_load=agreed.load)
         ctx.own_plans[d.region.name] = lp
         return lp.choice
 
@@ -184,7 +185,8 @@ def _plan(ctx: PassContext) -> dict[str, int]:
     ctx.plans = plan_pass(ctx.canonical.rewritten, ctx.topology, mesh_levels=_mesh_levels(opts),
                           dimension=opts.dimension, dedup=opts.dedup, agreed=ctx.agreed_plans, known=ctx.own_plans,
                           chunks=_chunks(opts), gather=_gather(opts), gather_compress=opts.gather_compress,
-                          model_centric=_model_centric(ctx), tune_strategy=opts.tune_strategy)
+                          model_centric=_model_centric(ctx), replicated=_replicated(ctx),
+                          tune_strategy=opts.tune_strategy)
     counts: dict[str, int] = {}
     for p in ctx.plans.values():
         counts[p.plan.strategy] = counts.get(p.plan.strategy, 0) + 1
@@ -210,19 +212,33 @@ def _gather(opts: Options) -> str | bool | int:
     return False if opts.expert_swap is not None and opts.expert_gather == "auto" else opts.expert_gather
 
 
+def _not_whole(ctx: PassContext) -> str | None:
+    """Why a rank may not read every expert whole (``shard_experts``' shards), or may not leave
+    the experts where they are (expert_swap moves them), or None."""
+    sharded = any(shard.lookup(ex) is not None for ex in ctx.example_inputs)
+    return ("its experts are sharded (moe_compile.shard_experts) and a model-centric layer reads every expert's "
+            "columns on every rank" if sharded else
+            "option 'expert_swap' moves experts between ranks, which a model-centric layer does not use"
+            if ctx.options.expert_swap is not None else None)
+
+
 def _model_centric(ctx: PassContext) -> str | bool:
     """options['model_centric'] as the plan may use it (``lowering.strategies.model``): False with
     expert_swap (a model-centric layer has no placement to improve) and where a rank does not hold
     every expert whole (``shard_experts``' shards: it reads every expert's columns)."""
     opts = ctx.options
-    sharded = any(shard.lookup(ex) is not None for ex in ctx.example_inputs)
-    why = ("its experts are sharded (moe_compile.shard_experts) and a model-centric layer reads every expert's "
-           "columns on every rank" if sharded else
-           "option 'expert_swap' moves experts between ranks, which a model-centric layer does not use"
-           if opts.expert_swap is not None else None)
+    why = _not_whole(ctx)
     if why is not None and opts.model_centric == "always":
         raise ValueError(f"option 'model_centric' = 'always' cannot run this model: {why}; use 'auto' or False")
     return False if why is not None else opts.model_centric
+
+
+def _replicated(ctx: PassContext) -> bool:
+    """Whether a layer may run replicated (``lowering.strategies.replicated``): options
+    ``replicated_experts`` "auto", every rank holding every expert whole (no shard_experts, no
+    expert_swap), and no sample placement (which places samples for the all-to-alls)."""
+    opts = ctx.options
+    return opts.replicated_experts == "auto" and not opts.sample_placement and _not_whole(ctx) is None
 
 
 def _mesh_levels(opts: Options) -> int | None:

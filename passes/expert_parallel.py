@@ -4,8 +4,9 @@ Contract:
     needs     the ``hiermoe::experts`` nodes that canonicalize emitted (one per layer), a mesh
               that ``moe_compile.ep.setup.check_mesh`` accepted, and either a topology (d* per
               step) or a fixed dimension.
-    does      replaces each by what its planned strategy (``passes.plan``, ``lowering.strategies``)
-              emits: the staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
+    does      leaves a layer planned ``replicated`` as it is (every rank holds every expert and
+              runs its own tokens through them; no runtime layer), and replaces each other by
+              what its planned strategy (``passes.plan``, ``lowering.strategies``) emits: the staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
               ``ep_local_experts`` -> ``ep_combine``, nodes named after the layer), with the
               runtime settings the plan chose (fixed d or d* per step, dedup or not); or with
               ``backward="resend"`` the fused ``hiermoe::ep_experts``. The local stage reads
@@ -100,6 +101,8 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
         # Step 1
         planned = plans[name]
         assert planned.strategy is not None and planned.settings is not None, f"layer {name} has no EP plan"
+        if planned.settings.replicated:  # every rank runs its own tokens on its own experts: the op stays
+            continue
         if planned.alternatives and backward == "stages":  # "resend" runs ep_experts whatever the strategy
             planned = tuned[name] = _tuned_strategy(
                 planned, _measuring(args, name, reg, r.layout, mesh, topology, x_meta.device, planned.expert_load),

@@ -70,6 +70,9 @@ class LayerPlan:
         "hd2 (hd, d* per step, 4 chunks)"."""
         if self.strategy is None or self.settings is None:
             return self.plan.strategy
+        if self.settings.replicated:
+            return (f"{self.plan.strategy} (every rank holds every expert and runs its own tokens through them, "
+                    "nothing sent; the expert gradients are summed by the all-reduce of replicated parameters)")
         if self.settings.model_centric:
             return (f"{self.plan.strategy} ({self.strategy.name}, every rank computes every token on its columns "
                     "of the experts)")
@@ -114,7 +117,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                mesh_levels: int | None, dimension: int | None, dedup: bool | None,
                agreed: str | None = None, chunks: str | int = 1, gather: str | bool | int = "auto",
                gather_compress: float | None = None, model_centric: str | bool = "auto",
-               tune_strategy: bool = False, expert_load: Any = None) -> LayerPlan:
+               replicated: bool = False, tune_strategy: bool = False, expert_load: Any = None) -> LayerPlan:
     """One layer's plan. ``routing``: [T, K] expert ids of the compile's tokens, or None: with a
     mesh, ``expert_load`` ([E] (token, expert) pairs per expert, every rank's summed: the same
     on every rank, so ranks with the same shapes choose alike; ``cost.planner``), or uniform
@@ -124,7 +127,9 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
     (the model's n until the expert-parallel pass measures the candidates) or n.
     ``gather``: options['expert_gather'] ("auto", False, or a domain level); ``gather_compress``
     options['gather_compress'] (the gathers' predicted bytes); ``model_centric``: options'
-    ``model_centric`` as this model may use it (``strategies.executable``)."""
+    ``model_centric`` as this model may use it (``strategies.executable``); ``replicated``:
+    whether it may run replicated (every rank holds every expert whole, options'
+    ``replicated_experts`` allows it)."""
     agreed, _, agreed_chunks = (agreed or "").partition("@")
     agreed = agreed or None
     work = Workload(num_tokens=region.num_tokens, hidden_size=region.hidden_size, ffn_size=layout.ffn_size,
@@ -133,7 +138,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                     slot_bytes=SLOT_BYTES if mesh_levels is not None else 0)
     if mesh_levels is None:
         return LayerPlan(plan(topology, work, routing))
-    runnable = executable(mesh_levels, dimension, dedup, gather, model_centric)
+    runnable = executable(mesh_levels, dimension, dedup, gather, model_centric, replicated)
     if topology is None:
         assert dimension is not None, "a mesh without topology and dimension is probed before planning"
         name = dispatch_strategy(dimension, True if dedup is None else dedup)
@@ -154,7 +159,7 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
     strategy, settings, pipe = _chunked(decided.strategy, runnable, topology, work, chunks,
                                         int(agreed_chunks or 1) if agreed is not None else None, busiest)
     alternatives = [(decided.strategy, strategy, settings, pipe)]  # this plan's first: the measurement's baseline
-    if tune_strategy and topology is not None:
+    if tune_strategy and topology is not None and not settings.replicated:  # replicated: nothing sent to time
         predicted = decided.predicted
         best = predicted.get(decided.strategy, float("inf"))
         seen = {replace(settings, chunks=1)}
@@ -217,7 +222,8 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
               dimension: int | None, dedup: bool | None, agreed: Mapping[str, str | None] | None = None,
               known: Mapping[str, LayerPlan] | None = None, chunks: str | int = 1,
               gather: str | bool | int = "auto", gather_compress: float | None = None,
-              model_centric: str | bool = "auto", tune_strategy: bool = False) -> dict[str, LayerPlan]:
+              model_centric: str | bool = "auto", replicated: bool = False,
+              tune_strategy: bool = False) -> dict[str, LayerPlan]:
     """``mesh_levels``: the mesh's number of levels (None: no mesh). ``dimension``/``dedup``: the
     user's constraints (None: the planner's choice). ``agreed``: the candidate per layer name
     the ranks agreed on. ``known``: plans this compile already made of a layer with the same
@@ -233,7 +239,8 @@ def plan_pass(rewritten: Sequence[Rewritten], topology: Topology | None, *, mesh
         out[r.region.name] = plan_layer(r.region, r.layout, routing, topology, mesh_levels=mesh_levels,
                                         dimension=dimension, dedup=dedup, agreed=(agreed or {}).get(r.region.name),
                                         chunks=chunks, gather=gather, gather_compress=gather_compress,
-                                        model_centric=model_centric, tune_strategy=tune_strategy)
+                                        model_centric=model_centric, replicated=replicated,
+                                        tune_strategy=tune_strategy)
     return out
 
 

@@ -8,9 +8,10 @@ and that a compiled model trains like the eager one.
    of each, then the largest difference between compiled and eager logits and parameter gradients.
 2. The tiny LM trained a few steps eagerly and compiled with hiermoe from the same initial weights,
    the two loss columns side by side.
-3. Expert parallelism (``demo_ep``): 4 local gloo ranks compile the tiny LM with ``{"mesh": mesh}``
-   only; rank 0 prints the per-layer plan with predicted times, the token bytes per mesh level
-   of HD-d* against the flat all-to-all, and a few training losses next to eager's.
+3. Expert parallelism (``demo_ep``): 4 local gloo ranks compile the tiny LM with ``{"mesh": mesh,
+   "replicated_experts": False}`` (it is on every rank, where the planner would otherwise run it
+   replicated); rank 0 prints the per-layer plan with predicted times, the token bytes per mesh
+   level of HD-d* against the flat all-to-all, and a few training losses next to eager's.
 
 The inner compiler is ``aot_eager`` to keep the demo fast; the default (Inductor) gives the same
 rewritten graph, then generates kernels for it.
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         train_table.add_row(str(step), f"{le:.4f}", f"{lc:.4f}", f"{abs(le - lc):.1e}")
     console.print(train_table)
 
-    console.rule(f"[bold]expert parallelism: {demo_ep.WORLD} local gloo ranks, options {{'mesh': mesh}} only")
+    console.rule(f"[bold]expert parallelism: {demo_ep.WORLD} local gloo ranks, "
+                 "options {'mesh': mesh, 'replicated_experts': False}")
     if args.no_ep:
         console.print("skipped (--no-ep)")
     else:

@@ -1,9 +1,12 @@
-"""The expert-parallel part of the demo: 4 local gloo ranks, ``{"mesh": mesh}`` and nothing else.
+"""The expert-parallel part of the demo: 4 local gloo ranks, ``{"mesh": mesh, "replicated_experts": False}``.
 
     python -m moe_compile.samples.demo_ep          (about 30 s on 2 CPU cores; no root, no network)
 
 The ranks run on this machine (gloo over loopback, a free port), the mesh is node=2 x gpu=2. Each
-rank compiles the tiny MoE LM with only the mesh: the first compile probes the links, the planner
+rank holds the whole tiny MoE LM, so with the mesh alone the planner would run its layers
+replicated (each rank its own tokens through its own experts, nothing sent); ``replicated_experts``
+False makes them expert-parallel, as they are once ``moe_compile.shard_experts`` keeps only each
+rank's experts. Each rank compiles it with that and the mesh: the first compile probes the links, the planner
 predicts every all-to-all dimension per layer, and each step runs HierMoE's HD-d* (d chosen per
 layer and step) as three graph stages. Rank 0 prints the explain report, the token payload one
 training step sends per mesh level with HD-d* and with the flat all-to-all that Megatron and HF
@@ -79,7 +82,8 @@ def _rank(rank: int, port: int, steps: int, width: int | None) -> None:
         eager = copy.deepcopy(model)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
         batches = [torch.randint(0, config.vocab_size, (4, 33), generator=gen) for _ in range(steps)]
-        options: dict[str, Any] = {"mesh": mesh, "inner_compiler": "aot_eager"}
+        # every rank holds every expert: without replicated_experts False the layers run replicated
+        options: dict[str, Any] = {"mesh": mesh, "inner_compiler": "aot_eager", "replicated_experts": False}
 
         report = moe_compile.explain(model, batches[0][:, :-1], batches[0][:, 1:], options=options)
         if rank == 0:

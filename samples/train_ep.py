@@ -5,7 +5,9 @@
         --topology cluster.toml --shard
 
 Each rank trains on its own batches (data parallel); every MoE layer runs expert-parallel over
-the mesh (HierMoE HD-d all-to-all; d fixed by --dimension, or d* per step from --topology).
+the mesh (HierMoE HD-d all-to-all; d fixed by --dimension, or d* per step from --topology). With
+--topology and without --shard every rank holds every expert, and the planner runs the layers
+replicated (each rank its own tokens, nothing sent) unless --no-replicated.
 Gradients are averaged over ranks as DDP would: the non-expert parameters by all-reduce, the
 expert shards (``--shard``) by dividing by the world size (each owner already holds the sum).
 Rank 0 prints the losses, the explain table of the first step, and its traffic per level.
@@ -40,6 +42,8 @@ def main() -> None:
     ap.add_argument("--dimension", type=int, help="fix the all-to-all dimension instead (1..levels)")
     ap.add_argument("--no-dedup", action="store_true", help="one copy per (token, expert): the flat/2DH baselines")
     ap.add_argument("--shard", action="store_true", help="keep only this rank's experts (moe_compile.shard_experts)")
+    ap.add_argument("--no-replicated", action="store_true",
+                    help="run expert-parallel even where every rank holds every expert (replicated_experts False)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--moe-kind", default="grouped_gemm", help="a sample layer from moe_compile.samples.SAMPLES")
@@ -76,6 +80,8 @@ def main() -> None:
         options["topology"] = args.topology
     if args.dimension:
         options["dimension"] = args.dimension
+    if args.no_replicated:
+        options["replicated_experts"] = False
     compiled = torch.compile(model, backend="hiermoe", options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     moe_compile.reset_counters()

@@ -193,8 +193,9 @@ def compile_options(mesh: Any) -> dict[str, Any]:
     for key in ("dimension", "dedup", "topology", "ep_backward", "kernels", "pipeline"):
         if key in PARAMS:
             opts[key] = PARAMS[key]
-    if opts.get("dimension") is None:  # these cases test the token all-to-alls (gather_worker.py the gathers)
-        opts["expert_gather"] = PARAMS.get("expert_gather", False)
+    if opts.get("dimension") is None:  # these cases test the token all-to-alls (gather_worker.py the gathers),
+        opts["expert_gather"] = PARAMS.get("expert_gather", False)  # on experts every rank holds (not sharded):
+        opts["replicated_experts"] = False  # else the planner runs them replicated, nothing sent (case_probe)
     return opts
 
 
@@ -257,7 +258,7 @@ def case_llama4() -> dict[str, Any]:
     model = build("llama4_text", None, num_experts_per_tok=PARAMS["k"])
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager",
-                                                                 "expert_gather": False})
+                                                                 "expert_gather": False, "replicated_experts": False})
     ids = input_ids(seed=rank)
     with collect_reports() as graphs:
         runtime.reset_counters()
@@ -459,7 +460,7 @@ def case_explain() -> dict[str, Any]:
         runtime.reset_counters()
         report = moe_compile.explain(model, ids, ids, options={
             "mesh": mesh, "topology": topology_for(mesh, node_gbps, 100.0), "inner_compiler": "aot_eager",
-            "tune_dimension": 3, "expert_gather": False, "model_centric": False,
+            "tune_dimension": 3, "expert_gather": False, "model_centric": False, "replicated_experts": False,
             "dedup": True})  # HD-d with d* per step; reaches the layers; explain's one forward is not measured
         c = runtime.counters()
         sent = {lv: sum(c[lv][ph]["forward"]["payload_bytes"] for ph in ("dispatch", "combine")) for lv in c}
@@ -476,26 +477,44 @@ def case_explain() -> dict[str, Any]:
 
 
 def case_probe() -> dict[str, Any]:
-    """``{"mesh": mesh}`` alone: the first compile probes the links; the model trains as eager
-    does, d* is chosen per step from the probed topology, and explain says it was probed."""
+    """``{"mesh": mesh}`` alone on a model whose experts every rank holds: the first compile probes
+    the links, and the layers run replicated (each rank its own tokens, nothing sent). With
+    ``replicated_experts`` False they run expert-parallel: the model trains as eager does, d* is
+    chosen per step from the probed topology, and explain says it was probed."""
     mesh = make_mesh(PARAMS["shape"])
     rank = dist.get_rank()
     model = tiny("grouped_gemm", 8)
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, 32, (2, 8), generator=gen)
-    t0 = time.perf_counter()
-    report = moe_compile.explain(model, ids, ids, options={"mesh": mesh, "inner_compiler": "aot_eager"})
-    explain_s = time.perf_counter() - t0
-    compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager"})
-    loss, loss_ref = compiled(ids, ids), ref(ids, ids)
-    loss.backward()
+    loss_ref = ref(ids, ids)
     loss_ref.backward()
-    topology = sorted({g.topology for g in report.graphs} - {""})
+    alone = {"mesh": mesh, "inner_compiler": "aot_eager"}
+    t0 = time.perf_counter()
+    rep_report = moe_compile.explain(model, ids, ids, options=alone)
+    explain_s = time.perf_counter() - t0
+    rep = copy.deepcopy(model)
+    with collect_reports() as graphs:
+        runtime.reset_counters()
+        loss_rep = torch.compile(rep, backend="hiermoe", options=alone)(ids, ids)
+        loss_rep.backward()
+    c = runtime.counters()
+    replicated = {"plans": [r.plan for r in rep_report.regions], "ep_layers": [r.ep_layer for r in rep_report.regions],
+                  "sent": sum(v for lv in c.values() for ph in lv.values() for dr in ph.values() for v in dr.values()),
+                  "experts_ops": sum(g.after.count("= torch.ops.hiermoe.experts") for g in graphs),
+                  "stage_ops": sum(g.after.count("hiermoe.ep_") for g in graphs),
+                  "text": str(rep_report), "loss": float(loss_rep), "grad_err": summed_grad_err(rep, ref)}
+    options = {**alone, "replicated_experts": False}
+    report = moe_compile.explain(model, ids, ids, options=options)
+    compiled = torch.compile(model, backend="hiermoe", options=options)
+    loss = compiled(ids, ids)
+    loss.backward()
+    topology = sorted({g.topology for g in (*rep_report.graphs, *report.graphs)} - {""})
     return {"text": str(report), "topology": topology, "explain_s": explain_s,
             "predicted": [r.parallel["predicted_s"] for r in report.regions],
             "plans": [r.plan for r in report.regions], "gathers": [r.parallel["gather"] for r in report.regions],
-            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref)}
+            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+            "replicated": replicated}
 
 
 def case_plan() -> dict[str, Any]:
@@ -525,7 +544,8 @@ def case_plan() -> dict[str, Any]:
         links = {n: {"alpha_s": 2e-5, "bandwidth_gbps": node_gbps if i == 0 else 100.0}
                  for i, n in enumerate(mesh.mesh_dim_names)}
         options = {"mesh": mesh, "topology": Topology.from_mesh(mesh, links, flops_per_s=flops),
-                   "inner_compiler": "aot_eager", "expert_gather": gather}
+                   "inner_compiler": "aot_eager", "expert_gather": gather,
+                   "replicated_experts": False}  # the layer is on every rank: else it runs replicated
         report = moe_compile.explain(layer, x, options=options)
         xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
         compiled = torch.compile(layer, backend="hiermoe", options=options)

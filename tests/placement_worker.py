@@ -67,7 +67,8 @@ def case_placement() -> dict[str, Any]:
         # without placement (the bytes to compare with) the cheaper eager inner compiler
         inner = PARAMS.get("inner_compiler", "aot_eager") if place else "eager"
         opts = {"mesh": mesh, "topology": topology, "inner_compiler": inner,
-                "expert_gather": False, "sample_placement": place}
+                "expert_gather": False, "sample_placement": place,
+                "replicated_experts": False}  # the experts are on every rank: else, unplaced, they run replicated
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         ids, mask, labels = batch(rank, world, PARAMS.get("samples", 2), 8)
         with collect_reports() as reports:

@@ -67,7 +67,7 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"pipeline": "fast"}, r"'pipeline' must be 'auto', 'tune', a chunk count n >= 1 or False"),
         ({"pipeline": True}, r"'pipeline' must be 'auto', 'tune', a chunk count n >= 1 or False"),
         ({"pipeline": 4, "overlap": False}, r"'pipeline' overlaps the chunks' stages, which needs overlap=True"),
-        ({"pipeline": 2}, r"'gather_compress', 'model_centric' and 'sample_placement' set how expert-parallel "
+        ({"pipeline": 2}, r"'gather_compress', 'model_centric', 'replicated_experts' and 'sample_placement' set how expert-parallel "
                           r"layers communicate; they need options\['mesh'\]"),
         ({"model_centric": True}, r"'model_centric' must be 'auto', False or 'always'"),
         ({"model_centric": "always", "dimension": 2}, r"give one of them"),

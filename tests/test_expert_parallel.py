@@ -143,11 +143,21 @@ def test_local_stage_on_the_triton_kernels() -> None:
 @pytest.mark.ranks
 def test_mesh_alone_probes_the_links() -> None:
     """options={"mesh": mesh} alone: the links are probed once at the first compile, every rank
-    gets the same topology and plans on it alike, d* is predicted from it for a layer that runs
-    a token all-to-all (on loopback the probe may also make an expert gather win: then its domain
-    is reported), the loss and summed gradients equal eager's, and explain says the topology was
-    probed and how to calibrate it."""
+    gets the same topology and plans on it alike. The tiny LM's experts are on every rank (not
+    sharded), so its layers run replicated: the expert op stays, no stage op, nothing sent, the
+    loss and summed gradients equal eager's. With replicated_experts False, d* is predicted from
+    the probed topology for a layer that runs a token all-to-all (on loopback the probe may also
+    make an expert gather win: then its domain is reported), the loss and summed gradients equal
+    eager's, and explain says the topology was probed and how to calibrate it."""
     results = run_ranks(4, "probe", shape=[2, 2])
+    for rank, r in enumerate(results):
+        rep = r["replicated"]
+        assert len(rep["plans"]) == 2 and all(p.startswith("replicated (every rank holds every expert") for p in rep["plans"]), rep
+        assert rep["ep_layers"] == [None, None] and rep["stage_ops"] == 0 and rep["experts_ops"] == 2, (rank, rep)
+        assert rep["sent"] == 0, (rank, rep)
+        assert "probed" in rep["text"] and "replicated" in rep["text"], rep["text"]
+        assert abs(rep["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, rep)
+        assert rep["grad_err"] < 1e-5, (rank, rep)
     first = results[0]["topology"]
     assert len(first) == 1 and first[0].startswith("probed: "), first
     assert "socket x2" in first[0] and "gpu x2" in first[0], first  # the mesh levels (make_mesh)

@@ -27,7 +27,7 @@ def two_level(inter_gbps: float = 40.0, intra_gbps: float = 2400.0) -> Topology:
 
 WORK = Workload(num_tokens=4096, hidden_size=2048, ffn_size=1024, num_experts=64, top_k=8, dtype_bytes=2)
 ALL = ("local", "flat_a2a", "hier_a2a", "hd1", "hd2", "monta_O1", "monta_O2", "monta_O3", "hybridep",
-       "hexa_data_centric", "hexa_model_centric", "gather0", "gather1", "model0")
+       "hexa_data_centric", "hexa_model_centric", "gather0", "gather1", "model0", "replicated")
 
 
 def test_single_process_plan_is_local() -> None:
@@ -47,6 +47,26 @@ def test_every_candidate_is_predicted_and_argmin_is_over_implemented() -> None:
     some = plan(topo, WORK, implemented=("flat_a2a", "hd1", "hd2"))
     assert some.strategy == min(("flat_a2a", "hd1", "hd2"), key=some.predicted.__getitem__)
     assert some.params == ({"dimension": int(some.strategy[2])} if some.strategy.startswith("hd") else {})
+
+
+def test_replicated_experts_send_nothing_and_read_every_expert() -> None:
+    """Candidate ``replicated`` (every rank holds every expert and runs its own tokens): the
+    compute of T*K pairs plus one read of the E - E/S experts' weights an expert-parallel rank
+    does not hold; no communication term. It wins over every executable candidate where tokens
+    are many, and loses to the token all-to-alls where few tokens meet large experts (reading
+    every expert costs more than sending the tokens)."""
+    topo = two_level()
+    p = plan(topo, WORK, implemented=("hd1", "hd2", "flat_a2a", "gather0", "gather1", "model0", "replicated"))
+    weights = (64 - 64 / 32) * (3 * 2048 * 1024 * 2) / topo.device_mem_bw(0)
+    assert p.predicted["replicated"] == pytest.approx(compute_s(topo, WORK) + weights, rel=1e-12)
+    assert p.strategy == "replicated"
+    few = Workload(num_tokens=16, hidden_size=8192, ffn_size=8192, num_experts=64, top_k=2, dtype_bytes=2)
+    q = plan(topo, few, implemented=("hd1", "hd2", "replicated"))
+    assert q.strategy in ("hd1", "hd2") and q.predicted["replicated"] > q.predicted[q.strategy]
+    # experts that do not split over the ranks: no expert-parallel candidate, replicated still runs
+    odd = plan(topo, Workload(num_tokens=64, hidden_size=64, ffn_size=64, num_experts=6, top_k=2, dtype_bytes=4),
+               implemented=("hd1", "replicated"))
+    assert odd.strategy == "replicated" and "hd1" not in odd.predicted
 
 
 def test_expert_loads_charge_the_busiest_block() -> None:
@@ -71,7 +91,7 @@ def test_expert_loads_charge_the_busiest_block() -> None:
     for name in ("hd1", "hd2", "flat_a2a", "hier_a2a", "monta_O1"):
         assert skewed.predicted[name] - even.predicted[name] == pytest.approx((ranks - 1) * c, rel=1e-9), name
     assert skewed.predicted["gather1"] - even.predicted["gather1"] == pytest.approx(3 * c, rel=1e-9)
-    for name in ("gather0", "model0"):
+    for name in ("gather0", "model0", "replicated"):
         assert skewed.predicted[name] == pytest.approx(even.predicted[name], rel=1e-12), name
     assert not even.notes and "32.00x under the token all-to-alls, 4.00x under gather1" in skewed.notes[0]
     with pytest.raises(ValueError, match="do not split"):
@@ -112,7 +132,7 @@ def test_uniform_links_do_not_pay_for_hierarchy() -> None:
 def test_experts_not_divisible_by_ranks_are_noted() -> None:
     work = Workload(num_tokens=128, hidden_size=64, ffn_size=64, num_experts=8, top_k=2)
     p = plan(Topology.load(str(TESTBED)), work)
-    assert p.strategy == "local" and set(p.predicted) == {"local"}
+    assert p.strategy == "local" and set(p.predicted) == {"local", "replicated"}
     assert "do not split evenly over 32 ranks" in p.notes[0]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from moe_compile.lowering.strategies import gather, hd, model, nodedup
+from moe_compile.lowering.strategies import gather, hd, model, nodedup, replicated
 from moe_compile.lowering.strategies.common import Settings
 
 
@@ -33,24 +33,30 @@ class Strategy:
     emit: Callable[[fx.Graph, list[Any], int, bool, str, Settings, int], fx.Node]
 
 
-_MODULES = (hd, nodedup, gather, model)
+_MODULES = (hd, nodedup, gather, model, replicated)
 REGISTRY: dict[str, Strategy] = {m.NAME: Strategy(m.NAME, m.SUMMARY, m.COST_MODEL, m.candidates, m.emit)
                                  for m in _MODULES}
 
 
 def executable(num_levels: int, dimension: int | None, dedup: bool | None,
-               gather: str | bool | int = "auto", model_centric: str | bool = "auto"
+               gather: str | bool | int = "auto", model_centric: str | bool = "auto", replicated: bool = False
                ) -> dict[str, tuple[Strategy, Settings]]:
     """Every candidate the registered strategies can run on a mesh of ``num_levels`` levels under
     the user's constraints (a fixed dimension; dedup forced on or off; None: free; options'
     ``expert_gather``: "auto" = the gather candidates too, False = none, j = only the gather of
     domain level j; ``model_centric``: options' ``model_centric`` where every rank holds every
-    expert whole, "auto" = the model-centric candidate too, False = not it, "always" = only it),
-    by candidate name."""
+    expert whole, "auto" = the model-centric candidate too, False = not it, "always" = only it;
+    ``replicated``: whether the layer may run where its experts are, every rank holding every
+    expert whole and options' ``replicated_experts`` allowing it; not with a forced gather or
+    model-centric), by candidate name."""
     out: dict[str, tuple[Strategy, Settings]] = {}
     level = gather if isinstance(gather, int) and not isinstance(gather, bool) else None  # one forced gather
     for strategy in REGISTRY.values():
         for name, settings in strategy.candidates(num_levels, dimension).items():
+            if settings.replicated:
+                if replicated and level is None and model_centric != "always":
+                    out[name] = (strategy, settings)
+                continue
             if settings.model_centric:
                 if model_centric is not False and level is None:
                     out[name] = (strategy, settings)

@@ -17,20 +17,23 @@ class Settings:
     """How one layer's runtime runs: the all-to-all dimension (None: d* per step, HierMoE Eq. 6 /
     Alg. 1), whether a token travels once per destination group (dedup) or once per expert, and
     the chunks its tokens run in (the pipeline, ``cost.pipeline``; 1 = not chunked), the mesh
-    level whose blocks gather their experts (``strategies.gather``; None: experts stay), and
-    whether every rank runs every token on its columns of the experts (``strategies.model``)."""
+    level whose blocks gather their experts (``strategies.gather``; None: experts stay),
+    whether every rank runs every token on its columns of the experts (``strategies.model``), and
+    whether every rank runs its own tokens through its own copy of every expert, nothing sent
+    (``strategies.replicated``: no runtime layer)."""
 
     dimension: int | None
     dedup: bool
     chunks: int = 1
     domain: int | None = None
     model_centric: bool = False
+    replicated: bool = False
 
     @property
     def chunkable(self) -> bool:
-        """Whether the layer's tokens may run in chunks: the token all-to-alls' stages; the gathers
-        and model-centric are not chunked."""
-        return self.domain is None and not self.model_centric
+        """Whether the layer's tokens may run in chunks: the token all-to-alls' stages; the gathers,
+        model-centric and replicated layers are not chunked."""
+        return self.domain is None and not self.model_centric and not self.replicated
 
 
 def emit_stages(graph: fx.Graph, args: list[Any], layer_id: int, by_expert: bool, name: str, slots: int,
