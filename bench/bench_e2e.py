@@ -354,11 +354,13 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
         if r.variant.kind == "hiermoe":
             regions = [reg for g in graphs for reg in g.regions]
             r.ep_layers = [reg.ep_layer for reg in regions if reg.ep_layer is not None]
-            r.plans = [reg.plan.split()[0] for reg in regions if reg.ep_layer is not None]
-            rewritten[r.variant.name] = len(r.ep_layers)
-            if len(r.ep_layers) != args.layers:
-                raise RuntimeError(f"{model_kind} K={top_k} {r.variant.name}: {len(r.ep_layers)} of {args.layers} "
-                                   "MoE layers run expert-parallel; see moe_compile.explain(...) for why")
+            # every layer runs expert-parallel, or replicated (no runtime layer) where the planner chose so
+            r.plans = [reg.plan.split()[0] for reg in regions if reg.ep_layer is not None or
+                       reg.plan.startswith("replicated")]
+            rewritten[r.variant.name] = len(r.plans)
+            if len(r.plans) != args.layers:
+                raise RuntimeError(f"{model_kind} K={top_k} {r.variant.name}: {len(r.plans)} of {args.layers} "
+                                   "MoE layers run expert-parallel or replicated; see moe_compile.explain(...) for why")
     ref = first_loss["eager DDP"]
     rel = torch.tensor([abs(first_loss[r.variant.name] - ref) / abs(ref) for r in runners], dtype=torch.float64)
     dist.all_reduce(rel, op=dist.ReduceOp.MAX)

@@ -73,7 +73,7 @@ def variant_rows(config: dict[str, Any], levels: list[str]) -> list[list[str]]:
         name = r["variant"]
         d = (dstar_text if name == "hiermoe d*" else str(r["options"].get("dimension", "-")))
         plans = r.get("plans") or []
-        if any(p.startswith("gather") for p in plans):  # what the layers ran: an expert gather, no d
+        if any(p.startswith(("gather", "replicated")) for p in plans):  # what the layers ran: no d
             d = ", ".join(f"{p} x{plans.count(p)}" for p in sorted(set(plans)))
         per_level = r["payload_bytes_per_level"] or {}
         rows.append([shown_name(config, name), _ms(r["median_s"]), f"{_ms(min(t))} / {_ms(max(t))}",
