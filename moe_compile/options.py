@@ -70,7 +70,9 @@ class Options:
         strategy the planner predicts within 2x of its best (one per distinct runtime: the
         token all-to-alls, the expert gathers, model-centric), forward + backward on a throwaway
         copy of each layer shape, and run the fastest (``passes.autotune``); default False (the
-        planner's prediction alone). Seconds of compile time per distinct layer shape.
+        planner's prediction alone). Seconds of compile time per distinct layer shape. A layer
+        the planner runs replicated is not timed, nor is replicated timed against the others
+        (it sends nothing and builds no runtime layer).
     expert_swap: with a mesh, True or a dict of ``SwapOptions`` settings (every,
         threshold, kind, gamma, policy): the settings ``moe_compile.expert_swapper`` uses, and
         experts kept as E modules are stacked whole so that they can be swapped (HierD-ES,

@@ -165,6 +165,8 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
         seen = {replace(settings, chunks=1)}
         for name in sorted(runnable, key=lambda c: predicted.get(c, float("inf"))):
             runtime_of = replace(runnable[name][1], chunks=1)
+            if runtime_of.replicated:  # it builds no runtime layer to time (it sends nothing)
+                continue
             if predicted.get(name, float("inf")) <= TUNE_WITHIN * best and runtime_of not in seen:
                 seen.add(runtime_of)
                 alternatives.append((name, *_chunked(name, runnable, topology, work, chunks, None, busiest)))

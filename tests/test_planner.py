@@ -14,6 +14,7 @@ import moe_compile
 from moe_compile.cost import Level, Topology, Workload, plan
 from moe_compile.cost.planner import compute_s, load_imbalance, routing_from_load, uniform_routing
 from moe_compile.cost.routing import hd_statistics
+from moe_compile.lowering.strategies import executable
 from moe_compile.samples import TinyLMConfig, TinyMoELM
 from moe_compile.tools import plan as moe_plan
 
@@ -67,6 +68,21 @@ def test_replicated_experts_send_nothing_and_read_every_expert() -> None:
     odd = plan(topo, Workload(num_tokens=64, hidden_size=64, ffn_size=64, num_experts=6, top_k=2, dtype_bytes=4),
                implemented=("hd1", "replicated"))
     assert odd.strategy == "replicated" and "hd1" not in odd.predicted
+
+
+def test_replicated_runs_only_where_the_options_let_every_expert_stay() -> None:
+    """``strategies.executable``: the replicated candidate is runnable where the plan pass says
+    every rank holds every expert (``replicated``), not with a fixed dimension (a token
+    all-to-all), a forced gather level or model-centric "always"; it never chunks."""
+    assert executable(2, None, None, replicated=False).keys().isdisjoint({"replicated"})
+    runnable = executable(2, None, None, replicated=True)
+    assert "replicated" in runnable and {"hd1", "hd2", "gather0", "gather1", "model0"} <= runnable.keys()
+    strategy, settings = runnable["replicated"]
+    assert strategy.name == "replicated" and settings.replicated and not settings.chunkable
+    assert "replicated" in executable(2, None, True, replicated=True)  # dedup forced: like the gathers, free
+    assert "replicated" not in executable(2, 2, None, replicated=True)
+    assert "replicated" not in executable(2, None, None, gather=0, replicated=True)
+    assert set(executable(2, None, None, model_centric="always", replicated=True)) == {"model0"}
 
 
 def test_expert_loads_charge_the_busiest_block() -> None:
