@@ -134,6 +134,8 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
         raise ValueError(f"none of the implemented strategies {list(allowed)} applies; candidates were "
                          f"{sorted(predicted)}")
     best = min(choices, key=predicted.__getitem__)
+    if best == "replicated" and topology is not None:
+        notes.append(replicated_note(topology, workload, {k: predicted[k] for k in choices}))
     return Plan(strategy=best, params=params.get(best, {}), predicted=predicted, implemented=allowed,
                 notes=tuple(notes))
 
@@ -145,6 +147,26 @@ def replicated_time_s(topology: Topology, workload: Workload, compute_s: float) 
     world = topology.world_size
     extra = workload.num_experts - workload.num_experts / world
     return compute_s + extra * workload.expert_bytes / topology.device_mem_bw(0)
+
+
+def replicated_note(topology: Topology, workload: Workload, predicted: Mapping[str, float]) -> str:
+    """What running a layer replicated costs outside the layer, and what sharding would run:
+    every step all-reduces its E experts' gradients (a hierarchical reduce-scatter and
+    all-gather of their bytes: twice gather0's all-gather, HEXA-MoE's AllReduce), which
+    ``shard_experts`` avoids (each rank then owns E/S experts, whose gradients the
+    expert-parallel backward sums on the owner); ``predicted``: the executable candidates'
+    forward times, of which the ones a sharded model runs are named."""
+    allreduce = 2 * gather_time_s(topology, workload, None, 0)
+    text = (f"replicated: each step all-reduces these {workload.num_experts} experts' gradients, about "
+            f"{allreduce * 1e3:.3g} ms on this topology (reduce-scatter + all-gather of "
+            f"{workload.num_experts * workload.expert_bytes / 2**20:.3g} MiB)")
+    sharded = {k: t for k, t in predicted.items() if k not in ("replicated", "local", "model0")}
+    if not sharded:
+        return text
+    alt = min(sharded, key=sharded.__getitem__)
+    return (f"{text}; moe_compile.shard_experts would keep {workload.num_experts // topology.world_size} "
+            f"per rank and avoid it, running {alt} ({sharded[alt] * 1e3:.3g} ms forward predicted, "
+            f"against {predicted['replicated'] * 1e3:.3g} ms here)")
 
 
 def compute_s(topology: Topology | None, workload: Workload) -> float:

@@ -12,7 +12,13 @@ import torch
 
 import moe_compile
 from moe_compile.cost import Level, Topology, Workload, plan
-from moe_compile.cost.planner import compute_s, load_imbalance, routing_from_load, uniform_routing
+from moe_compile.cost.planner import (
+    compute_s,
+    gather_time_s,
+    load_imbalance,
+    routing_from_load,
+    uniform_routing,
+)
 from moe_compile.cost.routing import hd_statistics
 from moe_compile.lowering.strategies import executable
 from moe_compile.samples import TinyLMConfig, TinyMoELM
@@ -61,6 +67,12 @@ def test_replicated_experts_send_nothing_and_read_every_expert() -> None:
     weights = (64 - 64 / 32) * (3 * 2048 * 1024 * 2) / topo.device_mem_bw(0)
     assert p.predicted["replicated"] == pytest.approx(compute_s(topo, WORK) + weights, rel=1e-12)
     assert p.strategy == "replicated"
+    # the note: the experts' gradient all-reduce (twice gather0's all-gather) and what sharding runs
+    allreduce = 2 * gather_time_s(topo, WORK, None, 0)
+    moving = {k: p.predicted[k] for k in ("hd1", "hd2", "flat_a2a", "gather0", "gather1")}
+    alt = min(moving, key=moving.__getitem__)
+    assert allreduce > 0 and f"about {allreduce * 1e3:.3g} ms" in p.notes[-1], p.notes
+    assert f"keep 2 per rank and avoid it, running {alt} ({moving[alt] * 1e3:.3g} ms" in p.notes[-1], p.notes
     few = Workload(num_tokens=16, hidden_size=8192, ffn_size=8192, num_experts=64, top_k=2, dtype_bytes=2)
     q = plan(topo, few, implemented=("hd1", "hd2", "replicated"))
     assert q.strategy in ("hd1", "hd2") and q.predicted["replicated"] > q.predicted[q.strategy]
