@@ -214,7 +214,8 @@ def _gather(opts: Options) -> str | bool | int:
 
 def _not_whole(ctx: PassContext) -> str | None:
     """Why a rank may not read every expert whole (``shard_experts``' shards), or may not leave
-    the experts where they are (expert_swap moves them), or None."""
+    the experts where they are (expert_swap moves them), or None; worded for the model-centric
+    error, and what keeps a layer from running replicated too."""
     sharded = any(shard.lookup(ex) is not None for ex in ctx.example_inputs)
     return ("its experts are sharded (moe_compile.shard_experts) and a model-centric layer reads every expert's "
             "columns on every rank" if sharded else

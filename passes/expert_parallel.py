@@ -6,7 +6,8 @@ Contract:
               step) or a fixed dimension.
     does      leaves a layer planned ``replicated`` as it is (every rank holds every expert and
               runs its own tokens through them; no runtime layer), and replaces each other by
-              what its planned strategy (``passes.plan``, ``lowering.strategies``) emits: the staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
+              what its planned strategy (``passes.plan``, ``lowering.strategies``) emits: the
+              staged ops of ``lowering.ep_stages`` (``ep_dispatch`` ->
               ``ep_local_experts`` -> ``ep_combine``, nodes named after the layer), with the
               runtime settings the plan chose (fixed d or d* per step, dedup or not); or with
               ``backward="resend"`` the fused ``hiermoe::ep_experts``. The local stage reads
