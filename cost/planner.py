@@ -131,8 +131,8 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
                              f"batches): {', '.join(under)}, 1x under gather0 and model0")
     choices = [s for s in predicted if s in allowed]
     if not choices:
-        raise ValueError(f"none of the implemented strategies {list(allowed)} applies; candidates were "
-                         f"{sorted(predicted)}")
+        raise ValueError(f"none of the implemented strategies {list(allowed)} applies"
+                         + "".join(f" ({n})" for n in notes) + f"; candidates were {sorted(predicted)}")
     best = min(choices, key=predicted.__getitem__)
     if best == "replicated" and topology is not None:
         notes.append(replicated_note(topology, workload, {k: predicted[k] for k in choices}))

@@ -154,8 +154,9 @@ def plan_layer(region: MoERegion, layout: ExpertLayout, routing: Any, topology: 
                           notes=(*decided.notes, f"{agreed}: agreed with the other ranks (this rank's own "
                                                  "token count predicts another candidate)"))
     # the token all-to-alls' compute stage is the busiest rank's (chunks pipeline it)
-    busiest = 1.0 if expert_load is None or topology is None else load_imbalance(
-        expert_load, topology.sizes, len(topology.sizes))
+    # (experts that do not split over the ranks run no token all-to-all: replicated or an error)
+    busiest = 1.0 if expert_load is None or topology is None or region.num_experts % topology.world_size else \
+        load_imbalance(expert_load, topology.sizes, len(topology.sizes))
     strategy, settings, pipe = _chunked(decided.strategy, runnable, topology, work, chunks,
                                         int(agreed_chunks or 1) if agreed is not None else None, busiest)
     alternatives = [(decided.strategy, strategy, settings, pipe)]  # this plan's first: the measurement's baseline

@@ -504,6 +504,18 @@ def case_probe() -> dict[str, Any]:
                   "experts_ops": sum(g.after.count("= torch.ops.hiermoe.experts") for g in graphs),
                   "stage_ops": sum(g.after.count("hiermoe.ep_") for g in graphs),
                   "text": str(rep_report), "loss": float(loss_rep), "grad_err": summed_grad_err(rep, ref)}
+    # 6 experts do not split over 4 ranks: no expert-parallel candidate, but replicated runs
+    torch._dynamo.reset()
+    odd = tiny("grouped_gemm", 6)
+    odd_ref = copy.deepcopy(odd)
+    with collect_reports() as graphs:
+        loss_odd = torch.compile(odd, backend="hiermoe", options=alone)(ids, ids)
+        loss_odd.backward()
+    loss_odd_ref = odd_ref(ids, ids)
+    loss_odd_ref.backward()
+    replicated["odd"] = {"plans": [r.plan for g in graphs for r in g.regions], "loss": float(loss_odd),
+                         "loss_ref": float(loss_odd_ref), "grad_err": summed_grad_err(odd, odd_ref)}
+    torch._dynamo.reset()
     options = {**alone, "replicated_experts": False}
     report = moe_compile.explain(model, ids, ids, options=options)
     compiled = torch.compile(model, backend="hiermoe", options=options)

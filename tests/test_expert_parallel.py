@@ -145,7 +145,8 @@ def test_mesh_alone_probes_the_links() -> None:
     """options={"mesh": mesh} alone: the links are probed once at the first compile, every rank
     gets the same topology and plans on it alike. The tiny LM's experts are on every rank (not
     sharded), so its layers run replicated: the expert op stays, no stage op, nothing sent, the
-    loss and summed gradients equal eager's. With replicated_experts False, d* is predicted from
+    loss and summed gradients equal eager's; so do they with 6 experts, which no expert-parallel
+    plan can split over 4 ranks. With replicated_experts False, d* is predicted from
     the probed topology for a layer that runs a token all-to-all (on loopback the probe may also
     make an expert gather win: then its domain is reported), the loss and summed gradients equal
     eager's, and explain says the topology was probed and how to calibrate it."""
@@ -158,6 +159,9 @@ def test_mesh_alone_probes_the_links() -> None:
         assert "probed" in rep["text"] and "replicated" in rep["text"], rep["text"]
         assert abs(rep["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, rep)
         assert rep["grad_err"] < 1e-5, (rank, rep)
+        odd = rep["odd"]  # 6 experts over 4 ranks: no expert-parallel plan exists, replicated runs
+        assert len(odd["plans"]) == 2 and all(p.startswith("replicated") for p in odd["plans"]), odd
+        assert abs(odd["loss"] - odd["loss_ref"]) <= TOL * abs(odd["loss_ref"]) and odd["grad_err"] < 1e-5, odd
     first = results[0]["topology"]
     assert len(first) == 1 and first[0].startswith("probed: "), first
     assert "socket x2" in first[0] and "gpu x2" in first[0], first  # the mesh levels (make_mesh)

@@ -162,6 +162,8 @@ def test_experts_not_divisible_by_ranks_are_noted() -> None:
     p = plan(Topology.load(str(TESTBED)), work)
     assert p.strategy == "local" and set(p.predicted) == {"local", "replicated"}
     assert "do not split evenly over 32 ranks" in p.notes[0]
+    with pytest.raises(ValueError, match="none of the implemented .* do not split evenly over 32 ranks"):
+        plan(Topology.load(str(TESTBED)), work, implemented=("hd1", "hd2"))
 
 
 def test_explain_shows_predictions_for_a_topology_file() -> None:
