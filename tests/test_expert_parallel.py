@@ -150,7 +150,7 @@ def test_mesh_alone_probes_the_links() -> None:
     the probed topology for a layer that runs a token all-to-all (on loopback the probe may also
     make an expert gather win: then its domain is reported), the loss and summed gradients equal
     eager's, and explain says the topology was probed and how to calibrate it."""
-    results = run_ranks(4, "probe", shape=[2, 2])
+    results = run_ranks(4, "probe", worker="plan_worker.py", shape=[2, 2])
     for rank, r in enumerate(results):
         rep = r["replicated"]
         assert len(rep["plans"]) == 2 and all(p.startswith("replicated (every rank holds every expert") for p in rep["plans"]), rep
@@ -196,7 +196,7 @@ def test_planner_choice_decides_what_runs() -> None:
     as drawn a token all-to-all runs; with every token's experts on rank 0 the all-to-alls are
     charged rank 0's compute (4x the mean) and the model-centric mode, whose compute is balanced
     whatever the routing, runs."""
-    results = run_ranks(4, "plan", shape=[2, 2])
+    results = run_ranks(4, "plan", worker="plan_worker.py", shape=[2, 2])
     for case in results[0]:
         assert all(res[case]["predicted"] == results[0][case]["predicted"] for res in results), case
     for rank, res in enumerate(results):
