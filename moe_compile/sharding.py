@@ -7,15 +7,18 @@ example inputs, nothing rewritten in the model), so it belongs to the entry, bes
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 import torch._dynamo
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
+from moe_compile.ep import runtime
 from moe_compile.ep.setup import check_mesh, mesh_comm
-from moe_compile.ep.shard import Shard, ShardReport, lookup, register
+from moe_compile.ep.shard import ExpertParam, Shard, ShardReport, lookup, register
 from moe_compile.explain import explain
 
 
@@ -30,6 +33,7 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
     world = comm.world
     shards: list[Shard] = []
     owned: list[nn.Parameter] = []
+    params: list[ExpertParam] = []
     full = local = 0
     for region in report.regions:
         num_experts = region.num_experts
@@ -46,8 +50,10 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
                     raise ValueError(f"layer {region.name}: {path} is not a parameter of the model; "
                                      "shard_experts shards expert parameters only")
                 full += param.numel() * param.element_size()
+                stacked = len(family) == 1
+                params.append(ExpertParam(path, None if stacked else i, num_experts, tuple(param.shape), param.dtype))
                 placeholder = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-                if len(family) == 1:  # stacked [E, ...]
+                if stacked:  # [E, ...]
                     kept = nn.Parameter(param.detach()[first:first + per].clone(), requires_grad=param.requires_grad)
                     module.register_parameter(f"{attr}_shard", kept)
                     local += kept.numel() * kept.element_size()
@@ -62,12 +68,13 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
                 del module._parameters[attr]
                 module.register_buffer(attr, placeholder, persistent=False)
                 register(shard, module, attr)
+                module._register_load_state_dict_pre_hook(functools.partial(_load_rows, shard, attr), with_module=True)
                 shards.append(shard)
     if not shards:
         raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "
                          "for the layers found and why others were left alone)")
     assert local <= full and math.isfinite(full)
-    return ShardReport(tuple(shards), full, local, tuple(owned))
+    return ShardReport(tuple(shards), full, local, tuple(owned), tuple(params), comm)
 
 
 def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -92,7 +99,6 @@ def prepare_ddp(model: nn.Module, report: ShardReport) -> list[str]:
     ``torch._dynamo.config.optimize_ddp = False``: Dynamo otherwise splits the graph at the bucket
     boundaries, and a layer cut in two cannot be found whole (tested here: one bucket, both
     settings)."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     world = dist.get_world_size()
@@ -105,3 +111,128 @@ def prepare_ddp(model: nn.Module, report: ShardReport) -> list[str]:
             p.register_hook(lambda g: g / world)
             p._hiermoe_ddp_hook = True  # type: ignore[attr-defined]
     return names
+
+
+def _placement(shard: Shard, world: int) -> tuple[list[int], list[int]]:
+    """(mesh position, local slot) of every logical expert of a stacked shard's layer: the layer's
+    placement table where an expert swap may have moved its rows (``runtime.EPLayer``), else the
+    contiguous one ``shard_experts`` cut (expert e at position e // (E/G), slot e % (E/G))."""
+    for lay in runtime.layers():
+        if any(shard.local is q for q in lay.slot_params):
+            lay.settle()  # a swap still waiting for its outcome: the placement every rank agrees on
+            return [int(p) for p in lay.expert_pos_E.tolist()], [int(s) for s in lay.expert_slot_E.tolist()]
+    per = shard.num_experts // world
+    return [e // per for e in range(shard.num_experts)], [e % per for e in range(shard.num_experts)]
+
+
+def _local_experts(shard: Shard) -> list[int]:
+    """The logical experts of this rank's shard rows, in row order (after any expert swap)."""
+    for lay in runtime.layers():
+        if any(shard.local is q for q in lay.slot_params):
+            lay.settle()
+            return list(lay.local_experts)
+    return list(range(shard.first, shard.first + shard.num_local))
+
+
+def _stacked_shards(report: ShardReport) -> dict[str, Shard]:
+    """The stacked weights' shards by name (the only shards with rows here: an expert module this
+    rank holds keeps its parameter and has no shard record)."""
+    return {sh.name: sh for sh in report.shards if sh.local is not None}
+
+
+def full_state_dict(model: nn.Module, report: ShardReport, *, rank0_only: bool = False) -> dict[str, Tensor]:
+    """The state dict of the model ``shard_experts`` sharded, as the unsharded model has it: the
+    same keys (``gate_up_proj``, not the rank's ``gate_up_proj_shard``; every expert module's
+    weights), each expert weight whole, its experts in logical order wherever expert swaps moved
+    their rows. What a checkpoint should hold: it loads into the unsharded model
+    (``load_state_dict``, ``from_pretrained``) and back into a sharded one (each rank keeps its
+    rows, see ``shard_experts``).
+
+    Collective over the mesh: every rank calls it at the same point (between steps). Each expert
+    weight is gathered from the ranks that hold it: an all-gather of the stacked shards, a
+    broadcast from the owner of an expert module (``rank0_only``: a gather to the mesh's first
+    rank, and the other ranks get an empty dict, as torch's FSDP does; less memory there)."""
+    comm = report.comm
+    if comm is None:
+        raise ValueError("this ShardReport does not say which mesh the experts were sharded over; pass the one "
+                         "moe_compile.shard_experts returned")
+    flat = comm.intra[0]  # the whole mesh, its group ranks in flat.peer_pos order
+    root = flat.peer_pos.index(0)
+    keep = not rank0_only or comm.position == 0
+    state = model.state_dict() if keep else {}
+    stacked = _stacked_shards(report)
+    for param in report.params:
+        if param.index is None:
+            full = _gather_stacked(stacked[param.name], param, comm, rank0_only, root)
+            state.pop(f"{param.name}_shard", None)
+        else:
+            full = _broadcast_module(model, param, comm, rank0_only, root)
+        if keep:
+            assert full is not None
+            state[param.name] = full
+    return state
+
+
+def _gather_stacked(shard: Shard, param: ExpertParam, comm: Any, rank0_only: bool, root: int) -> Tensor | None:
+    flat = comm.intra[0]
+    local = shard.local.detach()
+    parts = [torch.empty_like(local) for _ in flat.peer_pos]
+    if rank0_only:
+        dist.gather(local, parts if comm.position == 0 else None, dst=dist.get_global_rank(flat.group, root),
+                    group=flat.group)
+        if comm.position != 0:
+            return None
+    else:
+        dist.all_gather(parts, local, group=flat.group)
+    by_pos = {pos: parts[i] for i, pos in enumerate(flat.peer_pos)}
+    where, slot = _placement(shard, comm.world)
+    return torch.stack([by_pos[where[e]][slot[e]] for e in range(param.num_experts)])
+
+
+def _broadcast_module(model: nn.Module, param: ExpertParam, comm: Any, rank0_only: bool, root: int) -> Tensor | None:
+    """Expert ``param.index``'s module weight, from the rank that holds it (modules never move:
+    ``shard_experts`` keeps them in place and an expert swap refuses them)."""
+    assert param.index is not None
+    flat = comm.intra[0]
+    owner = param.index // (param.num_experts // comm.world)
+    module, attr = _resolve(model, param.name)
+    held = module._parameters.get(attr)
+    device = (held if held is not None else module._buffers[attr]).device
+    if comm.position == owner:
+        assert held is not None, f"{param.name}: this rank should hold expert {param.index}'s module"
+        value = held.detach().clone()
+    else:
+        value = torch.empty(param.shape, dtype=param.dtype, device=device)
+    src = dist.get_global_rank(flat.group, flat.peer_pos.index(owner))
+    if rank0_only:
+        if owner != 0:  # point to point: only the first rank needs it
+            if comm.position == owner:
+                dist.send(value, dst=dist.get_global_rank(flat.group, root), group=flat.group)
+            elif comm.position == 0:
+                dist.recv(value, src=src, group=flat.group)
+        return value if comm.position == 0 else None
+    dist.broadcast(value, src=src, group=flat.group)
+    return value
+
+
+def _load_rows(shard: Shard, attr: str, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+               *args: Any) -> None:
+    """``load_state_dict`` pre-hook of a module whose expert weight ``attr`` is sharded: a full
+    weight in the state dict (a checkpoint of the unsharded model, or ``full_state_dict``'s)
+    becomes this rank's rows, in the order of its slots now (after any expert swap); another
+    rank's expert module's weight is dropped (that rank loads it). A state dict with the rank's
+    own ``_shard`` rows loads as it is."""
+    key = prefix + attr
+    if key not in state_dict:
+        return
+    value = state_dict.pop(key)
+    if shard.local is None:  # another rank's expert module
+        return
+    if prefix + attr + "_shard" in state_dict:
+        raise ValueError(f"{key}: the state dict holds both the whole weight and this rank's shard "
+                         f"({key}_shard); give one of them")
+    if tuple(value.shape) != tuple(shard.placeholder.shape):
+        raise ValueError(f"{key}: the state dict's weight has shape {tuple(value.shape)}, the model's experts "
+                         f"{tuple(shard.placeholder.shape)}")
+    rows = torch.as_tensor(_local_experts(shard), device=value.device)
+    state_dict[key + "_shard"] = value.index_select(0, rows)

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 WORKER = Path(__file__).with_name("ep_worker.py")
 
 
@@ -137,3 +139,16 @@ def run_ranks(world: int, case: str, timeout_s: float = 240.0, worker: str = "ep
             rank, p = failed[0]
             raise AssertionError(f"rank {rank} of {world} failed ({p.returncode}) in case {case}:\n{p.stdout[-6000:]}")
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def check_checkpoint(c: dict[str, Any], rank: int, where: Any) -> None:
+    """shard_worker.checkpoint_checks: the gathered state dict is the unsharded model's, loads into
+    an unsharded model (same loss) and back into a sharded one (this rank's rows)."""
+    assert not c["keys_missing"] and not c["keys_extra"], (where, c)
+    assert c["state_err"] < 1e-4, (where, c)  # as weight_err: AdamW on near-zero gradients
+    assert c["loaded_loss"] == pytest.approx(c["model_loss"], rel=1e-6), (where, c)
+    assert c["fresh_rows_err"] == 0.0 and c["reload_err"] == 0.0, (where, c)  # rows copied as they are
+    if rank == 0:
+        assert c["rank0_keys"] > 0 and c["rank0_err"] == 0.0, (where, c)
+    else:
+        assert c["rank0_keys"] == 0, (where, c)

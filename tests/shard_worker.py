@@ -58,6 +58,54 @@ def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_r
     return losses, weight_err, after_code
 
 
+def checkpoint_checks(model: torch.nn.Module, report: Any, reference: torch.nn.Module, kind: str, mesh: Any,
+                      batch: torch.Tensor, model_loss: float) -> dict[str, Any]:
+    """``full_state_dict`` of the sharded, trained ``model`` against ``reference`` (the unsharded
+    model trained alike): the same keys, the same values (every expert in logical order, wherever
+    a swap moved it), ``rank0_only`` the same on the first rank and empty elsewhere; loaded back
+    into ``model`` it changes nothing; an unsharded
+    model that loads it computes the sharded model's loss on ``batch`` (``model_loss``); a freshly sharded model (other weights)
+    that loads it holds this rank's rows of it."""
+    full = moe_compile.full_state_dict(model, report)
+    ref = reference.state_dict()
+    first = moe_compile.full_state_dict(model, report, rank0_only=True)
+    out: dict[str, Any] = {
+        "keys_missing": sorted(set(ref) - set(full)), "keys_extra": sorted(set(full) - set(ref)),
+        "state_err": max(rel_err(full[k], ref[k]) for k in ref if k in full),
+        "rank0_keys": len(first), "rank0_err": max((rel_err(first[k], full[k]) for k in first), default=0.0)}
+    # loading it back into the model itself changes nothing: each rank takes its rows in its slots'
+    # order now (after any swap)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.load_state_dict(full)
+    out["reload_err"] = max(rel_err(p.detach(), before[n]) for n, p in model.named_parameters())
+    unsharded = tiny(kind, 8, seed=1)
+    unsharded.load_state_dict(full)
+    with torch.no_grad():
+        out["loaded_loss"] = float(unsharded(batch[:, :-1], batch[:, 1:]))
+    out["model_loss"] = model_loss
+    fresh = tiny(kind, 8, seed=2)
+    fresh_report = moe_compile.shard_experts(fresh, mesh, batch[:, :-1], batch[:, 1:])
+    fresh.load_state_dict(full)
+    per = 8 // dist.get_world_size()
+    first_expert = mesh_position(mesh) * per
+    rows_err = 0.0
+    fresh_params = dict(fresh.named_parameters())
+    for name, value in full.items():
+        if name + "_shard" in fresh_params:  # stacked: the contiguous rows of a fresh shard
+            rows_err = max(rows_err, rel_err(fresh_params[name + "_shard"].detach(),
+                                             value[first_expert:first_expert + per]))
+        elif name in fresh_params:  # every other parameter, the rank's expert modules included
+            rows_err = max(rows_err, rel_err(fresh_params[name].detach(), value))
+    out["fresh_rows_err"] = rows_err
+    out["fresh_local_bytes"] = fresh_report.local_bytes
+    return out
+
+
+def mesh_position(mesh: Any) -> int:
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    return ranks.index(dist.get_rank())
+
+
 def case_shard() -> dict[str, Any]:
     """shard_experts: per-rank expert memory, outputs/grads against eager, no expert-weight copy in
     the compiled step, and AdamW steps equal to eager DDP."""
@@ -105,6 +153,9 @@ def case_shard() -> dict[str, Any]:
                      "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
                      "losses": losses, "weight_err": weight_err, "after_code": after_code,
                      "text": str(shard_report)}
+        if PARAMS.get("checkpoint"):
+            out[kind]["checkpoint"] = checkpoint_checks(model, shard_report, eager.module, kind, mesh, ids,
+                                                          out[kind]["loss_now"])
     return out
 
 

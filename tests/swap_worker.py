@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers)
 from ep_worker import ADAM_EPS, PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
+from shard_worker import checkpoint_checks  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile.ep import runtime, setup
@@ -326,6 +327,12 @@ def case_losses() -> dict[str, Any]:
             out[f"{opt_name}/{mode}"] = {"losses": losses, "ref": ref, "weight_err": werr, "decided": decided,
                                          "swaps": sum(len(lay.swaps) for lay in swapper.layers()),
                                          "placement": placements(swapper)}
+            if report is not None and opt_name == "adam":  # a checkpoint after the rows moved
+                b = data[0]
+                with torch.no_grad():
+                    loss_now = float(compiled(b[:, :-1], b[:, 1:]))
+                out[f"{opt_name}/{mode}"]["checkpoint"] = checkpoint_checks(model, report, eager, PARAMS["kind"],
+                                                                            mesh, b, loss_now)
     return out
 
 

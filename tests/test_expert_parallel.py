@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from dist_utils import run_ranks
+from dist_utils import check_checkpoint, run_ranks
 
 from moe_compile.cost.hiermoe import dimension_rule
 
@@ -353,7 +353,8 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
 
 @pytest.mark.ranks
 def test_shard_experts_memory_equality_and_training() -> None:
-    results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2)
+    results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2,
+                        checkpoint=True)
     for rank, res in enumerate(results):
         for kind, r in res.items():
             where = (rank, kind)
@@ -381,6 +382,7 @@ def test_shard_experts_memory_equality_and_training() -> None:
             else:  # E modules: the copy's local modules are real and its own (zeroing them moves its loss only)
                 assert not r["copy_error"] and r["copy_loss"] == pytest.approx(r["loss_now"], rel=1e-6), (where, r)
                 assert abs(r["zeroed_loss"] - r["loss_now"]) > 1e-4, (where, r)
+            check_checkpoint(r["checkpoint"], rank, where)
 
 
 @pytest.mark.ranks

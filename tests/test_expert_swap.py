@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import run_ranks
+from dist_utils import check_checkpoint, run_ranks
 
 from moe_compile.swap.options import DEFAULT_PAYBACK, parse_swap_options
 from moe_compile.swap.policy import NO_PAYBACK, SWAPPED
@@ -158,6 +158,9 @@ def test_training_with_swaps_equals_training_without(kind: str) -> None:
                 assert abs(got - want) <= TOL * abs(want), f"rank {rank} {key}: loss {got} vs {want} without swaps"
             assert r["weight_err"] < 1e-4, f"rank {rank} {key}: final expert weights differ by {r['weight_err']}"
             assert r["placement"] == results[0][key]["placement"], f"{key}: ranks disagree on the placement"
+            if key == "adam/shard":  # rows moved between ranks: the checkpoint puts every expert back in order
+                assert any(p != sorted(p) for p in r["placement"].values()), "no expert changed rank"
+                check_checkpoint(r["checkpoint"], rank, key)
 
 
 @pytest.mark.ranks

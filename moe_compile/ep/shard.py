@@ -26,14 +26,19 @@ its device when it is built) gives the buffer a new tensor, which is still the s
 Gradients: an owned expert parameter's gradient (``ShardReport.owns``) is the sum over every
 rank's tokens routed to those experts; DDP-style averaging divides it by the world size without
 an all-reduce (no other rank has a share, and with experts kept as E modules the ranks' parameter
-lists no longer line up). ``state_dict()`` holds each rank's ``_shard`` tensors; gather them per rank to
-rebuild the full tensors.
+lists no longer line up).
+
+Checkpoints: ``state_dict()`` holds each rank's ``_shard`` rows (in its slots' order, which an
+expert swap changes) and only its own expert modules. ``sharding.full_state_dict`` gathers the
+unsharded model's state dict (every expert whole, in logical order); ``load_state_dict`` of such a
+full state dict into a sharded model keeps each rank's rows (a pre-hook per sharded weight).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +55,19 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class ExpertParam:
+    """One expert weight of the unsharded model, the same list in the same order on every rank
+    (what ``sharding.full_state_dict`` gathers): a stacked ``[E, ...]`` tensor (``index`` None) or
+    expert ``index``'s own module's."""
+
+    name: str  # its state_dict key in the unsharded model
+    index: int | None
+    num_experts: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class ShardReport:
     """Per-rank expert memory after sharding."""
 
@@ -57,6 +75,8 @@ class ShardReport:
     full_bytes: int  # every expert weight of the model
     local_bytes: int  # what this rank holds
     owned: tuple[nn.Parameter, ...] = ()  # every expert parameter this rank holds (shards, local modules)
+    params: tuple[ExpertParam, ...] = ()  # every expert weight of the unsharded model
+    comm: Any = None  # moe_compile.ep.comm.MeshComm of the mesh the experts were sharded over
 
     def owns(self, p: object) -> bool:
         """Whether ``p`` is an expert parameter of this rank: its gradient already sums every
