@@ -15,6 +15,7 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from moe_compile.ep import runtime
 from moe_compile.ep.setup import check_mesh, mesh_comm
@@ -152,10 +153,7 @@ def full_state_dict(model: nn.Module, report: ShardReport, *, rank0_only: bool =
     weight is gathered from the ranks that hold it: an all-gather of the stacked shards, a
     broadcast from the owner of an expert module (``rank0_only``: a gather to the mesh's first
     rank, and the other ranks get an empty dict, as torch's FSDP does; less memory there)."""
-    comm = report.comm
-    if comm is None:
-        raise ValueError("this ShardReport does not say which mesh the experts were sharded over; pass the one "
-                         "moe_compile.shard_experts returned")
+    comm = _comm(report)
     flat = comm.intra[0]  # the whole mesh, its group ranks in flat.peer_pos order
     root = flat.peer_pos.index(0)
     keep = not rank0_only or comm.position == 0
@@ -173,9 +171,13 @@ def full_state_dict(model: nn.Module, report: ShardReport, *, rank0_only: bool =
     return state
 
 
-def _gather_stacked(shard: Shard, param: ExpertParam, comm: Any, rank0_only: bool, root: int) -> Tensor | None:
+def _gather_stacked(shard: Shard, param: ExpertParam, comm: Any, rank0_only: bool, root: int,
+                    value: Tensor | None = None) -> Tensor | None:
+    """The [E, ...] tensor whose rows every rank holds as ``value`` (default: the shard itself; an
+    optimizer state shaped like it), its experts in logical order."""
     flat = comm.intra[0]
-    local = shard.local.detach()
+    assert shard.local is not None
+    local = (shard.local if value is None else value).detach()
     parts = [torch.empty_like(local) for _ in flat.peer_pos]
     if rank0_only:
         dist.gather(local, parts if comm.position == 0 else None, dst=dist.get_global_rank(flat.group, root),
@@ -197,7 +199,7 @@ def _broadcast_module(model: nn.Module, param: ExpertParam, comm: Any, rank0_onl
     owner = param.index // (param.num_experts // comm.world)
     module, attr = _resolve(model, param.name)
     held = module._parameters.get(attr)
-    device = (held if held is not None else module._buffers[attr]).device
+    device = _device(module, attr)
     if comm.position == owner:
         assert held is not None, f"{param.name}: this rank should hold expert {param.index}'s module"
         value = held.detach().clone()
@@ -236,3 +238,136 @@ def _load_rows(shard: Shard, attr: str, module: nn.Module, state_dict: dict[str,
                          f"{tuple(shard.placeholder.shape)}")
     rows = torch.as_tensor(_local_experts(shard), device=value.device)
     state_dict[key + "_shard"] = value.index_select(0, rows)
+
+
+def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, report: ShardReport, *,
+                          rank0_only: bool = False) -> dict[str, Any]:
+    """The optimizer state of the model ``shard_experts`` sharded, as the optimizer of the
+    unsharded model has it, keyed by parameter name (``torch.distributed.checkpoint.state_dict``'s
+    format: ``set_optimizer_state_dict(unsharded_model, optimizer, it)`` loads it): each expert
+    weight's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``, momentum) whole, its experts in
+    logical order; its scalar state (Adam's ``step``) as it is, which must be the same on every
+    rank (as an expert swap requires). Collective over the mesh, like ``full_state_dict``
+    (``rank0_only``: the others get an empty dict)."""
+    comm = _comm(report)
+    flat = comm.intra[0]
+    root = flat.peer_pos.index(0)
+    keep = not rank0_only or comm.position == 0
+    osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+    state: dict[str, Any] = dict(osd["state"])
+    groups: list[dict[str, Any]] = [dict(g, params=list(g["params"])) for g in osd["param_groups"]]
+    stacked = _stacked_shards(report)
+    for param in report.params:
+        if param.index is None:
+            shard = stacked[param.name]
+            entry = state.pop(f"{param.name}_shard", {})
+            names = sorted(entry)
+            every: list[Any] = [None] * comm.world
+            dist.all_gather_object(every, (names, [_scalar(entry[k]) for k in names]), group=flat.group)
+            if any(e != every[0] for e in every):
+                raise ValueError(f"{param.name}: the optimizer's state of its shards differs in kind or in its "
+                                 f"scalars between the ranks ({sorted(set(map(repr, every)))}); a full optimizer "
+                                 "state needs one value per weight: take it after a step in which every rank's "
+                                 "experts got a gradient")
+            full_entry = {k: _gather_stacked(shard, param, comm, rank0_only, root, entry[k])
+                          if _rows(entry[k], shard) else entry[k] for k in names}
+            _rename(groups, f"{param.name}_shard", param.name)
+        else:
+            full_entry, group = _broadcast_entry(model, param, comm, state, groups, rank0_only)
+            if keep and group is not None and not any(param.name in g["params"] for g in groups):
+                groups[group]["params"].append(param.name)
+        if keep and full_entry:
+            state[param.name] = full_entry
+    return {"state": state, "param_groups": groups} if keep else {}
+
+
+def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, report: ShardReport,
+                               optim_state_dict: dict[str, Any]) -> None:
+    """Load an optimizer state of the unsharded model (``full_optim_state_dict``'s, or
+    ``get_optimizer_state_dict`` of the unsharded model) into the optimizer of the sharded one:
+    each rank keeps its experts' rows, in the order of its slots now (after any expert swap), and
+    the state of its own expert modules. Not collective."""
+    state: dict[str, Any] = dict(optim_state_dict["state"])
+    groups: list[dict[str, Any]] = [dict(g, params=list(g["params"])) for g in optim_state_dict["param_groups"]]
+    stacked = _stacked_shards(report)
+    held = {n for n, _ in model.named_parameters()}
+    for param in report.params:
+        if param.index is None:
+            shard = stacked[param.name]
+            entry = state.pop(param.name, None)
+            if entry is not None:
+                rows = torch.as_tensor(_local_experts(shard))
+                state[f"{param.name}_shard"] = {
+                    k: v.index_select(0, rows.to(v.device)) if isinstance(v, Tensor) and tuple(v.shape) == param.shape
+                    else v for k, v in entry.items()}
+            _rename(groups, param.name, f"{param.name}_shard")
+        elif param.name not in held:  # another rank's expert module: that rank loads it
+            state.pop(param.name, None)
+            for g in groups:
+                if param.name in g["params"]:
+                    g["params"].remove(param.name)
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})
+
+
+def _device(module: nn.Module, attr: str) -> torch.device:
+    """Where an expert module's weight lives: the parameter on its owner, the placeholder elsewhere."""
+    held = module._parameters.get(attr)
+    if held is not None:
+        return held.device
+    placeholder = module._buffers.get(attr)
+    assert placeholder is not None, f"{attr}: neither a parameter nor a shard placeholder of {type(module).__name__}"
+    return placeholder.device
+
+
+def _comm(report: ShardReport) -> Any:
+    if report.comm is None:
+        raise ValueError("this ShardReport does not say which mesh the experts were sharded over; pass the one "
+                         "moe_compile.shard_experts returned")
+    return report.comm
+
+
+def _scalar(v: Any) -> Any:
+    """A state value every rank must hold alike (not the rows): compared across the ranks."""
+    if isinstance(v, Tensor):
+        return ("tensor", tuple(v.shape), v.item() if v.numel() == 1 else None)
+    return v
+
+
+def _rows(v: Any, shard: Shard) -> bool:
+    """Whether an optimizer state value has the shard's rows (one per local slot, shaped like it)."""
+    return isinstance(v, Tensor) and shard.local is not None and tuple(v.shape) == tuple(shard.local.shape)
+
+
+def _rename(groups: list[dict[str, Any]], old: str, new: str) -> None:
+    for g in groups:
+        g["params"] = [new if n == old else n for n in g["params"]]
+
+
+def _broadcast_entry(model: nn.Module, param: ExpertParam, comm: Any, state: dict[str, Any],
+                     groups: list[dict[str, Any]], rank0_only: bool) -> tuple[dict[str, Any], int | None]:
+    """Expert module ``param``'s optimizer state and param group index, from the rank that holds it
+    (to the first rank only where ``rank0_only``)."""
+    assert param.index is not None
+    flat = comm.intra[0]
+    owner = param.index // (param.num_experts // comm.world)
+    payload: list[Any] = [None]
+    if comm.position == owner:
+        entry = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.get(param.name, {}).items()}
+        group = next((i for i, g in enumerate(groups) if param.name in g["params"]), None)
+        payload = [(entry, group)]
+    src = dist.get_global_rank(flat.group, flat.peer_pos.index(owner))
+    if rank0_only:
+        root = dist.get_global_rank(flat.group, flat.peer_pos.index(0))
+        if owner != 0:
+            if comm.position == owner:
+                dist.send_object_list(payload, dst=root, group=flat.group)
+            elif comm.position == 0:
+                dist.recv_object_list(payload, src=src, group=flat.group)
+        if comm.position != 0:
+            return {}, None
+    else:
+        dist.broadcast_object_list(payload, src=src, group=flat.group)
+    entry, group = payload[0]
+    module, attr = _resolve(model, param.name)
+    device = _device(module, attr)
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in entry.items()}, group

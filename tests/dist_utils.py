@@ -152,3 +152,15 @@ def check_checkpoint(c: dict[str, Any], rank: int, where: Any) -> None:
         assert c["rank0_keys"] > 0 and c["rank0_err"] == 0.0, (where, c)
     else:
         assert c["rank0_keys"] == 0, (where, c)
+
+
+def check_optim(c: dict[str, Any], rank: int, where: Any) -> None:
+    """shard_worker.optim_checks: the gathered optimizer state is the unsharded optimizer's, loads
+    back into the sharded optimizer unchanged and into an unsharded one."""
+    assert not c["keys_missing"] and not c["keys_extra"] and c["groups_equal"], (where, c)
+    assert c["state_err"] < 1e-4, (where, c)
+    assert c["reload_err"] == 0.0 and c["unsharded_err"] == 0.0, (where, c)
+    if rank == 0:
+        assert c["rank0_keys"] > 0 and c["rank0_err"] == 0.0, (where, c)
+    else:
+        assert c["rank0_keys"] == 0, (where, c)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -22,7 +23,8 @@ import moe_compile  # noqa: E402
 from moe_compile.backend import collect_reports  # noqa: E402
 
 
-def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_report: Any, steps: int
+def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_report: Any, steps: int,
+                      optimizers: list[torch.optim.Optimizer] | None = None
                       ) -> tuple[dict[str, list[float]], float, str]:
     """``steps`` AdamW steps of the sharded ``model`` (through ``compiled``, gradients averaged by
     hand) and of ``eager`` (DDP of the unsharded model), each rank on its own batches. Returns the
@@ -32,6 +34,8 @@ def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_r
     losses: dict[str, list[float]] = {"eager": [], "compiled": []}
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
     opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+    if optimizers is not None:  # the caller's handles on both (eager's, compiled's)
+        optimizers += [opt_e, opt_c]
     gen = torch.Generator().manual_seed(100 + rank)
     after_code = ""
     for step in range(steps):
@@ -101,6 +105,43 @@ def checkpoint_checks(model: torch.nn.Module, report: Any, reference: torch.nn.M
     return out
 
 
+def optim_checks(model: torch.nn.Module, opt: torch.optim.Optimizer, report: Any, reference: torch.nn.Module,
+                 ref_opt: torch.optim.Optimizer, kind: str) -> dict[str, Any]:
+    """``full_optim_state_dict`` of the sharded model's optimizer against the unsharded reference's
+    (``get_optimizer_state_dict``, trained alike): the same parameters and state, every expert's
+    rows in logical order; ``rank0_only`` on the first rank only; loaded back into the sharded
+    optimizer it changes nothing; an unsharded model's optimizer loads it and gives it back."""
+    full = moe_compile.full_optim_state_dict(model, opt, report)
+    ref = get_optimizer_state_dict(reference, ref_opt)
+    first = moe_compile.full_optim_state_dict(model, opt, report, rank0_only=True)
+    out: dict[str, Any] = {"keys_missing": sorted(set(ref["state"]) - set(full["state"])),
+                           "keys_extra": sorted(set(full["state"]) - set(ref["state"])),
+                           "groups_equal": [sorted(g["params"]) for g in full["param_groups"]]
+                           == [sorted(g["params"]) for g in ref["param_groups"]]}
+    out["state_err"] = max(_state_err(full["state"][k], ref["state"][k]) for k in ref["state"] if k in full["state"])
+    out["rank0_keys"] = len(first)
+    out["rank0_err"] = max((_state_err(first["state"][k], full["state"][k]) for k in first.get("state", {})),
+                           default=0.0)
+    before = {k: {s: v.clone() for s, v in st.items()} for k, st in get_optimizer_state_dict(model, opt)["state"].items()}
+    moe_compile.load_full_optim_state_dict(model, opt, report, full)
+    after = get_optimizer_state_dict(model, opt)["state"]
+    out["reload_err"] = max(_state_err(after[k], before[k]) for k in before)
+    unsharded = tiny(kind, 8, seed=1)
+    unsharded.load_state_dict(moe_compile.full_state_dict(model, report))
+    opt_u = torch.optim.AdamW(unsharded.parameters(), lr=1e-2, eps=ADAM_EPS)
+    set_optimizer_state_dict(unsharded, opt_u, full)
+    back = get_optimizer_state_dict(unsharded, opt_u)["state"]
+    out["unsharded_err"] = max(_state_err(back[k], full["state"][k]) for k in full["state"])
+    return out
+
+
+def _state_err(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest relative error over one parameter's optimizer state (inf if the kinds differ)."""
+    if sorted(a) != sorted(b):
+        return float("inf")
+    return max(rel_err(torch.as_tensor(a[k]).float(), torch.as_tensor(b[k]).float()) for k in a)
+
+
 def mesh_position(mesh: Any) -> int:
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     return ranks.index(dist.get_rank())
@@ -129,7 +170,9 @@ def case_shard() -> dict[str, Any]:
                     "topology": topology_for(mesh, node_gbps=0.1, inner_gbps=10.0)}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         with collect_reports() as graphs:
-            losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"])
+            optimizers: list[torch.optim.Optimizer] = []
+            losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"],
+                                                               optimizers)
         # a deep copy of the sharded model reuses the compiled graph (same code, weights are
         # inputs): stacked experts' placeholders are no shard's, so it must fail, not run on the
         # original's shards; E modules keep the local ones real, and the copy runs on its own
@@ -156,6 +199,7 @@ def case_shard() -> dict[str, Any]:
         if PARAMS.get("checkpoint"):
             out[kind]["checkpoint"] = checkpoint_checks(model, shard_report, eager.module, kind, mesh, ids,
                                                           out[kind]["loss_now"])
+            out[kind]["optim"] = optim_checks(model, optimizers[1], shard_report, eager.module, optimizers[0], kind)
     return out
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import ep_worker  # noqa: E402  (sibling script: mesh, tiny LM, topology helpers)
 from ep_worker import ADAM_EPS, PARAMS, average_grads, make_mesh, rel_err, tiny, topology_for  # noqa: E402
-from shard_worker import checkpoint_checks  # noqa: E402
+from shard_worker import checkpoint_checks, optim_checks  # noqa: E402
 
 import moe_compile  # noqa: E402
 from moe_compile.ep import runtime, setup
@@ -333,6 +333,7 @@ def case_losses() -> dict[str, Any]:
                     loss_now = float(compiled(b[:, :-1], b[:, 1:]))
                 out[f"{opt_name}/{mode}"]["checkpoint"] = checkpoint_checks(model, report, eager, PARAMS["kind"],
                                                                             mesh, b, loss_now)
+                out[f"{opt_name}/{mode}"]["optim"] = optim_checks(model, opt, report, eager, opt_e, PARAMS["kind"])
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from dist_utils import check_checkpoint, run_ranks
+from dist_utils import check_checkpoint, check_optim, run_ranks
 
 from moe_compile.cost.hiermoe import dimension_rule
 
@@ -383,6 +383,7 @@ def test_shard_experts_memory_equality_and_training() -> None:
                 assert not r["copy_error"] and r["copy_loss"] == pytest.approx(r["loss_now"], rel=1e-6), (where, r)
                 assert abs(r["zeroed_loss"] - r["loss_now"]) > 1e-4, (where, r)
             check_checkpoint(r["checkpoint"], rank, where)
+            check_optim(r["optim"], rank, where)
 
 
 @pytest.mark.ranks

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from dist_utils import check_checkpoint, run_ranks
+from dist_utils import check_checkpoint, check_optim, run_ranks
 
 from moe_compile.swap.options import DEFAULT_PAYBACK, parse_swap_options
 from moe_compile.swap.policy import NO_PAYBACK, SWAPPED
@@ -161,6 +161,7 @@ def test_training_with_swaps_equals_training_without(kind: str) -> None:
             if key == "adam/shard":  # rows moved between ranks: the checkpoint puts every expert back in order
                 assert any(p != sorted(p) for p in r["placement"].values()), "no expert changed rank"
                 check_checkpoint(r["checkpoint"], rank, key)
+                check_optim(r["optim"], rank, key)
 
 
 @pytest.mark.ranks
