@@ -239,40 +239,74 @@ def case_trainer_shard() -> dict[str, Any]:
     """transformers' Trainer under torchrun with sharded experts, the way the README gives it:
     shard_experts, prepare_ddp, model.compile(...), then the Trainer, which wraps the model in
     DistributedDataParallel itself (accelerate); its logged losses (averaged over the ranks) against
-    a Trainer of the unsharded eager model on the same batches."""
+    a Trainer of the unsharded eager model on the same batches. With ``save``: the compiled run
+    saves a checkpoint halfway (``ShardedCheckpoints``), and a second sharded model with other
+    weights resumes from it; its losses are the uninterrupted run's, and the checkpoint loads into
+    the unsharded model with from_pretrained."""
     import warnings
 
     import transformers
     from test_trainer import Tokens, tiny_mixtral
 
-    mesh = make_mesh(PARAMS["shape"])
+    from moe_compile.trainer import ShardedCheckpoints
 
-    def losses(model: torch.nn.Module, out: str) -> tuple[list[float], str]:
+    mesh = make_mesh(PARAMS["shape"])
+    steps = PARAMS["steps"]
+    save = PARAMS.get("save", 0)  # the step the checkpoint is saved at (0: none)
+    shared = str(Path(os.environ["HIERMOE_TEST_OUT"]) / "trainer")  # one output folder, as torchrun runs have
+
+    def losses(model: torch.nn.Module, out: str, callbacks: list[Any] | None = None, resume: str | None = None
+               ) -> tuple[list[float], str]:
         args = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=2, max_steps=PARAMS["steps"], logging_steps=1,
-            report_to=[], save_strategy="no", use_cpu=True, ddp_backend="gloo", learning_rate=1e-2,
-            disable_tqdm=True, seed=0, dataloader_num_workers=0)
+            output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
+            report_to=[], save_strategy="steps" if save else "no", save_steps=save or 500, use_cpu=True,
+            ddp_backend="gloo", learning_rate=1e-2, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+            adam_epsilon=ADAM_EPS)  # weights compared after AdamW steps: see ADAM_EPS
         # the Trainer moves the model to its device when it is built (Module.to gives every buffer a
         # new tensor: the shard placeholders too, which the shard records must still know)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer.train()
-        return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h], type(trainer.model_wrapped).__name__
+            trainer.train(resume_from_checkpoint=resume)
+        # a resumed run's history starts with the checkpoint's: only the steps it ran
+        first = 0 if resume is None else save
+        return ([float(h["loss"]) for h in trainer.state.log_history if "loss" in h and h["step"] > first],
+                type(trainer.model_wrapped).__name__)
 
-    model = tiny_mixtral(8)
-    eager = copy.deepcopy(model)
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
-    report = moe_compile.shard_experts(model, mesh, input_ids=ids, labels=ids)
-    ignored = moe_compile.prepare_ddp(model, report)
-    model.compile(backend="hiermoe", options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
-    out = str(Path(os.environ["HIERMOE_TEST_OUT"]) / f"trainer{dist.get_rank()}")
+    def sharded(seed: int) -> tuple[torch.nn.Module, Any, list[str]]:
+        model = tiny_mixtral(8)
+        if seed:  # other weights than the run that saved: what resuming must replace
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+        ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+        report = moe_compile.shard_experts(model, mesh, input_ids=ids, labels=ids)
+        ignored = moe_compile.prepare_ddp(model, report)
+        model.compile(backend="hiermoe", options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+        return model, report, ignored
+
+    eager = tiny_mixtral(8)
+    model, report, ignored = sharded(0)
+    callbacks = [ShardedCheckpoints(report)] if save else None
     with collect_reports() as graphs:
-        compiled, wrapper = losses(model, out)
-    reference, _ = losses(eager, out)
-    return {"losses": {"compiled": compiled, "eager": reference}, "ignored": ignored, "wrapper": wrapper,
-
-            "rewritten": sum(len(g.regions) for g in graphs), "sharded": len(report.shards)}
+        compiled, wrapper = losses(model, shared, callbacks)
+    out: dict[str, Any] = {"wrapper": wrapper, "rewritten": sum(len(g.regions) for g in graphs),
+                           "sharded": len(report.shards), "ignored": ignored}
+    eager_out = str(Path(os.environ["HIERMOE_TEST_OUT"]) / "eager")  # shared too: its first rank writes
+    reference, _ = losses(eager, eager_out)
+    if save:  # the checkpoint holds the unsharded model's weights at that step: eager's
+        folder = os.path.join(shared, f"checkpoint-{save}")
+        dist.barrier()  # the first rank wrote both checkpoints
+        out["saved"] = sorted(os.listdir(folder))
+        unsharded, info = transformers.MixtralForCausalLM.from_pretrained(folder, output_loading_info=True)
+        out["loading_info"] = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys")}
+        ref = dict(transformers.MixtralForCausalLM.from_pretrained(os.path.join(eager_out, f"checkpoint-{save}"))
+                   .named_parameters())
+        out["checkpoint_err"] = max((rel_err(p.detach(), ref[n].detach()), n) for n, p in unsharded.named_parameters())
+        resumed_model, resumed_report, _ = sharded(1)
+        out["losses_resumed"], _ = losses(resumed_model, shared, [ShardedCheckpoints(resumed_report)], resume=folder)
+    out["losses"] = {"compiled": compiled, "eager": reference}
+    return out
 
 
 if __name__ == "__main__":

@@ -340,15 +340,26 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
     prepare_ddp, model.compile(backend="hiermoe", mesh), then the Trainer, which moves the model to
     its device (new buffer tensors, the shard placeholders too, which the shard records still know:
     before, the recompile took them for full weights and ran on zeros) and wraps it in DDP itself.
-    Its logged losses equal those of a Trainer of the unsharded eager model."""
-    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=3)
+    Its logged losses equal those of a Trainer of the unsharded eager model; its checkpoint
+    (ShardedCheckpoints) is the unsharded model's, and a run resumed from it trains on alike."""
+    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=4, save=2)
     for rank, res in enumerate(results):
         assert res["wrapper"] == "DistributedDataParallel" and res["rewritten"] == 2, (rank, res)
         assert {n.split(".")[-1] for n in res["ignored"]} == {"gate_up_proj", "down_proj", "gate_up_proj_shard",
                                                               "down_proj_shard"}, res["ignored"]
-        assert len(res["losses"]["compiled"]) == 3, res["losses"]
+        assert len(res["losses"]["compiled"]) == 4, res["losses"]
         for a, b in zip(res["losses"]["compiled"], res["losses"]["eager"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, res["losses"])
+        # the checkpoint (moe_compile.trainer.ShardedCheckpoints) is the unsharded model's: it loads
+        # with from_pretrained, every key in place, and equals eager's checkpoint of the same step
+        assert "hiermoe_optimizer.pt" in res["saved"] and "model.safetensors" in res["saved"], res["saved"]
+        assert res["loading_info"] == {"missing_keys": [], "unexpected_keys": []}, res["loading_info"]
+        assert res["checkpoint_err"][0] < 1e-5, res["checkpoint_err"]
+        # a model with other weights resumed from it trains on as the run that saved it did
+        resumed = res["losses_resumed"]
+        assert len(resumed) == 2, resumed
+        for a, b in zip(resumed, res["losses"]["compiled"][2:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, resumed, res["losses"]["compiled"])
 
 
 @pytest.mark.ranks
