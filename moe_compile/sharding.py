@@ -70,6 +70,8 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
                 module.register_buffer(attr, placeholder, persistent=False)
                 register(shard, module, attr)
                 module._register_load_state_dict_pre_hook(functools.partial(_load_rows, shard, attr), with_module=True)
+                if shard.local is not None:  # the rows' experts go with them (_save_rows)
+                    module._register_state_dict_hook(functools.partial(_save_rows, shard, attr))
                 shards.append(shard)
     if not shards:
         raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "
@@ -126,13 +128,31 @@ def _placement(shard: Shard, world: int) -> tuple[list[int], list[int]]:
     return [e // per for e in range(shard.num_experts)], [e % per for e in range(shard.num_experts)]
 
 
-def _local_experts(shard: Shard) -> list[int]:
-    """The logical experts of this rank's shard rows, in row order (after any expert swap)."""
+def _local_experts(shard: Shard, settle: bool = True) -> list[int]:
+    """The logical experts of this rank's shard rows, in row order (after any expert swap).
+    ``settle``: put in force a swap still waiting for its outcome (an exchange with the other
+    ranks); without, a pending swap raises (its rows and the table may not agree yet)."""
     for lay in runtime.layers():
         if any(shard.local is q for q in lay.slot_params):
-            lay.settle()
+            if settle:
+                lay.settle()
+            elif lay.settle_hook is not None:
+                raise RuntimeError(f"layer {lay.name}: an expert swap is waiting for its outcome; call the swapper's "
+                                   "flush() on every rank before taking the state dict")
             return list(lay.local_experts)
     return list(range(shard.first, shard.first + shard.num_local))
+
+
+EXPERTS_SUFFIX = "_shard_experts"  # state dict key beside a shard: the logical expert of each of its rows
+
+
+def _save_rows(shard: Shard, attr: str, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+               local_metadata: Any) -> None:
+    """``state_dict`` hook of a module holding a stacked shard: beside ``<attr>_shard`` its rows'
+    logical experts (``<attr>_shard_experts``), so that a per-rank state dict says whose rows it
+    holds and in which order (``_load_rows`` checks them). Not collective: a state dict taken on
+    one rank only (a trainer's writer) must not wait for the others."""
+    state_dict[prefix + attr + EXPERTS_SUFFIX] = torch.tensor(_local_experts(shard, settle=False), dtype=torch.long)
 
 
 def _stacked_shards(report: ShardReport) -> dict[str, Shard]:
@@ -163,6 +183,7 @@ def full_state_dict(model: nn.Module, report: ShardReport, *, rank0_only: bool =
         if param.index is None:
             full = _gather_stacked(stacked[param.name], param, comm, rank0_only, root)
             state.pop(f"{param.name}_shard", None)
+            state.pop(param.name + EXPERTS_SUFFIX, None)
         else:
             full = _broadcast_module(model, param, comm, rank0_only, root)
         if keep:
@@ -222,9 +243,14 @@ def _load_rows(shard: Shard, attr: str, module: nn.Module, state_dict: dict[str,
     """``load_state_dict`` pre-hook of a module whose expert weight ``attr`` is sharded: a full
     weight in the state dict (a checkpoint of the unsharded model, or ``full_state_dict``'s)
     becomes this rank's rows, in the order of its slots now (after any expert swap); another
-    rank's expert module's weight is dropped (that rank loads it). A state dict with the rank's
-    own ``_shard`` rows loads as it is."""
+    rank's expert module's weight is dropped (that rank loads it). A per-rank state dict
+    (``<attr>_shard`` rows) loads by the experts it says its rows hold (``<attr>_shard_experts``,
+    ``_save_rows``): reordered into the rank's slots, an error if they are another rank's; one
+    without that entry (saved before it existed) loads as it is."""
     key = prefix + attr
+    saved = state_dict.pop(key + EXPERTS_SUFFIX, None)
+    if saved is not None and shard.local is not None and key + "_shard" in state_dict:
+        state_dict[key + "_shard"] = _own_rows(key, state_dict[key + "_shard"], saved, _local_experts(shard))
     if key not in state_dict:
         return
     value = state_dict.pop(key)
@@ -238,6 +264,21 @@ def _load_rows(shard: Shard, attr: str, module: nn.Module, state_dict: dict[str,
                          f"{tuple(shard.placeholder.shape)}")
     rows = torch.as_tensor(_local_experts(shard), device=value.device)
     state_dict[key + "_shard"] = value.index_select(0, rows)
+
+
+def _own_rows(key: str, rows: Tensor, saved: Tensor, held: list[int]) -> Tensor:
+    """A per-rank state dict's shard ``rows`` of the experts ``saved`` (its ``_shard_experts``),
+    in the order of the experts this rank holds now (``held``): reordered where swaps moved them;
+    an error where they are another rank's experts (a trainer that saved its first rank's state
+    dict for every rank)."""
+    ids = [int(e) for e in saved.tolist()]
+    if sorted(ids) != sorted(held):
+        raise ValueError(f"{key}_shard: the state dict holds the rows of experts {ids}, but this rank holds experts "
+                         f"{held}: it is another rank's shard; save the whole weights with "
+                         "moe_compile.full_state_dict (or moe_compile.trainer.ShardedCheckpoints with a Trainer)")
+    if ids == held:
+        return rows
+    return rows.index_select(0, torch.as_tensor([ids.index(e) for e in held], device=rows.device))
 
 
 def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, report: ShardReport, *,

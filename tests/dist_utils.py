@@ -148,6 +148,10 @@ def check_checkpoint(c: dict[str, Any], rank: int, where: Any) -> None:
     assert c["state_err"] < 1e-4, (where, c)  # as weight_err: AdamW on near-zero gradients
     assert c["loaded_loss"] == pytest.approx(c["model_loss"], rel=1e-6), (where, c)
     assert c["fresh_rows_err"] == 0.0 and c["reload_err"] == 0.0, (where, c)  # rows copied as they are
+    # a per-rank state dict names its rows' experts: reordered ones load back, another rank's are refused
+    assert c["flipped_err"] == 0.0 and c["foreign_unchanged"] == 0.0, (where, c)
+    if c["ids"]:  # stacked weights (expert modules keep their names)
+        assert "another rank's shard" in c["foreign_error"], (where, c)
     if rank == 0:
         assert c["rank0_keys"] > 0 and c["rank0_err"] == 0.0, (where, c)
     else:

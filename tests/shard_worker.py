@@ -82,6 +82,27 @@ def checkpoint_checks(model: torch.nn.Module, report: Any, reference: torch.nn.M
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.load_state_dict(full)
     out["reload_err"] = max(rel_err(p.detach(), before[n]) for n, p in model.named_parameters())
+    # the rank's own state dict says whose rows it holds: its rows reversed (and their experts with
+    # them) load back into the rank's order; marked as another rank's, it is refused
+    own = model.state_dict()
+    ids = {k: v for k, v in own.items() if k.endswith("_shard_experts")}
+    out["ids"] = {k: v.tolist() for k, v in ids.items()}
+    flipped = dict(own)
+    for k, v in ids.items():
+        rows = k[: -len("_experts")]
+        flipped[rows], flipped[k] = own[rows].flip(0), v.flip(0)
+    model.load_state_dict(flipped)
+    out["flipped_err"] = max(rel_err(p.detach(), before[n]) for n, p in model.named_parameters())
+    out["foreign_error"] = ""
+    if ids:
+        foreign = dict(own)
+        for k, v in ids.items():
+            foreign[k] = (v + v.numel()) % 8  # the next rank's experts
+        try:
+            model.load_state_dict(foreign)
+        except ValueError as e:
+            out["foreign_error"] = str(e)
+    out["foreign_unchanged"] = max(rel_err(p.detach(), before[n]) for n, p in model.named_parameters())
     unsharded = tiny(kind, 8, seed=1)
     unsharded.load_state_dict(full)
     with torch.no_grad():
