@@ -23,6 +23,7 @@ from moe_compile.explain import explain
 from moe_compile.options import Options, SwapOptions, parse_options
 from moe_compile.report import RegionReport, Report, SkipReport
 from moe_compile.sharding import (
+    clip_grad_norm_,
     full_optim_state_dict,
     full_state_dict,
     load_full_optim_state_dict,
@@ -32,8 +33,9 @@ from moe_compile.sharding import (
 from moe_compile.swap.swapper import ExpertSwapper, SwapRecord, expert_swapper
 
 __all__ = ["ExpertSwapper", "Options", "RegionReport", "Report", "ShardReport", "SkipReport", "SwapOptions",
-           "SwapRecord", "counters", "expert_swapper", "explain", "full_optim_state_dict",
-           "full_state_dict", "hiermoe_backend", "load_full_optim_state_dict", "parse_options", "prepare_ddp", "reset_counters", "shard_experts"]
+           "SwapRecord", "clip_grad_norm_", "counters", "expert_swapper", "explain", "full_optim_state_dict",
+           "full_state_dict", "hiermoe_backend", "load_full_optim_state_dict", "parse_options", "prepare_ddp",
+           "reset_counters", "shard_experts"]
 
 # Per-expert loops (`idx, pos = torch.where(mask[e])`) have data-dependent shapes; without this
 # Dynamo breaks the graph at each expert and no layer can be seen whole.

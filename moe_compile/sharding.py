@@ -16,6 +16,7 @@ import torch._dynamo
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from moe_compile.ep import runtime
 from moe_compile.ep.setup import check_mesh, mesh_comm
@@ -114,6 +115,44 @@ def prepare_ddp(model: nn.Module, report: ShardReport) -> list[str]:
             p.register_hook(lambda g: g / world)
             p._hiermoe_ddp_hook = True  # type: ignore[attr-defined]
     return names
+
+
+def clip_grad_norm_(model: nn.Module, report: ShardReport, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model whose experts ``shard_experts`` split: the
+    norm of the whole model's gradient, as the unsharded model's, and every gradient scaled by
+    ``max_norm / norm`` where that is below 1. Returns the norm (before clipping).
+
+    ``clip_grad_norm_(model.parameters(), ...)`` on a sharded model is wrong: each rank sees only its
+    own experts' gradients, so each computes another norm and scales its replicated (dense)
+    gradients by another factor, and the ranks' copies of the dense weights drift apart. Here the
+    dense part is each rank's own (the same on every rank once averaged, as DDP does), the experts'
+    part is summed over the mesh (an all-reduce of each rank's shards' ``|g|^p``; the max for the
+    inf-norm). Collective: call it on every rank after the gradients are averaged (DDP, or
+    ``prepare_ddp``'s division of the shards' gradients), before ``optimizer.step()``."""
+    comm = _comm(report)
+    grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0][1].device
+    dense = [g for p, g in grads if not report.owns(p)]
+    experts = [g for p, g in grads if report.owns(p)]
+    order = float(norm_type)
+    zero = torch.zeros((), device=device)
+    dense_norm = get_total_norm(dense, order).to(device) if dense else zero
+    expert_norm = get_total_norm(experts, order).to(device) if experts else zero.clone()
+    if math.isinf(order):
+        dist.all_reduce(expert_norm, op=dist.ReduceOp.MAX, group=comm.intra[0].group)
+        total = torch.maximum(dense_norm, expert_norm)
+    else:
+        powered = expert_norm.double() ** order
+        dist.all_reduce(powered, group=comm.intra[0].group)
+        total = ((dense_norm.double() ** order + powered) ** (1.0 / order)).to(dense_norm.dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}); "
+                           "set error_if_nonfinite=False to clip anyway")
+    clip_grads_with_norm_([p for p, _ in grads], max_norm, total)
+    return total
 
 
 def _placement(shard: Shard, world: int) -> tuple[list[int], list[int]]:
@@ -275,7 +314,7 @@ def _own_rows(key: str, rows: Tensor, saved: Tensor, held: list[int]) -> Tensor:
     if sorted(ids) != sorted(held):
         raise ValueError(f"{key}_shard: the state dict holds the rows of experts {ids}, but this rank holds experts "
                          f"{held}: it is another rank's shard; save the whole weights with "
-                         "moe_compile.full_state_dict (or moe_compile.trainer.ShardedCheckpoints with a Trainer)")
+                         "moe_compile.full_state_dict (or moe_compile.trainer.ShardedExperts with a Trainer)")
     if ids == held:
         return rows
     return rows.index_select(0, torch.as_tensor([ids.index(e) for e in held], device=rows.device))

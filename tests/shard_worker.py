@@ -24,7 +24,8 @@ from moe_compile.backend import collect_reports  # noqa: E402
 
 
 def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_report: Any, steps: int,
-                      optimizers: list[torch.optim.Optimizer] | None = None
+                      optimizers: list[torch.optim.Optimizer] | None = None, clip: float = 0.0,
+                      norms: dict[str, list[float]] | None = None
                       ) -> tuple[dict[str, list[float]], float, str]:
     """``steps`` AdamW steps of the sharded ``model`` (through ``compiled``, gradients averaged by
     hand) and of ``eager`` (DDP of the unsharded model), each rank on its own batches. Returns the
@@ -50,6 +51,16 @@ def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_r
             loss.backward()
             if label == "compiled":
                 average_grads(model, shard_report)
+            if clip:  # the gradient norms: moe_compile's over the sharded model, torch's over eager's and
+                # torch's over the sharded model's parameters (this rank's experts only: what not to do)
+                if label == "compiled":
+                    local = [p.grad for p in model.parameters() if p.grad is not None]
+                    assert norms is not None
+                    norms["local"].append(float(torch.nn.utils.get_total_norm(local)))
+                    norms["compiled"].append(float(moe_compile.clip_grad_norm_(model, shard_report, clip)))
+                else:
+                    assert norms is not None
+                    norms["eager"].append(float(torch.nn.utils.clip_grad_norm_(eager.parameters(), clip)))
             opt.step()
             losses[label].append(float(loss))
     # the sharded weights after training equal the eager DDP model's rows for this rank's experts
@@ -192,8 +203,9 @@ def case_shard() -> dict[str, Any]:
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         with collect_reports() as graphs:
             optimizers: list[torch.optim.Optimizer] = []
+            norms: dict[str, list[float]] = {"local": [], "compiled": [], "eager": []}
             losses, weight_err, after_code = train_against_ddp(model, compiled, eager, shard_report, PARAMS["steps"],
-                                                               optimizers)
+                                                               optimizers, PARAMS.get("clip", 0.0), norms)
         # a deep copy of the sharded model reuses the compiled graph (same code, weights are
         # inputs): stacked experts' placeholders are no shard's, so it must fail, not run on the
         # original's shards; E modules keep the local ones real, and the copy runs on its own
@@ -216,7 +228,7 @@ def case_shard() -> dict[str, Any]:
                      "full_bytes": shard_report.full_bytes, "local_bytes": shard_report.local_bytes,
                      "param_numel_before": before, "param_numel_after": after, "expert_numel": expert_numel,
                      "losses": losses, "weight_err": weight_err, "after_code": after_code,
-                     "text": str(shard_report)}
+                     "text": str(shard_report), "norms": norms}
         if PARAMS.get("checkpoint"):
             out[kind]["checkpoint"] = checkpoint_checks(model, shard_report, eager.module, kind, mesh, ids,
                                                           out[kind]["loss_now"])
@@ -260,8 +272,9 @@ def case_trainer_shard() -> dict[str, Any]:
     """transformers' Trainer under torchrun with sharded experts, the way the README gives it:
     shard_experts, prepare_ddp, model.compile(...), then the Trainer, which wraps the model in
     DistributedDataParallel itself (accelerate); its logged losses (averaged over the ranks) against
-    a Trainer of the unsharded eager model on the same batches. With ``save``: the compiled run
-    saves a checkpoint halfway (``ShardedCheckpoints``), and a second sharded model with other
+    a Trainer of the unsharded eager model on the same batches, and its logged gradient norms
+    (``ShardedExperts`` clips over the whole model). With ``save``: the compiled run
+    saves a checkpoint halfway (``ShardedExperts``), and a second sharded model with other
     weights resumes from it; its losses are the uninterrupted run's, and the checkpoint loads into
     the unsharded model with from_pretrained."""
     import warnings
@@ -269,12 +282,14 @@ def case_trainer_shard() -> dict[str, Any]:
     import transformers
     from test_trainer import Tokens, tiny_mixtral
 
-    from moe_compile.trainer import ShardedCheckpoints
+    from moe_compile.trainer import ShardedExperts
 
     mesh = make_mesh(PARAMS["shape"])
     steps = PARAMS["steps"]
     save = PARAMS.get("save", 0)  # the step the checkpoint is saved at (0: none)
     shared = str(Path(os.environ["HIERMOE_TEST_OUT"]) / "trainer")  # one output folder, as torchrun runs have
+
+    norms: dict[str, list[float]] = {}
 
     def losses(model: torch.nn.Module, out: str, callbacks: list[Any] | None = None, resume: str | None = None
                ) -> tuple[list[float], str]:
@@ -282,7 +297,8 @@ def case_trainer_shard() -> dict[str, Any]:
             output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
             report_to=[], save_strategy="steps" if save else "no", save_steps=save or 500, use_cpu=True,
             ddp_backend="gloo", learning_rate=1e-2, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            adam_epsilon=ADAM_EPS)  # weights compared after AdamW steps: see ADAM_EPS
+            adam_epsilon=ADAM_EPS,  # weights compared after AdamW steps: see ADAM_EPS
+            max_grad_norm=PARAMS.get("max_grad_norm", 1.0))
         # the Trainer moves the model to its device when it is built (Module.to gives every buffer a
         # new tensor: the shard placeholders too, which the shard records must still know)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
@@ -291,6 +307,9 @@ def case_trainer_shard() -> dict[str, Any]:
             trainer.train(resume_from_checkpoint=resume)
         # a resumed run's history starts with the checkpoint's: only the steps it ran
         first = 0 if resume is None else save
+        norms[out if resume is None else "resumed"] = [float(h["grad_norm"]) for h in trainer.state.log_history
+                                                       if "grad_norm" in h and h["step"] > first]
+        norms[f"{out}/max_grad_norm after"] = [float(args.max_grad_norm)]
         return ([float(h["loss"]) for h in trainer.state.log_history if "loss" in h and h["step"] > first],
                 type(trainer.model_wrapped).__name__)
 
@@ -308,7 +327,7 @@ def case_trainer_shard() -> dict[str, Any]:
 
     eager = tiny_mixtral(8)
     model, report, ignored = sharded(0)
-    callbacks = [ShardedCheckpoints(report)] if save else None
+    callbacks = [ShardedExperts(report)]  # clipping over the whole model (and checkpoints, with save)
     with collect_reports() as graphs:
         compiled, wrapper = losses(model, shared, callbacks)
     out: dict[str, Any] = {"wrapper": wrapper, "rewritten": sum(len(g.regions) for g in graphs),
@@ -325,8 +344,10 @@ def case_trainer_shard() -> dict[str, Any]:
                    .named_parameters())
         out["checkpoint_err"] = max((rel_err(p.detach(), ref[n].detach()), n) for n, p in unsharded.named_parameters())
         resumed_model, resumed_report, _ = sharded(1)
-        out["losses_resumed"], _ = losses(resumed_model, shared, [ShardedCheckpoints(resumed_report)], resume=folder)
+        out["losses_resumed"], _ = losses(resumed_model, shared, [ShardedExperts(resumed_report)], resume=folder)
     out["losses"] = {"compiled": compiled, "eager": reference}
+    out["grad_norms"] = {"compiled": norms[shared], "eager": norms[eager_out],
+                         "args after": norms[f"{shared}/max_grad_norm after"]}
     return out
 
 

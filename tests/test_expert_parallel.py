@@ -340,9 +340,10 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
     prepare_ddp, model.compile(backend="hiermoe", mesh), then the Trainer, which moves the model to
     its device (new buffer tensors, the shard placeholders too, which the shard records still know:
     before, the recompile took them for full weights and ran on zeros) and wraps it in DDP itself.
-    Its logged losses equal those of a Trainer of the unsharded eager model; its checkpoint
-    (ShardedCheckpoints) is the unsharded model's, and a run resumed from it trains on alike."""
-    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=4, save=2)
+    Its logged losses and gradient norms (clipped, ShardedExperts) equal those of a Trainer of the
+    unsharded eager model; its checkpoint
+    (ShardedExperts) is the unsharded model's, and a run resumed from it trains on alike."""
+    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=4, save=2, max_grad_norm=0.05)
     for rank, res in enumerate(results):
         assert res["wrapper"] == "DistributedDataParallel" and res["rewritten"] == 2, (rank, res)
         assert {n.split(".")[-1] for n in res["ignored"]} == {"gate_up_proj", "down_proj", "gate_up_proj_shard",
@@ -350,7 +351,13 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
         assert len(res["losses"]["compiled"]) == 4, res["losses"]
         for a, b in zip(res["losses"]["compiled"], res["losses"]["eager"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, res["losses"])
-        # the checkpoint (moe_compile.trainer.ShardedCheckpoints) is the unsharded model's: it loads
+        # clipping at 0.05 (active at every step) by ShardedExperts: the whole model's norm, eager's
+        norms = res["grad_norms"]
+        assert len(norms["compiled"]) == 4 and min(norms["eager"]) > 0.05, norms
+        for a, b in zip(norms["compiled"], norms["eager"], strict=True):
+            assert abs(a - b) <= 1e-4 * b, (rank, norms)
+        assert norms["args after"] == [0.05], norms  # the Trainer's arguments given back
+        # the checkpoint (moe_compile.trainer.ShardedExperts) is the unsharded model's: it loads
         # with from_pretrained, every key in place, and equals eager's checkpoint of the same step
         assert "hiermoe_optimizer.pt" in res["saved"] and "model.safetensors" in res["saved"], res["saved"]
         assert res["loading_info"] == {"missing_keys": [], "unexpected_keys": []}, res["loading_info"]
@@ -365,7 +372,7 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
 @pytest.mark.ranks
 def test_shard_experts_memory_equality_and_training() -> None:
     results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2,
-                        checkpoint=True)
+                        checkpoint=True, clip=0.05)
     for rank, res in enumerate(results):
         for kind, r in res.items():
             where = (rank, kind)
@@ -395,6 +402,14 @@ def test_shard_experts_memory_equality_and_training() -> None:
                 assert abs(r["zeroed_loss"] - r["loss_now"]) > 1e-4, (where, r)
             check_checkpoint(r["checkpoint"], rank, where)
             check_optim(r["optim"], rank, where)
+            # gradient clipping (0.05, active at every step): moe_compile.clip_grad_norm_'s norm is eager
+            # DDP's (the losses and weights above equal eager's with it); torch's over the sharded
+            # model's parameters sees this rank's experts only and is another
+            norms = r["norms"]
+            assert min(norms["eager"]) > 0.05, norms
+            for a, b in zip(norms["compiled"], norms["eager"], strict=True):
+                assert abs(a - b) <= 1e-5 * b, (where, norms)
+            assert any(abs(a - b) > 1e-3 * b for a, b in zip(norms["local"], norms["eager"], strict=True)), norms
 
 
 @pytest.mark.ranks
