@@ -351,5 +351,35 @@ def case_trainer_shard() -> dict[str, Any]:
     return out
 
 
+def case_generate() -> dict[str, Any]:
+    """Greedy generation (transformers' generate) of a sharded, expert-parallel Mixtral, each rank
+    its own prompt length; rank 0 stops early at an end-of-sequence token while the others go on
+    (synced_gpus=True keeps its forwards, and so its layers' collectives, running). Against the
+    eager unsharded model's generate on the same prompt."""
+    import warnings
+
+    from test_trainer import tiny_mixtral
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    model = tiny_mixtral(8).eval()
+    eager = copy.deepcopy(model)
+    prompt = torch.randint(3, 64, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))
+    steps = PARAMS["new_tokens"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = eager.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
+        # rank 0 ends at its second new token; the others never end early
+        eos = int(free[0, prompt.shape[1] + 1]) if rank == 0 else None
+        want = eager.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        report = moe_compile.shard_experts(model, mesh, input_ids=prompt)
+        model.compile(backend="hiermoe", options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+        with collect_reports() as graphs:
+            got = model.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                                 synced_gpus=True)
+    return {"want": want.tolist(), "got": got.tolist(), "sharded": len(report.shards),
+            "rewritten": max((len(g.regions) for g in graphs), default=0), "graphs": len(graphs)}
+
+
 if __name__ == "__main__":
     main(globals())

@@ -370,6 +370,18 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
 
 
 @pytest.mark.ranks
+def test_generate_with_sharded_experts_equals_eager() -> None:
+    """transformers' greedy generate on a sharded, expert-parallel HF Mixtral (4 gloo ranks, prompt
+    lengths 5..8): every rank's tokens equal the eager unsharded model's, rank 0 stopping at an
+    end-of-sequence token after 2 new tokens while the others make 6 (synced_gpus=True)."""
+    results = run_ranks(4, "generate", worker="shard_worker.py", shape=[2, 2], new_tokens=6)
+    for rank, res in enumerate(results):
+        assert res["sharded"] == 4 and res["rewritten"] == 2, (rank, res)
+        assert res["got"] == res["want"], (rank, res)
+        assert len(res["want"][0]) == (5 + 2 if rank == 0 else 5 + rank + 6), (rank, res)
+
+
+@pytest.mark.ranks
 def test_shard_experts_memory_equality_and_training() -> None:
     results = run_ranks(4, "shard", worker="shard_worker.py", shape=[2, 2], kinds=["grouped_gemm", "expert_loop"], steps=2,
                         checkpoint=True, clip=0.05)
