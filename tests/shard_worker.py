@@ -298,7 +298,7 @@ def case_trainer_shard() -> dict[str, Any]:
             report_to=[], save_strategy="steps" if save else "no", save_steps=save or 500, use_cpu=True,
             ddp_backend="gloo", learning_rate=1e-2, disable_tqdm=True, seed=0, dataloader_num_workers=0,
             adam_epsilon=ADAM_EPS,  # weights compared after AdamW steps: see ADAM_EPS
-            max_grad_norm=PARAMS.get("max_grad_norm", 1.0))
+            max_grad_norm=PARAMS.get("max_grad_norm", 1.0), gradient_accumulation_steps=PARAMS.get("accumulate", 1))
         # the Trainer moves the model to its device when it is built (Module.to gives every buffer a
         # new tensor: the shard placeholders too, which the shard records must still know)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)

@@ -340,10 +340,11 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
     prepare_ddp, model.compile(backend="hiermoe", mesh), then the Trainer, which moves the model to
     its device (new buffer tensors, the shard placeholders too, which the shard records still know:
     before, the recompile took them for full weights and ran on zeros) and wraps it in DDP itself.
-    Its logged losses and gradient norms (clipped, ShardedExperts) equal those of a Trainer of the
-    unsharded eager model; its checkpoint
+    Its logged losses and gradient norms (2 micro-batches accumulated per step, clipped by
+    ShardedExperts) equal those of a Trainer of the unsharded eager model; its checkpoint
     (ShardedExperts) is the unsharded model's, and a run resumed from it trains on alike."""
-    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=4, save=2, max_grad_norm=0.05)
+    results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=4, save=2, max_grad_norm=0.05,
+                        accumulate=2)
     for rank, res in enumerate(results):
         assert res["wrapper"] == "DistributedDataParallel" and res["rewritten"] == 2, (rank, res)
         assert {n.split(".")[-1] for n in res["ignored"]} == {"gate_up_proj", "down_proj", "gate_up_proj_shard",
