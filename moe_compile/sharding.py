@@ -155,22 +155,11 @@ def clip_grad_norm_(model: nn.Module, report: ShardReport, max_norm: float, norm
     return total
 
 
-def _placement(shard: Shard, world: int) -> tuple[list[int], list[int]]:
-    """(mesh position, local slot) of every logical expert of a stacked shard's layer: the layer's
-    placement table where an expert swap may have moved its rows (``runtime.EPLayer``), else the
-    contiguous one ``shard_experts`` cut (expert e at position e // (E/G), slot e % (E/G))."""
-    for lay in runtime.layers():
-        if any(shard.local is q for q in lay.slot_params):
-            lay.settle()  # a swap still waiting for its outcome: the placement every rank agrees on
-            return [int(p) for p in lay.expert_pos_E.tolist()], [int(s) for s in lay.expert_slot_E.tolist()]
-    per = shard.num_experts // world
-    return [e // per for e in range(shard.num_experts)], [e % per for e in range(shard.num_experts)]
-
-
-def _local_experts(shard: Shard, settle: bool = True) -> list[int]:
-    """The logical experts of this rank's shard rows, in row order (after any expert swap).
-    ``settle``: put in force a swap still waiting for its outcome (an exchange with the other
-    ranks); without, a pending swap raises (its rows and the table may not agree yet)."""
+def _layer_of(shard: Shard, settle: bool = True) -> runtime.EPLayer | None:
+    """The runtime layer whose rows a stacked shard holds (None before its first compile: the
+    contiguous placement). ``settle``: put in force a swap still waiting for its outcome (an
+    exchange with the other ranks); without, a pending swap raises (its rows and the table may
+    not agree yet)."""
     for lay in runtime.layers():
         if any(shard.local is q for q in lay.slot_params):
             if settle:
@@ -178,8 +167,25 @@ def _local_experts(shard: Shard, settle: bool = True) -> list[int]:
             elif lay.settle_hook is not None:
                 raise RuntimeError(f"layer {lay.name}: an expert swap is waiting for its outcome; call the swapper's "
                                    "flush() on every rank before taking the state dict")
-            return list(lay.local_experts)
-    return list(range(shard.first, shard.first + shard.num_local))
+            return lay
+    return None
+
+
+def _placement(shard: Shard, world: int) -> tuple[list[int], list[int]]:
+    """(mesh position, local slot) of every logical expert of a stacked shard's layer: the layer's
+    placement table where an expert swap may have moved its rows (``runtime.EPLayer``), else the
+    contiguous one ``shard_experts`` cut (expert e at position e // (E/G), slot e % (E/G))."""
+    lay = _layer_of(shard)
+    if lay is not None:
+        return [int(p) for p in lay.expert_pos_E.tolist()], [int(s) for s in lay.expert_slot_E.tolist()]
+    per = shard.num_experts // world
+    return [e // per for e in range(shard.num_experts)], [e % per for e in range(shard.num_experts)]
+
+
+def _local_experts(shard: Shard, settle: bool = True) -> list[int]:
+    """The logical experts of this rank's shard rows, in row order (after any expert swap)."""
+    lay = _layer_of(shard, settle)
+    return list(lay.local_experts) if lay is not None else list(range(shard.first, shard.first + shard.num_local))
 
 
 EXPERTS_SUFFIX = "_shard_experts"  # state dict key beside a shard: the logical expert of each of its rows
