@@ -38,11 +38,28 @@ def hiermoe_backend(gm: fx.GraphModule, example_inputs: Sequence[object], *,
         collector.append(report)
     if opts.dump_dir:
         dump_graph_report(opts.dump_dir, report, gm)
+    _check_shards_read(ctx)
     inputs = list(example_inputs)
     for pos, t in ctx.input_swaps.items():
         inputs[pos] = t
     compiled = _inner_compile(gm, inputs, opts, mode, _overlap(opts, report) if ctx.ep_layers else None)
     return _with_expert_inputs(compiled, tuple(ctx.input_swaps), ctx.layer_inputs) if ctx.layer_inputs else compiled
+
+
+def _check_shards_read(ctx: PassContext) -> None:
+    """A graph that reads a ``shard_experts`` placeholder other than through the expert-parallel
+    stages would compute with its zeros: a sharded layer left as written (verification failed,
+    a pass disabled, a layer the finder did not see whole). Raise, naming why the layers were
+    left alone, instead of running it."""
+    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+    read = [n.name for pos, (n, ex) in enumerate(zip(placeholders, ctx.example_inputs, strict=False))
+            if n.users and pos not in ctx.input_swaps and shard.lookup(ex) is not None]
+    if not read:
+        return
+    why = "; ".join(f"{s.name}: {s.reason}" for s in ctx.skipped) or "no MoE layer of this graph was rewritten"
+    raise ValueError(f"this graph reads expert weights that moe_compile.shard_experts split over the ranks "
+                     f"({', '.join(read)}) outside an expert-parallel layer, where they are placeholders of "
+                     f"zeros: a sharded layer must be rewritten, and here it was left as written ({why})")
 
 
 def _with_expert_inputs(fn: Callable[..., object], shard_positions: Sequence[int],

@@ -37,7 +37,7 @@ import torch.fx as fx
 from moe_compile.passes.account import Unexplained, unexplained_op
 from moe_compile.passes.emit import emit_expert_op
 from moe_compile.passes.find_moe_regions import FindResult
-from moe_compile.passes.graph_index import GraphIndex, is_inplace, is_view
+from moe_compile.passes.graph_index import GraphIndex, is_inplace, is_view, tensor_meta
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights, Skip
 from moe_compile.passes.verify import (
     Verdict,
@@ -223,7 +223,7 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
     n = len(region.outputs) * len(region.layouts) * len(region.weights)
     if failed and not unexplained:
         return Decision(region, None, f"verification failed for all {n} interpretations of the layer, so it is "
-                                      f"left unchanged (first: {failed[0]})")
+                                      f"left unchanged (first: {failed[0]}){_autocast_note(region)}")
     if not unexplained:
         return Decision(region, None, "left unchanged: no output candidate reads any of the routing-weight "
                                       "candidates, so none is the routed sum")
@@ -233,7 +233,7 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
     reason = f"left unchanged: {first.reason}; rewriting the layer into the expert op would change its results"
     if failed:
         reason += (f" (the {len(failed)} interpretations that account for every op fail verification, "
-                f"first: {failed[0]})")
+                f"first: {failed[0]}){_autocast_note(region)}")
     return Decision(region, None, reason)
 
 
@@ -287,3 +287,15 @@ def _alias_group(n: fx.Node) -> set[fx.Node]:
         group.add(m)
         todo.extend(u for u in m.users if (is_view(u) or is_inplace(u)) and u.args and u.args[0] is m)
     return group
+
+
+def _autocast_note(region: MoERegion) -> str:
+    """Why verification fails under an ambient torch.autocast: the layer's own matmuls (mm, bmm,
+    einsum, linear) run in the autocast dtype there, the expert op in the tokens' dtype."""
+    meta = tensor_meta(region.tokens)
+    device = meta.device.type if meta is not None else "cpu"
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return ""
+    return (f"; this graph is compiled under torch.autocast({device!r}, {torch.get_autocast_dtype(device)}), which "
+            "the expert op does not follow (it computes in the tokens' dtype): call the compiled model outside "
+            "autocast")

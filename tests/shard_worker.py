@@ -351,6 +351,28 @@ def case_trainer_shard() -> dict[str, Any]:
     return out
 
 
+def case_left_alone() -> dict[str, Any]:
+    """A sharded layer that is not rewritten would read its placeholders' zeros: compiling it must
+    fail, saying why the layer was left alone (the canonicalize pass disabled; the model called
+    under torch.autocast, which the expert op does not follow, so verification fails)."""
+    mesh = make_mesh(PARAMS["shape"])
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    out: dict[str, Any] = {}
+    for label, options, autocast in (("disabled", {"disable_passes": ["canonicalize"]}, False),
+                                     ("autocast", {}, True)):
+        torch._dynamo.reset()
+        model = tiny("grouped_gemm", 8)
+        moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+        compiled = torch.compile(model, backend="hiermoe",
+                                 options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager", **options})
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out[label] = {"loss": float(compiled(ids[:, :-1], ids[:, 1:])), "error": ""}
+        except Exception as e:  # Dynamo wraps the backend's ValueError
+            out[label] = {"loss": None, "error": str(e)}
+    return out
+
+
 def case_generate() -> dict[str, Any]:
     """Greedy generation (transformers' generate) of a sharded, expert-parallel Mixtral, each rank
     its own prompt length; rank 0 stops early at an end-of-sequence token while the others go on

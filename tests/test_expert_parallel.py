@@ -371,6 +371,18 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
 
 
 @pytest.mark.ranks
+def test_a_sharded_layer_left_alone_fails_to_compile_instead_of_reading_zeros() -> None:
+    """Before, a sharded layer left as written ran on its placeholders (zeros) and trained on: under
+    torch.autocast (verification fails there) the tiny LM's loss was the one without experts."""
+    results = run_ranks(2, "left_alone", worker="shard_worker.py", shape=[2])
+    for rank, res in enumerate(results):
+        for label, r in res.items():
+            assert r["loss"] is None and "placeholders of zeros" in r["error"], (rank, label, r)
+        assert "the canonicalize pass is disabled" in res["disabled"]["error"], res["disabled"]
+        assert "compiled under torch.autocast('cpu', torch.bfloat16)" in res["autocast"]["error"], res["autocast"]
+
+
+@pytest.mark.ranks
 def test_generate_with_sharded_experts_equals_eager() -> None:
     """transformers' greedy generate on a sharded, expert-parallel HF Mixtral (4 gloo ranks, prompt
     lengths 5..8): every rank's tokens equal the eager unsharded model's, rank 0 stopping at an

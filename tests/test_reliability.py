@@ -160,6 +160,25 @@ def test_nan_in_the_compile_batch_does_not_disable_the_rewrite() -> None:
     assert err <= TOL
 
 
+def test_a_layer_under_ambient_autocast_is_left_alone_and_the_reason_says_so() -> None:
+    """The expert op computes in the tokens' dtype; under torch.autocast the layer's own matmuls
+    (mm, einsum) run in bf16, so verification fails and the layer stays as written (eager's
+    results, not the op's fp32), and the reason names autocast and what to do."""
+    spec = SAMPLES["switch_einsum"]
+    torch.manual_seed(0)
+    model = spec.make()
+    x = example_input(spec)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+        torch._dynamo.reset()
+        with collect_reports() as graphs:
+            y = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})(x)
+    assert not [r for g in graphs for r in g.regions]
+    reasons = [s.reason for g in graphs for s in g.skipped]
+    assert any("compiled under torch.autocast('cpu', torch.bfloat16)" in r for r in reasons), reasons
+    assert torch.equal(y, ref)  # the layer as written: eager's autocast computation
+
+
 def test_verify_false_warns() -> None:
     spec = SAMPLES["qwen3"]
     with pytest.warns(UserWarning, match="rewritten without numerical verification"):
