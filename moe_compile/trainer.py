@@ -13,12 +13,11 @@ experts kept on 4 ranks, and every rank given the first rank's optimizer state.
   Trainer, puts it back at train end) and clips before each optimizer step with
   ``sharding.clip_grad_norm_`` (the whole model's norm, the experts' part summed over the mesh);
   the logged ``grad_norm`` is that norm;
-
 - ``on_save`` (every rank, after the Trainer wrote the checkpoint): the weights gathered by
   ``sharding.full_state_dict`` replace the model file (``save_pretrained`` under the model's own
   parameter names: the folder loads into the unsharded model with ``from_pretrained``, and into
-  the Trainer's resume, which transformers' original names do not), and the optimizer state gathered by
-  ``sharding.full_optim_state_dict`` goes beside it as ``hiermoe_optimizer.pt``;
+  the Trainer's resume, which transformers' original names do not), and the optimizer state
+  gathered by ``sharding.full_optim_state_dict`` goes beside it as ``hiermoe_optimizer.pt``;
 - on resume the Trainer loads that model file with ``load_state_dict`` (each rank keeps its rows,
   ``shard_experts``' pre-hook), then its own optimizer file; ``on_train_begin`` then puts every
   rank's own optimizer state in place from ``hiermoe_optimizer.pt``

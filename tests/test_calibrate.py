@@ -150,13 +150,14 @@ def test_build_topology_rejects_flat_times() -> None:
 @pytest.mark.ranks
 def test_torchrun_four_gloo_ranks(tmp_path: Path) -> None:
     """The real command: 4 CPU processes, mesh node=2 x gpu=2, three sizes up to 8 MiB (large enough
-    that the bytes, not scheduling noise on 2 shared cores, set the time, so beta comes out > 0);
+    that the bytes, not scheduling noise on 2 shared cores, set the time, so beta comes out > 0;
+    5 repetitions: with 3, a busy moment of the other pytest worker once left the node fit flat);
     with --chunk-overhead, the probe layer timed in 1, 2 and 4 chunks and the fitted fixed cost
     of a chunk written to the file."""
     out = tmp_path / "cluster.toml"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "moe_compile.tools.calibrate", "--mesh", "node=2,gpu=2", "--out", str(out),
-           "--min-bytes", "4096", "--max-bytes", str(8 << 20), "--steps", "3", "--reps", "3", "--warmup", "1",
+           "--min-bytes", "4096", "--max-bytes", str(8 << 20), "--steps", "3", "--reps", "5", "--warmup", "1",
            "--chunk-overhead"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env,
