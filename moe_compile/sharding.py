@@ -3,6 +3,13 @@ for what it records and how the compiled model reads the shards).
 
 It finds the model's MoE layers with the backend's own finder (``explain``: a compile on the
 example inputs, nothing rewritten in the model), so it belongs to the entry, beside ``explain``.
+
+And what training a sharded model needs beyond the compiled step, where anything that reads "the
+model's" weights or gradients on one rank would see only its own experts: ``prepare_ddp``
+(DistributedDataParallel must not average the shards), ``clip_grad_norm_`` (the whole model's
+norm), ``full_state_dict`` / ``full_optim_state_dict`` (checkpoints of the unsharded model) and
+their loading (a ``load_state_dict`` pre-hook per sharded weight, ``load_full_optim_state_dict``).
+``moe_compile.trainer.ShardedExperts`` does the clipping and checkpoints for transformers' Trainer.
 """
 
 from __future__ import annotations
