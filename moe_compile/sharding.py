@@ -237,7 +237,7 @@ def full_state_dict(model: nn.Module, report: ShardReport, *, rank0_only: bool =
             state.pop(f"{param.name}_shard", None)
             state.pop(param.name + EXPERTS_SUFFIX, None)
         else:
-            full = _broadcast_module(model, param, comm, rank0_only, root)
+            full = _broadcast_module(model, param, comm, rank0_only)
         if keep:
             assert full is not None
             state[param.name] = full
@@ -264,30 +264,50 @@ def _gather_stacked(shard: Shard, param: ExpertParam, comm: Any, rank0_only: boo
     return torch.stack([by_pos[where[e]][slot[e]] for e in range(param.num_experts)])
 
 
-def _broadcast_module(model: nn.Module, param: ExpertParam, comm: Any, rank0_only: bool, root: int) -> Tensor | None:
+def _broadcast_module(model: nn.Module, param: ExpertParam, comm: Any, rank0_only: bool) -> Tensor | None:
     """Expert ``param.index``'s module weight, from the rank that holds it (modules never move:
     ``shard_experts`` keeps them in place and an expert swap refuses them)."""
-    assert param.index is not None
-    flat = comm.intra[0]
-    owner = param.index // (param.num_experts // comm.world)
     module, attr = _resolve(model, param.name)
     held = module._parameters.get(attr)
-    device = _device(module, attr)
-    if comm.position == owner:
+    if comm.position == _owner(param, comm):
         assert held is not None, f"{param.name}: this rank should hold expert {param.index}'s module"
         value = held.detach().clone()
     else:
-        value = torch.empty(param.shape, dtype=param.dtype, device=device)
-    src = dist.get_global_rank(flat.group, flat.peer_pos.index(owner))
-    if rank0_only:
-        if owner != 0:  # point to point: only the first rank needs it
-            if comm.position == owner:
-                dist.send(value, dst=dist.get_global_rank(flat.group, root), group=flat.group)
-            elif comm.position == 0:
-                dist.recv(value, src=src, group=flat.group)
-        return value if comm.position == 0 else None
-    dist.broadcast(value, src=src, group=flat.group)
-    return value
+        value = torch.empty(param.shape, dtype=param.dtype, device=_device(module, attr))
+    payload = [value]
+    return payload[0] if _from_owner(payload, _owner(param, comm), comm, rank0_only) else None
+
+
+def _owner(param: ExpertParam, comm: Any) -> int:
+    """The mesh position that holds expert module ``param.index`` (the contiguous placement)."""
+    assert param.index is not None
+    return param.index // (param.num_experts // comm.world)
+
+
+def _from_owner(payload: list[Any], owner: int, comm: Any, rank0_only: bool) -> bool:
+    """Hand ``payload[0]`` from mesh position ``owner`` to every rank (``rank0_only``: to the first
+    only, point to point): a tensor each receiver allocated like it, or any picklable object.
+    Returns whether this rank now holds it."""
+    flat = comm.intra[0]
+    group, tensor = flat.group, isinstance(payload[0], Tensor)
+    src = dist.get_global_rank(group, flat.peer_pos.index(owner))
+    if not rank0_only:
+        if tensor:
+            dist.broadcast(payload[0], src=src, group=group)
+        else:
+            dist.broadcast_object_list(payload, src=src, group=group)
+        return True
+    if owner != 0 and comm.position in (owner, 0):
+        dst = dist.get_global_rank(group, flat.peer_pos.index(0))
+        if comm.position == owner and tensor:
+            dist.send(payload[0], dst=dst, group=group)
+        elif comm.position == owner:
+            dist.send_object_list(payload, dst=dst, group=group)
+        elif tensor:
+            dist.recv(payload[0], src=src, group=group)
+        else:
+            dist.recv_object_list(payload, src=src, group=group)
+    return comm.position == 0
 
 
 def _load_rows(shard: Shard, attr: str, module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -440,27 +460,13 @@ def _broadcast_entry(model: nn.Module, param: ExpertParam, comm: Any, state: dic
                      groups: list[dict[str, Any]], rank0_only: bool) -> tuple[dict[str, Any], int | None]:
     """Expert module ``param``'s optimizer state and param group index, from the rank that holds it
     (to the first rank only where ``rank0_only``)."""
-    assert param.index is not None
-    flat = comm.intra[0]
-    owner = param.index // (param.num_experts // comm.world)
     payload: list[Any] = [None]
-    if comm.position == owner:
+    if comm.position == _owner(param, comm):
         entry = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.get(param.name, {}).items()}
         group = next((i for i, g in enumerate(groups) if param.name in g["params"]), None)
         payload = [(entry, group)]
-    src = dist.get_global_rank(flat.group, flat.peer_pos.index(owner))
-    if rank0_only:
-        root = dist.get_global_rank(flat.group, flat.peer_pos.index(0))
-        if owner != 0:
-            if comm.position == owner:
-                dist.send_object_list(payload, dst=root, group=flat.group)
-            elif comm.position == 0:
-                dist.recv_object_list(payload, src=src, group=flat.group)
-        if comm.position != 0:
-            return {}, None
-    else:
-        dist.broadcast_object_list(payload, src=src, group=flat.group)
+    if not _from_owner(payload, _owner(param, comm), comm, rank0_only):
+        return {}, None
     entry, group = payload[0]
-    module, attr = _resolve(model, param.name)
-    device = _device(module, attr)
+    device = _device(*_resolve(model, param.name))
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in entry.items()}, group
