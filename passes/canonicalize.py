@@ -41,6 +41,7 @@ from moe_compile.passes.graph_index import GraphIndex, is_inplace, is_view, tens
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights, Skip
 from moe_compile.passes.verify import (
     Verdict,
+    autocast_at,
     boundary_of,
     capture_boundary_values,
     kept_nodes,
@@ -223,7 +224,7 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
     n = len(region.outputs) * len(region.layouts) * len(region.weights)
     if failed and not unexplained:
         return Decision(region, None, f"verification failed for all {n} interpretations of the layer, so it is "
-                                      f"left unchanged (first: {failed[0]}){_autocast_note(region)}")
+                                      f"left unchanged (first: {failed[0]}){_autocast_note(region, index.gm.graph)}")
     if not unexplained:
         return Decision(region, None, "left unchanged: no output candidate reads any of the routing-weight "
                                       "candidates, so none is the routed sum")
@@ -233,7 +234,7 @@ def _decide(index: GraphIndex, params, region: MoERegion, values: dict[fx.Node, 
     reason = f"left unchanged: {first.reason}; rewriting the layer into the expert op would change its results"
     if failed:
         reason += (f" (the {len(failed)} interpretations that account for every op fail verification, "
-                f"first: {failed[0]}){_autocast_note(region)}")
+                f"first: {failed[0]}){_autocast_note(region, index.gm.graph)}")
     return Decision(region, None, reason)
 
 
@@ -289,13 +290,20 @@ def _alias_group(n: fx.Node) -> set[fx.Node]:
     return group
 
 
-def _autocast_note(region: MoERegion) -> str:
-    """Why verification fails under an ambient torch.autocast: the layer's own matmuls (mm, bmm,
-    einsum, linear) run in the autocast dtype there, the expert op in the tokens' dtype."""
+def _autocast_note(region: MoERegion, graph: fx.Graph) -> str:
+    """What verification did where the layer runs under torch.autocast (inside the compiled code
+    or around the compiled call), and what makes a layer fail there."""
     meta = tensor_meta(region.tokens)
     device = meta.device.type if meta is not None else "cpu"
-    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+    inside = [state for state in autocast_at(graph, region.topk) if state[0] == device and state[2]]
+    if inside:
+        where, dtype = "inside the compiled code", inside[-1][1] or torch.get_autocast_dtype(device)
+    elif device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        where, dtype = "around the compiled call", torch.get_autocast_dtype(device)
+    else:
         return ""
-    return (f"; this graph is compiled under torch.autocast({device!r}, {torch.get_autocast_dtype(device)}), which "
-            "the expert op does not follow (it computes in the tokens' dtype): call the compiled model outside "
-            "autocast")
+    return (f"; the layer runs under torch.autocast({device!r}, {dtype}) {where}: verification compares the "
+            f"expert op with it without autocast (in the tokens' dtype) and under it (the op in {region.dtype}, the "
+            "dtype the layer's own matmuls show in the graph); a layer that autocast changes where the graph does "
+            "not show it (a custom op's own matmuls, a dtype the layer reads off an autocast result) fails there: "
+            "call the compiled model outside autocast to have it rewritten")

@@ -33,7 +33,14 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
     fn = graph.call_function
     hidden, k = region.hidden_size, region.top_k
 
-    x_TH = m(region.tokens)
+    compute = getattr(torch, region.dtype)
+
+    def cast(node: fx.Node, source: fx.Node) -> fx.Node:
+        # the op computes in the layer's matmul dtype (torch.autocast's where the layer ran under it)
+        meta = tensor_meta(source)
+        return node if meta is None or meta.dtype == compute else graph.call_method("to", (node, compute))
+
+    x_TH = cast(m(region.tokens), region.tokens)
     if len(static_shape(region.tokens) or ()) != 2:
         x_TH = graph.call_method("reshape", (x_TH, -1, hidden))
     if region.ids is not None:  # the router masked the anchor's ids before the experts read them
@@ -57,14 +64,14 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
         if role is None:
             return None
         if role.stacked:
-            return m(role.first)
+            return cast(m(role.first), role.first)
         node = fn(torch.stack, ([m(n) for n in role.nodes],))
         # a copy of E modules' weights that the matmuls' backward would keep alive from forward
         # to backward; tagged for AOTAutograd's partitioner (the tag travels into the joint
         # graph, as activation checkpointing's does) to stack them again in the backward instead
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = _STACK_AC_GRAPH
-        return node
+        return cast(node, role.first)
 
     w_in = stacked(layout.up)
     assert w_in is not None
@@ -107,8 +114,8 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
         assert template is not None, "the finder only accepts outputs shaped like the tokens"
         # reshape_as a node of that shape keeps symbolic sizes symbolic under dynamic shapes
         y_TH = graph.call_method("reshape_as", (y_TH, m(template)))
-    out_meta, x_meta = tensor_meta(output), tensor_meta(region.tokens)
-    if out_meta is not None and x_meta is not None and out_meta.dtype != x_meta.dtype:
+    out_meta = tensor_meta(output)
+    if out_meta is not None and out_meta.dtype != compute:
         y_TH = graph.call_method("to", (y_TH, out_meta.dtype))
     return op, y_TH
 

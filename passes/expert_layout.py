@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.activation_expr import expression_activation
-from moe_compile.passes.graph_index import GraphIndex, static_shape
+from moe_compile.passes.graph_index import GraphIndex, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, WeightRole
 
@@ -226,3 +227,35 @@ def _assign_biases(index: GraphIndex, nodes: set[fx.Node], layout: ExpertLayout,
             return None
         assigned[name] = b
     return replace(layout, b_up=assigned.get("up"), b_gate=assigned.get("gate"), b_down=assigned.get("down"))
+
+
+def compute_dtype(experts: ExpertParams, nodes: set[fx.Node]) -> torch.dtype | None:
+    """The dtype the layer's own expert matmuls compute in, read off the graph: the output dtype
+    of the first matmuls each expert weight reaches inside the region (``nodes``), through views,
+    casts and indexing.  It is what the model ran, ``torch.autocast`` included (an ``mm``, ``bmm``,
+    ``linear`` or ``einsum`` under bf16 autocast computes in bf16; ``torch._grouped_mm`` has no
+    autocast rule and stays in its inputs' dtype), or a cast the layer writes itself
+    (``F.linear(x.to(w.dtype), w)``).  None where no matmul is found or they disagree: the expert
+    op then computes in the tokens' dtype, and verification decides."""
+    found: set[torch.dtype] = set()
+    for role in experts.weight_roles:
+        frontier, seen = list(role.nodes), set(role.nodes)
+        for _ in range(_MATMUL_DEPTH):
+            nxt = []
+            for n in frontier:
+                for u in n.users:
+                    if u in seen or u not in nodes:
+                        continue
+                    seen.add(u)
+                    if ops.is_matmul(u):
+                        meta = tensor_meta(u)
+                        if meta is not None:
+                            found.add(meta.dtype)
+                    else:
+                        nxt.append(u)
+            frontier = nxt
+    return found.pop() if len(found) == 1 else None
+
+
+# how many ops (views, casts, an index) may stand between an expert weight and its matmul
+_MATMUL_DEPTH = 6

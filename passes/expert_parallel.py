@@ -268,8 +268,10 @@ def _weight_inputs(nodes: Sequence[fx.Node], value: dict[fx.Node, object], num_e
 
 
 def _root(n: fx.Node) -> fx.Node:
-    """The storage under a chain of views."""
-    while n.op == "call_function" and n.target in _VIEWS and isinstance(n.args[0], fx.Node):
+    """The storage under a chain of views and casts (``passes.emit`` casts weights to the layer's
+    compute dtype where it ran under torch.autocast)."""
+    while ((n.op == "call_function" and n.target in _VIEWS) or (n.op == "call_method" and n.target == "to")) \
+            and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
 

@@ -38,6 +38,7 @@ from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.expert_layout import (
     ExpertParams,
     classify_params,
+    compute_dtype,
     in_family,
     layout_hypotheses,
     valid_family_keys,
@@ -258,7 +259,9 @@ def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_expert
 
     ffn = layouts[0].ffn_size
     existing = next((n for n in index.ordered(region_nodes) if ops.qualified_op(n) == "hiermoe::experts"), None)
-    dtype = tensor_meta(router.tokens).dtype  # type: ignore[union-attr]
+    # what the expert op computes in: the layer's own matmuls' dtype (torch.autocast's, a cast the
+    # layer writes), else the tokens'
+    dtype = compute_dtype(experts, region_nodes) or tensor_meta(router.tokens).dtype  # type: ignore[union-attr]
     return MoERegion(
         name=name,
         pattern=_pattern(region_nodes, experts, any(w.kind == "combine" for w in weights)),

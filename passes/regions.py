@@ -115,6 +115,9 @@ class MoERegion:
     hidden_size: int
     ffn_size: int
     num_tokens: int
+    # what the expert op computes in (``expert_layout.compute_dtype``: the layer's matmuls' dtype,
+    # torch.autocast's where the layer runs under it), e.g. "bfloat16"; the op's tokens and weights
+    # are cast to it and its result back to the layer's output dtype
     dtype: str
     drops: bool
     # interpretations to verify, most likely first; canonicalize takes the first that verifies

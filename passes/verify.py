@@ -23,16 +23,17 @@ weights, expert weights) must agree.  A region of 0 tokens verifies nothing (``v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.emit import emit_expert_op, shape_source
-from moe_compile.passes.graph_index import GraphIndex
+from moe_compile.passes.graph_index import GraphIndex, tensor_meta
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights
 
@@ -120,14 +121,25 @@ def capture_boundary_values(gm: fx.GraphModule, example_inputs: Sequence[object]
             for n, ex in zip(placeholders, example_inputs)]
     grad_mode = torch.is_grad_enabled()
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+    capture = Capture(gm)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            Capture(gm).run(*args)
+            capture.run(*args)
     except _Done:
         pass
     finally:
         torch.set_grad_enabled(grad_mode)
+        _leave_autocast(gm.graph, capture.env)
     return store
+
+
+def _leave_autocast(graph: fx.Graph, env: Mapping[fx.Node, object]) -> None:
+    """Exit the ``torch.autocast`` regions a run stopped inside (innermost first): the compile
+    that follows must not run under the model's autocast."""
+    exited = {n.args[0] for n in env if n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast}
+    for n in reversed(list(env)):
+        if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast and n not in exited:
+            torch.amp.autocast_mode._exit_autocast(env[n])  # type: ignore[arg-type]
 
 
 def _materialize(ex: object, node: fx.Node, clone: bool) -> object:
@@ -185,26 +197,59 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     # reads, where the layer's may not be; the mask in front of them zeroes it further back.)
     at_weights = bool(keep) and weights.kind == "topk"
     original = _subgraph(index.gm, boundary, inner, lambda g, m: (m(cand.node), *([m(weights.node)] if at_weights else [])))
-    replacement = _subgraph(index.gm, boundary, index.ordered(keep), lambda g, m: (
-        emit_expert_op(g, region, layout, weights, cand.node, m)[1], *([m(weights.node)] if at_weights else [])))
+
+    def replacement_as(r: MoERegion) -> fx.GraphModule:
+        return _subgraph(index.gm, boundary, index.ordered(keep), lambda g, m: (
+            emit_expert_op(g, r, layout, weights, cand.node, m)[1], *([m(weights.node)] if at_weights else [])))
+
     via_weights = _through_weights(index, params, region, boundary, set(inner), keep, weights) if at_weights \
         else [False] * len(boundary)
     base = [values[b] for b in boundary]
     cases = [("router", base)] + _synthetic_cases(index, boundary, base, region)
-    compute = getattr(torch, region.dtype)
+    is_param = [b in params for b in boundary]
+    inside = autocast_at(index.gm.graph, region.topk)
+    ambient = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    if not ambient and not any(state[2] for state in inside):
+        return _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype))
+    # Under torch.autocast, rounding differs between two correct computations more than a wrong
+    # interpretation can hide in forward, not in backward (a ReLU whose bf16 pre-activation changes
+    # sign flips a token's whole gradient).  So: the interpretation first, forward and backward,
+    # both graphs outside autocast in the tokens' dtype; then the op as emitted, in the layer's
+    # compute dtype, against the layer under autocast, forward (an op of the layer that autocast
+    # changes unseen, a custom op's own matmuls, shows up there).
+    # (values the graph computed under autocast before the region, router logits say, come in
+    # the tokens' dtype there, as they would have without it)
+    tokens = tensor_meta(region.tokens)
+    plain = replace(region, dtype=str(tokens.dtype).removeprefix("torch.")) if tokens is not None else region
+    widened = [(label, [_widened(v, getattr(torch, plain.dtype)) for v in vals]) for label, vals in cases]
+    verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
+                     _AUTOCAST_OFF)
+    if not verdict.ok:
+        return verdict
+    low = _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype), inside,
+                 backward=False)
+    if not low.ok:
+        return Verdict(False, low.forward_err, verdict.backward_err, f"under torch.autocast, {low.reason}")
+    return Verdict(True, max(verdict.forward_err, low.forward_err), verdict.backward_err)
+
+
+def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tuple[str, list[object]]],
+           is_param: list[bool], via_weights: list[bool], compute: torch.dtype,
+           autocast: Sequence[tuple[object, ...]] = (), backward: bool = True) -> Verdict:
+    """Run both graphs on each case (forwards under the ``autocast`` states): outputs, and where
+    ``backward``, gradients must agree to ``compute``'s tolerance."""
     fwd_err = bwd_err = 0.0
     for label, vals in cases:
         try:
-            err, ok = _compare_forward(original, replacement, vals, compute)
+            err, ok = _compare_forward(original, replacement, vals, compute, autocast)
         except Exception as e:  # a wrong interpretation may not even run (shape mismatch)
             return Verdict(False, float("inf"), float("inf"), f"{label}: {type(e).__name__}: {e}")
         fwd_err = max(fwd_err, err)
         if not ok:
             return Verdict(False, fwd_err, bwd_err, f"{label}: outputs differ (relative error {err:.2e})")
-        if label != "skewed":
+        if backward and label != "skewed":
             try:
-                err, ok = _compare_backward(original, replacement, vals, [b in params for b in boundary],
-                                            via_weights, compute)
+                err, ok = _compare_backward(original, replacement, vals, is_param, via_weights, compute, autocast)
             except Exception as e:  # e.g. the replacement's backward cannot run on these shapes
                 return Verdict(False, fwd_err, float("inf"), f"{label}: backward: {type(e).__name__}: {e}")
             bwd_err = max(bwd_err, err)
@@ -313,9 +358,48 @@ def _passes(err: float, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype) 
     return err <= max(_RTOL.get(a.dtype, 1e-4), _RTOL.get(b.dtype, 1e-4), _RTOL.get(compute, 1e-4))
 
 
+def autocast_at(graph: fx.Graph, node: fx.Node) -> tuple[tuple[object, ...], ...]:
+    """The ``torch.autocast`` regions of the graph (Dynamo's ``_enter_autocast`` /
+    ``_exit_autocast`` nodes: a ``with torch.autocast`` inside the compiled code, as accelerate's
+    ``autocast`` forward wrapper writes it) open at ``node``, outermost first: each the
+    (device_type, dtype, enabled, cache_enabled) it was entered with.  Verification runs both
+    graphs under them, as the model runs there; an autocast around the compiled call is in
+    effect already while the backend compiles."""
+    open_: list[fx.Node] = []
+    for n in graph.nodes:
+        if n is node:
+            break
+        if n.op != "call_function":
+            continue
+        if n.target is torch.amp.autocast_mode._enter_autocast:
+            open_.append(n)
+        elif n.target is torch.amp.autocast_mode._exit_autocast and n.args and n.args[0] in open_:
+            open_.remove(n.args[0])  # type: ignore[arg-type]
+    return tuple(tuple(n.args) for n in open_)
+
+
+_AUTOCAST_OFF = (("cpu", None, False, None), ("cuda", None, False, None))
+
+
+def _widened(v: object, dtype: torch.dtype) -> object:
+    if isinstance(v, tuple):
+        return tuple(_widened(u, dtype) for u in v)
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype.itemsize < dtype.itemsize:
+        return v.to(dtype)
+    return v
+
+
+def _under(autocast: Sequence[tuple[object, ...]]) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device, dtype, enabled, cache, *_ in autocast:
+        stack.enter_context(torch.autocast(str(device), dtype=dtype, enabled=bool(enabled),  # type: ignore[arg-type]
+                                           cache_enabled=cache))  # type: ignore[arg-type]
+    return stack
+
+
 def _compare_forward(original: fx.GraphModule, replacement: fx.GraphModule, vals: list[object],
-                     compute: torch.dtype) -> tuple[float, bool]:
-    with torch.no_grad():
+                     compute: torch.dtype, autocast: Sequence[tuple[object, ...]] = ()) -> tuple[float, bool]:
+    with torch.no_grad(), _under(autocast):
         y_o = original(*_fresh(vals))[0]
         y_n = replacement(*_fresh(vals))[0]
     err = _rel_err(y_n, y_o)
@@ -323,7 +407,8 @@ def _compare_forward(original: fx.GraphModule, replacement: fx.GraphModule, vals
 
 
 def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, vals: list[object],
-                      is_param: list[bool], via_weights: list[bool], compute: torch.dtype) -> tuple[float, bool]:
+                      is_param: list[bool], via_weights: list[bool], compute: torch.dtype,
+                      autocast: Sequence[tuple[object, ...]] = ()) -> tuple[float, bool]:
     leaves: list[torch.Tensor] = []
     compared: list[bool] = []  # per leaf: compare its gradient (else: at the routing weights)
 
@@ -352,8 +437,9 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
         return leaves[i]
 
     with torch.enable_grad():
-        y_o, *w_o = original(*with_leaves())
-        y_n, *w_n = replacement(*with_leaves())
+        with _under(autocast):  # the forwards only: a model's backward runs outside its autocast
+            y_o, *w_o = original(*with_leaves())
+            y_n, *w_n = replacement(*with_leaves())
         if not y_o.requires_grad:
             return 0.0, True
         if not (w_o and w_o[0].requires_grad and w_n[0].requires_grad):
@@ -361,9 +447,10 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
             w_o, w_n, compared = [], [], [True] * len(leaves)
         gen = torch.Generator().manual_seed(1)
         g = torch.randn(y_o.shape, generator=gen, dtype=torch.float32).to(y_o)
-        g_o = torch.autograd.grad(y_o, leaves + w_o, g, allow_unused=True)
-        g_n = torch.autograd.grad(y_n, leaves + w_n, g, allow_unused=True) if y_n.requires_grad \
-            else [None] * len(g_o)
+        with _under(_AUTOCAST_OFF):  # an autocast around the compile would cast the backward's matmuls
+            g_o = torch.autograd.grad(y_o, leaves + w_o, g, allow_unused=True)
+            g_n = torch.autograd.grad(y_n, leaves + w_n, g, allow_unused=True) if y_n.requires_grad \
+                else [None] * len(g_o)
     err, ok = 0.0, True
     for a, b, leaf, check in zip(g_n, g_o, leaves + w_o, compared + [True] * len(w_o), strict=True):
         if not check:

@@ -25,12 +25,13 @@ from moe_compile.backend import collect_reports  # noqa: E402
 
 def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_report: Any, steps: int,
                       optimizers: list[torch.optim.Optimizer] | None = None, clip: float = 0.0,
-                      norms: dict[str, list[float]] | None = None
+                      norms: dict[str, list[float]] | None = None, autocast: bool = False
                       ) -> tuple[dict[str, list[float]], float, str]:
     """``steps`` AdamW steps of the sharded ``model`` (through ``compiled``, gradients averaged by
     hand) and of ``eager`` (DDP of the unsharded model), each rank on its own batches. Returns the
     losses of both, the largest relative error between this rank's shards after training and the
-    eager model's rows of its experts, and the code of the compiled first step."""
+    eager model's rows of its experts, and the code of the compiled first step. ``autocast``: both
+    forwards under torch.autocast("cpu", bfloat16), as a mixed-precision trainer runs them."""
     rank = dist.get_rank()
     losses: dict[str, list[float]] = {"eager": [], "compiled": []}
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=ADAM_EPS)
@@ -41,12 +42,14 @@ def train_against_ddp(model: torch.nn.Module, compiled: Any, eager: Any, shard_r
     after_code = ""
     for step in range(steps):
         batch = torch.randint(0, 32, (2, 9), generator=gen)
+        mixed = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
         if step == 0:
-            with collect_reports() as graphs:
+            with collect_reports() as graphs, mixed:
                 compiled(batch[:, :-1], batch[:, 1:])  # compiles; the code the step runs
             after_code = "\n".join(g.after for g in graphs)
         for label, module, opt in (("eager", eager, opt_e), ("compiled", compiled, opt_c)):
-            loss = module(batch[:, :-1], batch[:, 1:])
+            with mixed:
+                loss = module(batch[:, :-1], batch[:, 1:])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if label == "compiled":
@@ -370,6 +373,31 @@ def case_left_alone() -> dict[str, Any]:
                 out[label] = {"loss": float(compiled(ids[:, :-1], ids[:, 1:])), "error": ""}
         except Exception as e:  # Dynamo wraps the backend's ValueError
             out[label] = {"loss": None, "error": str(e)}
+    return out
+
+
+def case_autocast() -> dict[str, Any]:
+    """Sharded, expert-parallel training under torch.autocast (bf16) against eager DDP under it:
+    the layers are rewritten, their expert op computing in bf16 as the layers' own matmuls do."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+    for kind in PARAMS["kinds"]:
+        torch._dynamo.reset()
+        model = tiny(kind, 8)
+        eager = DDP(copy.deepcopy(model))
+        report = moe_compile.shard_experts(model, mesh, ids[:, :-1], ids[:, 1:])
+        compiled = torch.compile(model, backend="hiermoe",
+                                 options={"mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+        with collect_reports() as graphs:
+            losses, weight_err, _ = train_against_ddp(model, compiled, eager, report, PARAMS["steps"],
+                                                      autocast=True)
+        out[kind] = {"losses": losses, "weight_err": weight_err,
+                     "dtypes": [r.dtype for g in graphs for r in g.regions],
+                     "skipped": [s.reason for g in graphs for s in g.skipped]}
     return out
 
 

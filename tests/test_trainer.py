@@ -13,6 +13,7 @@ import transformers
 from torch.utils.data import Dataset
 
 import moe_compile  # noqa: F401  (registers the backend)
+from moe_compile.backend import collect_reports
 
 
 class Tokens(Dataset):  # type: ignore[type-arg]
@@ -39,8 +40,9 @@ def tiny_mixtral(num_experts: int) -> transformers.MixtralForCausalLM:
     return model
 
 
-def _losses(tmp_path: object, compile_model: bool, **args: object) -> list[float]:
+def _losses(tmp_path: object, compile_model: bool, experts: str = "grouped_mm", **args: object) -> list[float]:
     model = tiny_mixtral(4)
+    model.set_experts_implementation(experts)
     if compile_model:
         model.compile(backend="hiermoe", options={"inner_compiler": "aot_eager"})
     training = transformers.TrainingArguments(
@@ -62,6 +64,20 @@ def test_trainer_with_a_compiled_model_trains_like_eager(tmp_path: object) -> No
     # steps do not amplify that beyond 1e-5 relative at this size
     for a, b in zip(compiled, eager, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (compiled, eager)
+
+
+def test_trainer_in_bf16_trains_like_eager_with_the_experts_in_bf16(tmp_path: object) -> None:
+    """``bf16=True``: accelerate runs the forward under torch.autocast inside the compiled code.
+    The batched-matmul experts' bmm then computes in bf16, and so does the expert op the layers
+    are rewritten into (before, it computed in fp32 there)."""
+    torch._dynamo.reset()
+    eager = _losses(tmp_path, compile_model=False, experts="batched_mm", bf16=True)
+    with collect_reports() as graphs:
+        compiled = _losses(tmp_path, compile_model=True, experts="batched_mm", bf16=True)
+    assert [r.dtype for g in graphs for r in g.regions] == ["bfloat16"] * 2, [s.reason for g in graphs for s in g.skipped]
+    assert len(eager) == len(compiled) == 3
+    for a, b in zip(compiled, eager, strict=True):  # measured: 1e-5 relative (bf16 rounding)
+        assert abs(a - b) <= 1e-4 * abs(b), (compiled, eager)
 
 
 def test_training_arguments_cannot_name_the_backend(tmp_path: object) -> None:
