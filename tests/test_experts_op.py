@@ -209,6 +209,27 @@ def test_unaligned_dims_take_the_loop() -> None:
     check_against_loop(leaves, build, "relu")
 
 
+def test_ops_compute_in_their_inputs_dtype_under_autocast() -> None:
+    """A custom op's kernel runs with its caller's autocast state: before, the per-expert loop's
+    fp32 matmuls inside hiermoe::experts (and its backward) were cast to bf16 under an ambient
+    torch.autocast. Every hiermoe op now leaves autocast (the passes cast its inputs to the dtype
+    the layer computes in): fp32 inputs give the fp32 results, forward and backward, bit for bit."""
+    leaves, _, build = make_case("contiguous", True, True, ROUTINGS["random"], num_h=6, num_f=10)
+    results = []
+    for autocast in (False, True):
+        inputs = {k: t.detach().clone().requires_grad_() for k, t in leaves.items()}
+        args = build(inputs)
+        assert not experts_ref._use_grouped_mm(args[0], *args[3:6])  # the loop: aten matmuls inside
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = torch.ops.hiermoe.experts(*args, "silu")
+            grads = torch.autograd.grad(y, list(inputs.values()), torch.ones_like(y))
+        assert y.dtype == torch.float32
+        results.append((y, grads))
+    (y0, g0), (y1, g1) = results
+    assert torch.equal(y0, y1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+
+
 def test_grouped_mm_path_is_taken() -> None:
     # Guards the test matrix: without this the "grouped_mm" cases could silently test the loop.
     for layout in ("contiguous", "transposed", "fused", "interleaved"):
