@@ -104,6 +104,15 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
             "nodes_after": len(ctx.gm.graph.nodes)}
 
 
+def _autocast_condition(graph: fx.Graph) -> str:
+    """The torch.autocast states a graph is compiled under, as text ("" for none): around the
+    compiled call, and each one the graph enters itself."""
+    states = [f"around {d} {torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    states += [f"inside {n.args[0]} {n.args[1]} {n.args[2]}" for n in graph.nodes
+               if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast]
+    return f" (autocast: {'; '.join(states)})" if states else ""
+
+
 def _agreement(ctx: PassContext) -> Agree:
     """canonicalize's ``agree`` under expert parallelism: every rank's decisions made the same by
     ``moe_compile.ep.agreement`` (the first compile of a layer exchanges them; later ones reuse it)."""
@@ -146,15 +155,20 @@ def _agreement(ctx: PassContext) -> Agree:
         ids = ids[(ids >= 0) & (ids < d.region.num_experts)]  # a dropped slot's id is out of range
         return tuple(int(c) for c in torch.bincount(ids.cpu(), minlength=d.region.num_experts).tolist())
 
+    # A layer compiled under torch.autocast is another rewrite (its op computes in the autocast
+    # dtype): training under autocast and evaluating outside it compiles each once, agreed apart.
+    precision = _autocast_condition(ctx.gm.graph)
+
     def agree(decisions: list[Decision], routers_left: list[Skip], routing: dict[str, torch.Tensor]) -> list[Decision]:
         proposals = []
         for d in decisions:
             mine = key(d, -1) if d.chosen is not None and not d.vacuous else (None, "")
             proposals.append(agreement.Proposal(
-                anchor=params.path[d.region.router_weight], name=d.region.name, key=mine[0], where=mine[1],
+                anchor=params.path[d.region.router_weight] + precision, name=d.region.name, key=mine[0], where=mine[1],
                 reason=d.reason, vacuous=d.vacuous, candidates=tuple(key(d, i) for i in range(len(d.passing))),
                 tokens=d.region.num_tokens, load=load(d, routing)))
-        proposals += [agreement.Proposal(anchor=params.path[s.router_weight], name=s.name, key=None, reason=s.reason)
+        proposals += [agreement.Proposal(anchor=params.path[s.router_weight] + precision, name=s.name, key=None,
+                                         reason=s.reason)
                       for s in routers_left if s.router_weight is not None]
         # a layer is known by its router's weight tensor on every compile of this rank, whether the
         # finder saw the rest of the layer or not

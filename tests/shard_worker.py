@@ -395,7 +395,14 @@ def case_autocast() -> dict[str, Any]:
         with collect_reports() as graphs:
             losses, weight_err, _ = train_against_ddp(model, compiled, eager, report, PARAMS["steps"],
                                                       autocast=True)
-        out[kind] = {"losses": losses, "weight_err": weight_err,
+        sent: dict[str, list[dict[str, int]]] = {}
+        if kind == PARAMS["kinds"][0]:  # one forward's payload bytes per level, in fp32 and under autocast
+            for label, on in (("fp32", False), ("autocast", True)):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                    explained = moe_compile.explain(model, ids[:, :-1], ids[:, 1:], options={
+                        "mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
+                sent[label] = [r.parallel["bytes_per_level"] for r in explained.regions]
+        out[kind] = {"losses": losses, "weight_err": weight_err, "sent": sent,
                      "dtypes": [r.dtype for g in graphs for r in g.regions],
                      "skipped": [s.reason for g in graphs for s in g.skipped]}
     return out

@@ -389,8 +389,8 @@ def test_a_sharded_layer_left_alone_fails_to_compile_instead_of_reading_zeros() 
 def test_sharded_training_under_autocast_equals_eager_ddp_under_it() -> None:
     """Before, every layer under torch.autocast was left alone, so a sharded model under autocast
     could not compile at all.  Now each layer's expert op computes in bf16 as the layer's own
-    matmuls do (tokens travel in bf16): 3 AdamW steps on 4 gloo ranks equal eager DDP under
-    autocast to bf16 rounding (the layer-level check, exact where it can be, is in
+    matmuls do (tokens travel in bf16, half the bytes): 3 AdamW steps on 4 gloo ranks equal eager
+    DDP under autocast to bf16 rounding (the layer-level check, exact where it can be, is in
     test_reliability)."""
     results = run_ranks(4, "autocast", worker="shard_worker.py", shape=[2, 2], kinds=["gathered_bmm", "expert_loop"],
                         steps=3)
@@ -400,6 +400,13 @@ def test_sharded_training_under_autocast_equals_eager_ddp_under_it() -> None:
             eager, compiled = r["losses"]["eager"], r["losses"]["compiled"]
             for a, b in zip(compiled, eager, strict=True):
                 assert abs(a - b) <= 2e-3 * abs(b), (rank, kind, r)
+        # the tokens travel in bf16: each level's payload (the token rows) halves.  The model
+        # compiled under autocast, then explained outside it and under it: each state is its own
+        # agreed rewrite (before, the fp32 recompile raised that the ranks would diverge)
+        sent = res["gathered_bmm"]["sent"]
+        for fp32, half in zip(sent["fp32"], sent["autocast"], strict=True):
+            for level, n in fp32.items():
+                assert n > 0 and 2 * half[level] == n, (rank, sent)
 
 
 @pytest.mark.ranks
