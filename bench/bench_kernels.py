@@ -112,7 +112,9 @@ def make_args(num_t: int, hidden: int, ffn: int, num_e: int, top_k: int, dtype: 
 
     scores = torch.rand(num_t, num_e, generator=g, device=device)
     top_w, top_i = scores.softmax(-1).topk(top_k, dim=-1)
-    return [rnd(num_t, hidden, scale=1.0), top_i, top_w / top_w.sum(-1, keepdim=True),
+    # routing weights in the model's dtype, as a bf16 model casts them (fp32 ones would make the
+    # expert op's result fp32: experts_ref.out_dtype)
+    return [rnd(num_t, hidden, scale=1.0), top_i, (top_w / top_w.sum(-1, keepdim=True)).to(dtype),
             rnd(num_e, ffn, hidden, scale=hidden**-0.5), rnd(num_e, ffn, hidden, scale=hidden**-0.5),
             rnd(num_e, hidden, ffn, scale=ffn**-0.5), None, None, None]
 

@@ -31,6 +31,7 @@ from moe_compile.lowering.experts_ref import (
     check_activation,
     experts_reference,
     experts_reference_backward,
+    out_dtype,
 )
 
 __all__ = ["ACTIVATIONS", "experts", "experts_backward", "experts_flops", "experts_reference"]
@@ -68,7 +69,7 @@ def _experts_fake(
     activation: str,
 ) -> Tensor:
     check_activation(activation, gated=w_gate is not None)  # fail at compile time, not at the first step
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape, dtype=out_dtype(x, topk_weights))
 
 
 @torch.library.custom_op("hiermoe::experts_backward", mutates_args=(), schema=_EXPERTS_BACKWARD_SCHEMA)

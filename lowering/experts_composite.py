@@ -46,6 +46,7 @@ from moe_compile.lowering.experts_ref import (
     _linear,
     _route,
     check_activation,
+    out_dtype,
 )
 
 _lib = torch.library.Library("hiermoe", "FRAGMENT")
@@ -131,7 +132,7 @@ def _composite(
     # would merge with the backward's and keep alive from forward to backward.
     y_TKH = ffn.y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, -1).to(acc)
     y_TH = (y_TKH * topk_weights_TK.to(acc)[..., None]).sum(1)
-    return y_TH.to(x_TH.dtype)
+    return y_TH.to(out_dtype(x_TH, topk_weights_TK))
 
 
 _lib.impl("experts_composite", experts_composite, "CompositeImplicitAutograd")

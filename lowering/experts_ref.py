@@ -20,7 +20,9 @@ Semantics (nn.Linear layouts, ``act`` from ``ACTIVATIONS``)::
 Expert ids must lie in [0, E); rows of ``topk_idx`` may repeat an expert (each slot counts).
 Matmuls and the activation run in x.dtype (as the model would); the top-k weighting and
 both scatter-adds run in promote(x.dtype, topk_weights.dtype, float32), so bf16/fp16 tokens
-are accumulated in fp32.
+are accumulated in fp32. y comes out in promote(x.dtype, topk_weights.dtype) (``out_dtype``):
+as a layer's ``y_e * w`` does, bf16 expert outputs weighted by fp32 routing weights (a layer under
+torch.autocast) give an fp32 sum, not rounded to bf16.
 
 Shape legend:
     T tokens, K experts per token, N = T*K slots, E experts, H hidden size, F ffn size.
@@ -181,6 +183,11 @@ def _seg_sum(v_NX: Tensor, r: _Routing, num_experts: int, acc_dtype: torch.dtype
     return v_NX.new_zeros(num_experts, v_NX.shape[1], dtype=acc_dtype).index_add_(0, r.expert_N, v_NX.to(acc_dtype))
 
 
+def out_dtype(x_TH: Tensor, topk_weights_TK: Tensor) -> torch.dtype:
+    """The dtype of the expert op's result: the top-k weighting's, promote(x, topk_weights)."""
+    return torch.promote_types(x_TH.dtype, topk_weights_TK.dtype)
+
+
 def _acc_dtype(x_TH: Tensor, topk_weights_TK: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x_TH.dtype, topk_weights_TK.dtype), torch.float32)
 
@@ -307,7 +314,7 @@ def experts_reference(
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
     activation: str,
 ) -> Tensor:
-    """Forward of ``hiermoe::experts`` in plain torch: returns y_TH in x's dtype."""
+    """Forward of ``hiermoe::experts`` in plain torch: returns y_TH in ``out_dtype``."""
     return experts_reference_keep(x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF,
                                   b_gate_EF, b_down_EH, activation)[0]
 
@@ -332,7 +339,7 @@ def experts_reference_keep(
     contrib_NH = ffn.y_NH.to(acc) * weight_N[:, None]
     y_TH = x_TH.new_zeros(x_TH.shape, dtype=acc).index_add_(0, r.tok_N, contrib_NH)
     gate_NF = ffn.gate_NF if ffn.gate_NF is not None else ffn.up_NF.new_empty((0, ffn.up_NF.shape[1]))
-    return y_TH.to(x_TH.dtype), Kept(ffn.up_NF, gate_NF)
+    return y_TH.to(out_dtype(x_TH, topk_weights_TK)), Kept(ffn.up_NF, gate_NF)
 
 
 def experts_reference_backward(

@@ -300,10 +300,10 @@ def esmm_forward(
     w_up_EFH: Tensor, w_gate_EFH: Tensor | None, w_down_EHF: Tensor,
     b_up_EF: Tensor | None, b_gate_EF: Tensor | None, b_down_EH: Tensor | None,
     activation: str, cfg: KernelConfig, r: Reindex | None = None,
-    keep: tuple[Tensor, Tensor | None] | None = None,
+    keep: tuple[Tensor, Tensor | None] | None = None, out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """y_TH of ``hiermoe::experts`` with two ESMM launches after the re-index (x_TH contiguous,
-    tw_N the flattened routing weights in fp32). Returns y_TH in x's dtype. ``keep``: (up_PF,
+    tw_N the flattened routing weights in fp32). Returns y_TH in ``out_dtype`` (None: x's dtype). ``keep``: (up_PF,
     gate_PF or None) buffers of P = len(r.v_P) rows in x's dtype, filled with the pre-activations of
     every row of every used block of v (what ``esfk_backward(kept=...)`` reads instead of
     recomputing them; rows of unused blocks are zeros)."""
@@ -335,4 +335,4 @@ def esmm_forward(
         **cfg.down.launch(num_blocks),
     )
     y_TH = out if atomic else out.view(num_t, num_k, num_h).sum(1)  # fixed order over k
-    return y_TH.to(x_TH.dtype)
+    return y_TH.to(out_dtype or x_TH.dtype)

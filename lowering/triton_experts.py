@@ -56,7 +56,7 @@ from torch import Tensor
 
 from moe_compile.lowering import triton_esmm
 from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
-from moe_compile.lowering.experts_ref import ACTIVATIONS, activation_error, check_activation
+from moe_compile.lowering.experts_ref import ACTIVATIONS, activation_error, check_activation, out_dtype
 from moe_compile.lowering.triton_esfk import esfk_backward, grouped_wgrad_ok
 from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex, num_blocks_bound
@@ -202,11 +202,11 @@ def _forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_
              w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
              activation: str) -> Tensor:
     if topk_idx.numel() == 0:
-        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+        return x.new_zeros(x.shape, dtype=out_dtype(x, topk_weights))
     cfg = kernel_config(x, topk_idx.shape[1], w_up.shape[0], w_up.shape[1])
     tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return esmm_forward(x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
-                           activation, cfg)
+                        activation, cfg, out_dtype=out_dtype(x, topk_weights))
 
 
 def _keep_rows(num_slots: Any, num_e: int, blk: int) -> Any:
@@ -222,14 +222,15 @@ def _forward_keep(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tenso
     gate_PF = x.new_empty(rows if w_gate is not None else 0, num_f)
     if topk_idx.numel() == 0:
         v = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-        return (torch.zeros_like(x, memory_format=torch.contiguous_format), up_PF.zero_(), gate_PF.zero_(), v,
+        return (x.new_zeros(x.shape, dtype=out_dtype(x, topk_weights)), up_PF.zero_(), gate_PF.zero_(), v,
                 torch.full((rows // blk,), -1, dtype=torch.int32, device=x.device),
                 torch.zeros(num_e + 1, dtype=torch.int32, device=x.device))
     cfg = kernel_config(x, num_k, num_e, num_f, blk=blk)
     r = build_reindex(topk_idx.contiguous(), num_e, blk)
     tw_N = topk_weights.reshape(-1).to(torch.float32).contiguous()
     y = esmm_forward(x.contiguous(), topk_idx.contiguous(), tw_N, w_up, w_gate, w_down, b_up, b_gate, b_down,
-                     activation, cfg, r=r, keep=(up_PF, gate_PF if w_gate is not None else None))
+                     activation, cfg, r=r, keep=(up_PF, gate_PF if w_gate is not None else None),
+                     out_dtype=out_dtype(x, topk_weights))
     return y, up_PF, gate_PF, r.v_P, r.block_expert_B, r.starts_E1
 
 
@@ -238,6 +239,8 @@ def _backward(grad: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w
               b_down: Tensor | None, activation: str, kept: tuple[Tensor, ...] | None = None) -> Grads:
     def fresh(t: Tensor | None) -> Tensor:  # outputs may not alias each other or an input
         return x.new_empty(0) if t is None else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+    grad = grad.to(x.dtype)  # an fp32 result (fp32 routing weights) reads its gradient in x's dtype, as the kernels do
 
     if topk_idx.numel() == 0:
         return (fresh(x), fresh(topk_weights), fresh(w_up), fresh(w_gate), fresh(w_down), fresh(b_up),
@@ -311,7 +314,7 @@ def _experts_backward_interpreted(
 def _fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
           b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str) -> Tensor:
     _check(x, w_up, w_gate, w_down, activation)  # fail at compile time, not at the first step
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape, dtype=out_dtype(x, topk_weights))
 
 
 def _fake_backward(grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor,
@@ -434,7 +437,8 @@ def _fake_keep(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
     def i32(n: Any) -> Tensor:
         return torch.empty(n, dtype=torch.int32, device=x.device)
 
-    return (x.new_empty(x.shape), x.new_empty(rows, num_f), x.new_empty(rows if w_gate is not None else 0, num_f),
+    return (x.new_empty(x.shape, dtype=out_dtype(x, topk_weights)), x.new_empty(rows, num_f),
+            x.new_empty(rows if w_gate is not None else 0, num_f),
             i32(rows), i32(rows // blk), i32(num_e + 1))
 
 

@@ -114,8 +114,11 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
         assert template is not None, "the finder only accepts outputs shaped like the tokens"
         # reshape_as a node of that shape keeps symbolic sizes symbolic under dynamic shapes
         y_TH = graph.call_method("reshape_as", (y_TH, m(template)))
-    out_meta = tensor_meta(output)
-    if out_meta is not None and out_meta.dtype != compute:
+    # the op's result is in promote(compute, weights' dtype) (lowering.experts_ref.out_dtype), an
+    # expert-parallel strategy's in compute: cast wherever either is not the layer's output dtype
+    out_meta, w_meta = tensor_meta(output), tensor_meta(weights.node)
+    result = torch.promote_types(compute, w_meta.dtype) if w_meta is not None else compute
+    if out_meta is not None and (out_meta.dtype != compute or out_meta.dtype != result):
         y_TH = graph.call_method("to", (y_TH, out_meta.dtype))
     return op, y_TH
 
