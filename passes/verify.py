@@ -222,15 +222,32 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     tokens = tensor_meta(region.tokens)
     plain = replace(region, dtype=str(tokens.dtype).removeprefix("torch.")) if tokens is not None else region
     widened = [(label, [_widened(v, getattr(torch, plain.dtype)) for v in vals]) for label, vals in cases]
-    verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
-                     _AUTOCAST_OFF)
-    if not verdict.ok:
-        return verdict
+    verdict = Verdict(False, float("inf"), float("inf"), "cannot run outside autocast")
+    if _runs(original, widened[0][1], _AUTOCAST_OFF):
+        verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
+                         _AUTOCAST_OFF)
+    # where the layer cannot run outside autocast (a dtype read off an autocast result is baked into
+    # the graph, as in `mask.to(gates.dtype)`) or differs there from the op beyond fp32's tolerance
+    # (a value autocast rounded to bf16 before the region reaches the gradients): both under
+    # autocast, gradients too, at the compute dtype's tolerance, as a bf16 model is verified
+    low_backward = not verdict.ok
     low = _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype), inside,
-                 backward=False)
+                 backward=low_backward)
+    if low_backward:
+        return low if low.ok else Verdict(False, low.forward_err, low.backward_err, f"under torch.autocast, {low.reason}")
     if not low.ok:
         return Verdict(False, low.forward_err, verdict.backward_err, f"under torch.autocast, {low.reason}")
     return Verdict(True, max(verdict.forward_err, low.forward_err), verdict.backward_err)
+
+
+def _runs(graph: fx.GraphModule, vals: list[object], autocast: Sequence[tuple[object, ...]]) -> bool:
+    """Whether ``graph`` runs on ``vals`` under the ``autocast`` states."""
+    try:
+        with torch.no_grad(), _under(autocast):
+            graph(*_fresh(vals))
+    except Exception:  # noqa: BLE001 (a dtype mismatch, or whatever else stops it)
+        return False
+    return True
 
 
 def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tuple[str, list[object]]],

@@ -210,6 +210,26 @@ def test_layers_under_autocast_compute_in_the_dtype_of_their_own_matmuls(where: 
     assert compiled_err <= 0.7 * fp32_err, errs
 
 
+def test_a_layer_that_cannot_run_outside_autocast_is_verified_under_it() -> None:
+    """The Switch sample's routing casts its masks to the router's dtype, which under autocast the
+    graph bakes in as bf16: its region cannot run outside autocast, so verification compared
+    nothing and left it alone.  Now both run under autocast, gradients too, at bf16 tolerance:
+    rewritten in bf16, nearer eager under autocast than eager in fp32 is."""
+    spec = SAMPLES["switch_einsum"]
+    torch.manual_seed(0)
+    model = spec.make()
+    x = example_input(spec)
+    fp32 = model(x).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x).detach()
+        torch._dynamo.reset()
+        with collect_reports() as graphs:
+            y = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})(x).detach()
+    assert [r.dtype for g in graphs for r in g.regions] == ["bfloat16"], [s.reason for g in graphs for s in g.skipped]
+    assert y.dtype == ref.dtype == torch.bfloat16
+    assert rel_err(y.float(), ref.float()) < 0.75 * rel_err(fp32, ref.float())
+
+
 def test_a_layer_autocast_changes_unseen_is_left_alone_and_the_reason_says_so() -> None:
     """The grouped-GEMM sample calls an opaque custom op whose own matmuls autocast turns to bf16,
     where the graph shows fp32: the op in fp32 differs from the layer under autocast, so
