@@ -11,6 +11,14 @@ where the family's layers differ, else 1; nothing is downloaded), under each exp
 layers the model has, how many hiermoe rewrote, whether compiled equals eager (the logits and
 every parameter's gradient, relative error <= 1e-5 of each tensor's scale, as in the tests), and
 for the layers left alone the reasons ``explain`` gives. ``tests/test_zoo.py`` checks every row.
+
+    python -m moe_compile.zoo --autocast --out bench/results/zoo_autocast.md
+
+runs every step under ``torch.autocast("cpu", bfloat16)``, as a mixed-precision trainer does: the
+reference is then plain ``torch.compile`` with the same inner compiler under autocast (compiling
+alone changes bf16 results), and a row is equal when the compiled model is nearer it than the
+model in fp32 is (``gap``: the distance autocast itself makes); it also says which dtype each
+rewritten layer computes in.
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ class ZooRow:
     inner_compiler: str = "aot_eager"
     note: str = ""
     seconds: float = 0.0
+    dtypes: list[str] = field(default_factory=list)  # what each rewritten layer computes in
+    gap: float = float("nan")  # --autocast: the fp32 model's distance from the reference
 
     @property
     def complete(self) -> bool:
@@ -228,10 +238,11 @@ def _aot_eager_error(model: torch.nn.Module, ids: torch.Tensor, params: list[tor
     return None
 
 
-def survey(family: str, implementation: str, inner_compiler: str = "aot_eager") -> ZooRow:
+def survey(family: str, implementation: str, inner_compiler: str = "aot_eager", autocast: bool = False) -> ZooRow:
     """Build ``family`` small, compile it with hiermoe (``inner_compiler``), compare with eager.
     Where the model's step fails under plain ``aot_eager`` too (a torch issue, not hiermoe's),
-    hiermoe runs with the ``eager`` inner compiler instead and the row says so."""
+    hiermoe runs with the ``eager`` inner compiler instead and the row says so. ``autocast``: see
+    the module docstring."""
     row = ZooRow(family, implementation, inner_compiler=inner_compiler)
     start = time.perf_counter()
     try:
@@ -239,6 +250,10 @@ def survey(family: str, implementation: str, inner_compiler: str = "aot_eager") 
         row.moe_layers = count_moe_layers(model)
         ids = input_ids()
         params = [p for p in model.parameters() if p.requires_grad]
+        if autocast:
+            fp32 = _step(model, ids, params)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return _survey_autocast(row, model, ids, params, fp32, start)
         got: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
 
         def run(compiled: Any) -> None:
@@ -267,6 +282,46 @@ def survey(family: str, implementation: str, inner_compiler: str = "aot_eager") 
     row.rewritten = len(report.regions)
     row.reasons = reasons(report) if row.rewritten < row.moe_layers else []
     row.graph_breaks = report.graph_breaks
+    row.dtypes = [r.dtype for r in report.regions]
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+def _survey_autocast(row: ZooRow, model: torch.nn.Module, ids: torch.Tensor, params: list[torch.nn.Parameter],
+                     fp32: tuple[torch.Tensor, list[torch.Tensor]], start: float) -> ZooRow:
+    """``survey`` under the caller's autocast: hiermoe against plain ``torch.compile`` (the same
+    inner compiler), and the fp32 step's distance from that (``gap``)."""
+    got: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    def run(compiled: Any) -> None:
+        got.append(_step(compiled, ids, params))
+
+    try:
+        try:
+            report = explain_run(model, run, {"inner_compiler": row.inner_compiler})
+        except Exception:
+            why = _aot_eager_error(model, ids, params)
+            if row.inner_compiler != "aot_eager" or why is None:
+                raise
+            row.inner_compiler, row.note = "eager", f"plain aot_eager fails too ({why})"  # a torch issue
+            got.clear()
+            report = explain_run(model, run, {"inner_compiler": "eager"})
+        torch._dynamo.reset()
+        want = _step(torch.compile(model, backend=row.inner_compiler), ids, params)
+    except Exception as e:  # noqa: BLE001 (the row records it)
+        row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        row.seconds = time.perf_counter() - start
+        return row
+
+    def dist(a: tuple[torch.Tensor, list[torch.Tensor]]) -> tuple[float, float]:
+        return _rel_err(a[0], want[0]), max((_rel_err(x, y) for x, y in zip(a[1], want[1], strict=True)), default=0.0)
+
+    row.out_err, row.grad_err = dist(got[0])
+    row.gap = max(dist(fp32))
+    row.equal = max(row.out_err, row.grad_err) <= max(row.gap, RTOL)
+    row.rewritten = len(report.regions)
+    row.dtypes = [r.dtype for r in report.regions]
+    row.reasons = reasons(report) if row.rewritten < row.moe_layers else []
+    row.graph_breaks = report.graph_breaks
     row.seconds = time.perf_counter() - start
     return row
 
@@ -281,21 +336,27 @@ def reasons(report: Report) -> list[str]:
     return graphs + [f"graph break: {b}" for b in report.graph_breaks]
 
 
-def markdown(rows: Sequence[ZooRow], command: str) -> str:
+def markdown(rows: Sequence[ZooRow], command: str, autocast: bool = False) -> str:
     """The zoo table: one line per family, a column per implementation."""
     families = list(dict.fromkeys(r.family for r in rows))
     by = {(r.family, r.implementation): r for r in rows}
     impls = [i for i in (*IMPLEMENTATIONS, OWN) if any(r.implementation == i for r in rows)]
     complete = {i: sum(1 for r in rows if r.implementation == i and r.complete) for i in impls}
     total = {i: sum(1 for r in rows if r.implementation == i) for i in impls}
+    what = ("run forward and backward beside eager. A cell: MoE layers rewritten / MoE layers, and whether the "
+            f"compiled model equals eager (logits and every parameter gradient within {RTOL:g} of scale).")
+    if autocast:
+        what = ("run forward and backward under torch.autocast('cpu', bfloat16) beside plain torch.compile (the same "
+                "inner compiler) under it. A cell: MoE layers rewritten / MoE layers, the dtype they compute in, the "
+                "largest relative difference of the logits and every parameter gradient from plain torch.compile's, "
+                "and whether that is within the model's own fp32-vs-autocast gap (the same distance for the fp32 "
+                "model, shown in brackets).")
     lines = [
-        "# transformers MoE zoo under hiermoe",
+        "# transformers MoE zoo under hiermoe" + (" and bf16 autocast" if autocast else ""),
         "",
         f"Made by `{command}` (transformers {_version()}, torch {torch.__version__}).",
         "Each family built small (hidden 32, 8 experts, top-2; 2 layers where its layers differ, else 1), "
-        "compiled with hiermoe (aot_eager) and "
-        "run forward and backward beside eager. A cell: MoE layers rewritten / MoE layers, and whether the compiled "
-        f"model equals eager (logits and every parameter gradient within {RTOL:g} of scale). `own`: the family has "
+        f"compiled with hiermoe (aot_eager) and {what} `own`: the family has "
         "no transformers ExpertsInterface and runs its own experts code.",
         "",
         "Families with every MoE layer rewritten and equal: " + ", ".join(
@@ -315,7 +376,12 @@ def markdown(rows: Sequence[ZooRow], command: str) -> str:
                 why.append(f"{i}: {r.error}")
             else:
                 mark = "*" if r.note else ""
-                cells.append(f"{r.rewritten}/{r.moe_layers} {'equal' if r.equal else 'DIFFERS'}{mark}")
+                verdict = "equal" if r.equal else "DIFFERS"
+                if autocast:
+                    dt = "/".join(sorted(set(r.dtypes))).replace("bfloat16", "bf16").replace("float32", "fp32")
+                    verdict = (f"{dt + ' ' if dt else ''}{max(r.out_err, r.grad_err):.1e} "
+                               f"[{r.gap:.1e}] {'within' if r.equal else 'BEYOND'}")
+                cells.append(f"{r.rewritten}/{r.moe_layers} {verdict}{mark}")
                 why.extend(x for x in r.reasons if x not in why)
         lines.append(f"| {fam} | " + " | ".join(cells) + " | " + "<br>".join(_cell(w) for w in why[:3]) + " |")
     notes = sorted({f"{r.family} ({r.implementation}): {r.note}" for r in rows if r.note})
@@ -339,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_compile.zoo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", action="append", help="only these model types (default: every MoE family)")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and the rows as JSON beside it)")
+    ap.add_argument("--autocast", action="store_true",
+                    help="every step under torch.autocast('cpu', bfloat16), against plain torch.compile under it")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: the models are tiny, more threads only synchronize)")
     args = ap.parse_args(argv)
@@ -352,13 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(ZooRow(fam, IMPLEMENTATIONS[0], error=f"{type(e).__name__}: {e}"[:300]))
             continue
         for impl in impls:
-            row = survey(fam, impl)
+            row = survey(fam, impl, autocast=args.autocast)
             rows.append(row)
             status = row.error or f"{row.rewritten}/{row.moe_layers} {'equal' if row.equal else 'DIFFERS'}"
             print(f"{fam:24s} {impl:11s} {status}  ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
     command = "python -m moe_compile.zoo" + "".join(f" --family {f}" for f in args.family or ()) + (
-        f" --out {args.out}" if args.out else "") + (f" --threads {args.threads}" if args.threads != 1 else "")
-    text = markdown(rows, command)
+        f" --out {args.out}" if args.out else "") + (f" --threads {args.threads}" if args.threads != 1 else "") + (
+        " --autocast" if args.autocast else "")
+    text = markdown(rows, command, args.autocast)
     if args.out:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")

@@ -65,3 +65,20 @@ def test_family_is_rewritten_or_left_alone_with_its_reason(family: str) -> None:
                                            f"rewritten, expected {rewritten}: {row.reasons}"
         if words:
             assert any(words in r for r in row.reasons), f"{family} ({impl}): reason changed: {row.reasons}"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "llama4_text", "beam"])
+def test_under_bf16_autocast_layers_are_rewritten_in_the_dtype_of_their_matmuls(family: str) -> None:
+    """Under torch.autocast (a mixed-precision trainer), every layer is rewritten: grouped_mm
+    experts (torch._grouped_mm, which autocast leaves in fp32) in fp32, equal to plain
+    torch.compile under autocast to fp32's rounding; bmm experts (batched_mm, Llama-4's own) in bf16, nearer it than the
+    fp32 model is.  Before, Llama-4 and Beam's batched_mm layers were left alone under autocast."""
+    for impl in implementations(family):
+        row = survey(family, impl, inner_compiler="eager", autocast=True)
+        assert not row.error, f"{family} ({impl}) did not run: {row.error}"
+        assert row.rewritten == row.moe_layers > 0, (family, impl, row.reasons)
+        err = max(row.out_err, row.grad_err)
+        if impl == "grouped_mm":
+            assert set(row.dtypes) == {"float32"} and err <= 1e-5, (family, impl, row.dtypes, err)
+        else:
+            assert set(row.dtypes) == {"bfloat16"} and row.equal, (family, impl, row.dtypes, err, row.gap)
