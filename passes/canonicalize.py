@@ -304,6 +304,7 @@ def _autocast_note(region: MoERegion, graph: fx.Graph) -> str:
         return ""
     return (f"; the layer runs under torch.autocast({device!r}, {dtype}) {where}: verification compares the "
             f"expert op with it without autocast (in the tokens' dtype) and under it (the op in {region.dtype}, the "
-            "dtype the layer's own matmuls show in the graph); a layer that autocast changes where the graph does "
+            "dtype the layer's own matmuls show in the graph; under it alone, gradients too, where the layer cannot "
+            "run without it); a layer that autocast changes where the graph does "
             "not show it (a custom op's own matmuls, a dtype the layer reads off an autocast result) fails there: "
             "call the compiled model outside autocast to have it rewritten")

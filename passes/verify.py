@@ -19,6 +19,12 @@ same graph decides the same.  The cases:
 
 Outputs and the gradients with respect to every floating boundary value (tokens, routing
 weights, expert weights) must agree.  A region of 0 tokens verifies nothing (``vacuous``).
+
+Under torch.autocast (entered inside the compiled code, ``autocast_at``, or around the call), the
+op computes in the layer's matmul dtype (``region.dtype``); the interpretation is checked outside
+autocast at the tokens' dtype (forward and backward), then the op as emitted against the layer
+under autocast (forward).  A layer that cannot run outside autocast, or differs there beyond
+fp32's tolerance, is checked under autocast alone, backward too, at the compute dtype's tolerance.
 """
 
 from __future__ import annotations
