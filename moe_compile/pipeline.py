@@ -44,6 +44,7 @@ from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
 from moe_compile.passes.sample_placement import Layer as PlacementLayer
 from moe_compile.passes.sample_placement import PlacementResult, bind, register_records, sample_placement_pass
+from moe_compile.passes.verify import ambient_autocast
 from moe_compile.tools import calibrate
 
 
@@ -107,7 +108,7 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
 def _autocast_condition(graph: fx.Graph) -> str:
     """The torch.autocast states a graph is compiled under, as text ("" for none): around the
     compiled call, and each one the graph enters itself."""
-    states = [f"around {d} {torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    states = [f"around {d} {dtype}" for d, dtype in ambient_autocast()]
     states += [f"inside {n.args[0]} {n.args[1]} {n.args[2]}" for n in graph.nodes
                if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast]
     return f" (autocast: {'; '.join(states)})" if states else ""

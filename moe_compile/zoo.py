@@ -24,6 +24,7 @@ rewritten layer computes in.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -241,8 +242,8 @@ def _aot_eager_error(model: torch.nn.Module, ids: torch.Tensor, params: list[tor
 def survey(family: str, implementation: str, inner_compiler: str = "aot_eager", autocast: bool = False) -> ZooRow:
     """Build ``family`` small, compile it with hiermoe (``inner_compiler``), compare with eager.
     Where the model's step fails under plain ``aot_eager`` too (a torch issue, not hiermoe's),
-    hiermoe runs with the ``eager`` inner compiler instead and the row says so. ``autocast``: see
-    the module docstring."""
+    hiermoe runs with the ``eager`` inner compiler instead and the row says so. ``autocast``: every
+    step under bf16 autocast against plain ``torch.compile`` under it (see the module docstring)."""
     row = ZooRow(family, implementation, inner_compiler=inner_compiler)
     start = time.perf_counter()
     try:
@@ -250,63 +251,29 @@ def survey(family: str, implementation: str, inner_compiler: str = "aot_eager", 
         row.moe_layers = count_moe_layers(model)
         ids = input_ids()
         params = [p for p in model.parameters() if p.requires_grad]
-        if autocast:
-            fp32 = _step(model, ids, params)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return _survey_autocast(row, model, ids, params, fp32, start)
+        fp32 = _step(model, ids, params) if autocast else None
         got: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
 
         def run(compiled: Any) -> None:
             got.append(_step(compiled, ids, params))
 
-        try:
-            report = explain_run(model, run, {"inner_compiler": inner_compiler})
-        except Exception:
-            if inner_compiler != "aot_eager":
-                raise
-            why = _aot_eager_error(model, ids, params)
-            if why is None:
-                raise
-            row.inner_compiler, row.note = "eager", f"plain aot_eager fails too ({why})"
-            got.clear()
-            report = explain_run(model, run, {"inner_compiler": "eager"})
-        want = _step(model, ids, params)
-    except Exception as e:  # noqa: BLE001 (the row records it)
-        row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-        row.seconds = time.perf_counter() - start
-        return row
-    (out_c, grads_c), (out_e, grads_e) = got[0], want
-    row.out_err = _rel_err(out_c, out_e)
-    row.grad_err = max((_rel_err(a, b) for a, b in zip(grads_c, grads_e, strict=True)), default=0.0)
-    row.equal = row.out_err <= RTOL and row.grad_err <= RTOL
-    row.rewritten = len(report.regions)
-    row.reasons = reasons(report) if row.rewritten < row.moe_layers else []
-    row.graph_breaks = report.graph_breaks
-    row.dtypes = [r.dtype for r in report.regions]
-    row.seconds = time.perf_counter() - start
-    return row
-
-
-def _survey_autocast(row: ZooRow, model: torch.nn.Module, ids: torch.Tensor, params: list[torch.nn.Parameter],
-                     fp32: tuple[torch.Tensor, list[torch.Tensor]], start: float) -> ZooRow:
-    """``survey`` under the caller's autocast: hiermoe against plain ``torch.compile`` (the same
-    inner compiler), and the fp32 step's distance from that (``gap``)."""
-    got: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-    def run(compiled: Any) -> None:
-        got.append(_step(compiled, ids, params))
-
-    try:
-        try:
-            report = explain_run(model, run, {"inner_compiler": row.inner_compiler})
-        except Exception:
-            why = _aot_eager_error(model, ids, params)
-            if row.inner_compiler != "aot_eager" or why is None:
-                raise
-            row.inner_compiler, row.note = "eager", f"plain aot_eager fails too ({why})"  # a torch issue
-            got.clear()
-            report = explain_run(model, run, {"inner_compiler": "eager"})
-        torch._dynamo.reset()
-        want = _step(torch.compile(model, backend=row.inner_compiler), ids, params)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            try:
+                report = explain_run(model, run, {"inner_compiler": inner_compiler})
+            except Exception:
+                if inner_compiler != "aot_eager":
+                    raise
+                why = _aot_eager_error(model, ids, params)
+                if why is None:
+                    raise
+                row.inner_compiler, row.note = "eager", f"plain aot_eager fails too ({why})"
+                got.clear()
+                report = explain_run(model, run, {"inner_compiler": "eager"})
+            if autocast:  # compiling alone changes bf16 results: the reference is plain torch.compile
+                torch._dynamo.reset()
+                want = _step(torch.compile(model, backend=row.inner_compiler), ids, params)
+            else:
+                want = _step(model, ids, params)
     except Exception as e:  # noqa: BLE001 (the row records it)
         row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         row.seconds = time.perf_counter() - start
@@ -316,12 +283,15 @@ def _survey_autocast(row: ZooRow, model: torch.nn.Module, ids: torch.Tensor, par
         return _rel_err(a[0], want[0]), max((_rel_err(x, y) for x, y in zip(a[1], want[1], strict=True)), default=0.0)
 
     row.out_err, row.grad_err = dist(got[0])
-    row.gap = max(dist(fp32))
-    row.equal = max(row.out_err, row.grad_err) <= max(row.gap, RTOL)
+    bound = RTOL
+    if fp32 is not None:  # autocast: within the fp32 model's own distance from the reference
+        row.gap = max(dist(fp32))
+        bound = max(row.gap, RTOL)
+    row.equal = row.out_err <= bound and row.grad_err <= bound
     row.rewritten = len(report.regions)
-    row.dtypes = [r.dtype for r in report.regions]
     row.reasons = reasons(report) if row.rewritten < row.moe_layers else []
     row.graph_breaks = report.graph_breaks
+    row.dtypes = [r.dtype for r in report.regions]
     row.seconds = time.perf_counter() - start
     return row
 

@@ -41,6 +41,7 @@ from moe_compile.passes.graph_index import GraphIndex, is_inplace, is_view, tens
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights, Skip
 from moe_compile.passes.verify import (
     Verdict,
+    ambient_autocast,
     autocast_at,
     boundary_of,
     capture_boundary_values,
@@ -296,10 +297,11 @@ def _autocast_note(region: MoERegion, graph: fx.Graph) -> str:
     meta = tensor_meta(region.tokens)
     device = meta.device.type if meta is not None else "cpu"
     inside = [state for state in autocast_at(graph, region.topk) if state[0] == device and state[2]]
+    around = dict(ambient_autocast())
     if inside:
         where, dtype = "inside the compiled code", inside[-1][1] or torch.get_autocast_dtype(device)
-    elif device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
-        where, dtype = "around the compiled call", torch.get_autocast_dtype(device)
+    elif device in around:
+        where, dtype = "around the compiled call", around[device]
     else:
         return ""
     return (f"; the layer runs under torch.autocast({device!r}, {dtype}) {where}: verification compares the "

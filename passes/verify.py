@@ -214,8 +214,7 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     cases = [("router", base)] + _synthetic_cases(index, boundary, base, region)
     is_param = [b in params for b in boundary]
     inside = autocast_at(index.gm.graph, region.topk)
-    ambient = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
-    if not ambient and not any(state[2] for state in inside):
+    if not ambient_autocast() and not any(state[2] for state in inside):
         return _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype))
     # Under torch.autocast, rounding differs between two correct computations more than a wrong
     # interpretation can hide in forward, not in backward (a ReLU whose bf16 pre-activation changes
@@ -228,12 +227,11 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     tokens = tensor_meta(region.tokens)
     plain = replace(region, dtype=str(tokens.dtype).removeprefix("torch.")) if tokens is not None else region
     widened = [(label, [_widened(v, getattr(torch, plain.dtype)) for v in vals]) for label, vals in cases]
-    verdict = Verdict(False, float("inf"), float("inf"), "cannot run outside autocast")
-    if _runs(original, widened[0][1], _AUTOCAST_OFF):
-        verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
-                         _AUTOCAST_OFF)
+    verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
+                     _AUTOCAST_OFF)
     # where the layer cannot run outside autocast (a dtype read off an autocast result is baked into
-    # the graph, as in `mask.to(gates.dtype)`) or differs there from the op beyond fp32's tolerance
+    # the graph, as in `mask.to(gates.dtype)`: _check's verdict names the error) or differs there
+    # from the op beyond fp32's tolerance
     # (a value autocast rounded to bf16 before the region reaches the gradients): both under
     # autocast, gradients too, at the compute dtype's tolerance, as a bf16 model is verified
     low_backward = not verdict.ok
@@ -244,16 +242,6 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     if not low.ok:
         return Verdict(False, low.forward_err, verdict.backward_err, f"under torch.autocast, {low.reason}")
     return Verdict(True, max(verdict.forward_err, low.forward_err), verdict.backward_err)
-
-
-def _runs(graph: fx.GraphModule, vals: list[object], autocast: Sequence[tuple[object, ...]]) -> bool:
-    """Whether ``graph`` runs on ``vals`` under the ``autocast`` states."""
-    try:
-        with torch.no_grad(), _under(autocast):
-            graph(*_fresh(vals))
-    except Exception:  # noqa: BLE001 (a dtype mismatch, or whatever else stops it)
-        return False
-    return True
 
 
 def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tuple[str, list[object]]],
@@ -402,6 +390,12 @@ def autocast_at(graph: fx.Graph, node: fx.Node) -> tuple[tuple[object, ...], ...
 
 
 _AUTOCAST_OFF = (("cpu", None, False, None), ("cuda", None, False, None))
+
+
+def ambient_autocast() -> tuple[tuple[str, torch.dtype], ...]:
+    """The (device type, dtype) of each torch.autocast in effect around this call (the compiled
+    call's, while the backend compiles)."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
 def _widened(v: object, dtype: torch.dtype) -> object:
