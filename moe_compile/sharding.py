@@ -10,6 +10,14 @@ model's" weights or gradients on one rank would see only its own experts: ``prep
 norm), ``full_state_dict`` / ``full_optim_state_dict`` (checkpoints of the unsharded model) and
 their loading (a ``load_state_dict`` pre-hook per sharded weight, ``load_full_optim_state_dict``).
 ``moe_compile.trainer.ShardedExperts`` does the clipping and checkpoints for transformers' Trainer.
+
+A rank's own ``optimizer.state_dict()`` holds its own experts' state only; loaded on another rank
+it would train that rank's experts on the wrong moments, with nothing to see (the shapes agree).
+So every optimizer over expert shards says in each saved param group which experts its rows are
+(``ROWS_KEY``, as ``_save_rows`` does for the weights), and the first step after a load compares
+them with the experts each rank holds, on every rank at once (``_check_rows``): reordered rows
+(an expert swap since) are put in the slots' order, another rank's state stops every rank before
+anything is updated.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_compile.ep import runtime
 from moe_compile.ep.setup import check_mesh, mesh_comm
@@ -43,6 +53,7 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
     shards: list[Shard] = []
     owned: list[nn.Parameter] = []
     params: list[ExpertParam] = []
+    rows: list[tuple[nn.Parameter, Shard | str]] = []  # each expert parameter kept here, and whose rows it holds
     full = local = 0
     for region in report.regions:
         num_experts = region.num_experts
@@ -68,9 +79,11 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
                     local += kept.numel() * kept.element_size()
                     owned.append(kept)
                     shard = Shard(path, placeholder, kept, first, per, num_experts)
+                    rows.append((kept, shard))
                 elif first <= i < first + per:  # this rank's expert module: keep it as it is
                     local += param.numel() * param.element_size()
                     owned.append(param)
+                    rows.append((param, path))
                     continue
                 else:
                     shard = Shard(path, placeholder, None, first, per, num_experts)
@@ -85,7 +98,13 @@ def shard_experts(model: nn.Module, mesh: Any, *example_inputs: object, **exampl
         raise ValueError("shard_experts found no expert parameters to shard (see moe_compile.explain(model, ...) "
                          "for the layers found and why others were left alone)")
     assert local <= full and math.isfinite(full)
-    return ShardReport(tuple(shards), full, local, tuple(owned), tuple(params), comm)
+    sharded = ShardReport(tuple(shards), full, local, tuple(owned), tuple(params), comm)
+    global _ROWS_HOOK
+    for param, what in rows:
+        _EXPERT_ROWS[param] = (sharded, what)
+    if _ROWS_HOOK is None:
+        _ROWS_HOOK = register_optimizer_step_pre_hook(_check_rows)
+    return sharded
 
 
 def _resolve(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -162,16 +181,17 @@ def clip_grad_norm_(model: nn.Module, report: ShardReport, max_norm: float, norm
     return total
 
 
-def _layer_of(shard: Shard, settle: bool = True) -> runtime.EPLayer | None:
+def _layer_of(shard: Shard, settle: bool | None = True) -> runtime.EPLayer | None:
     """The runtime layer whose rows a stacked shard holds (None before its first compile: the
     contiguous placement). ``settle``: put in force a swap still waiting for its outcome (an
-    exchange with the other ranks); without, a pending swap raises (its rows and the table may
-    not agree yet)."""
+    exchange with the other ranks); False: a pending swap raises (its rows and the table may
+    not agree yet); None: the rows as they are now (a pending swap of this rank's has moved them
+    and their optimizer state alike)."""
     for lay in runtime.layers():
         if any(shard.local is q for q in lay.slot_params):
             if settle:
                 lay.settle()
-            elif lay.settle_hook is not None:
+            elif settle is not None and lay.settle_hook is not None:
                 raise RuntimeError(f"layer {lay.name}: an expert swap is waiting for its outcome; call the swapper's "
                                    "flush() on every rank before taking the state dict")
             return lay
@@ -189,7 +209,7 @@ def _placement(shard: Shard, world: int) -> tuple[list[int], list[int]]:
     return [e // per for e in range(shard.num_experts)], [e % per for e in range(shard.num_experts)]
 
 
-def _local_experts(shard: Shard, settle: bool = True) -> list[int]:
+def _local_experts(shard: Shard, settle: bool | None = True) -> list[int]:
     """The logical experts of this rank's shard rows, in row order (after any expert swap)."""
     lay = _layer_of(shard, settle)
     return list(lay.local_experts) if lay is not None else list(range(shard.first, shard.first + shard.num_local))
@@ -368,7 +388,9 @@ def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, re
     keep = not rank0_only or comm.position == 0
     osd: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
     state: dict[str, Any] = dict(osd["state"])
-    groups: list[dict[str, Any]] = [dict(g, params=list(g["params"])) for g in osd["param_groups"]]
+    # the unsharded optimizer's groups: no rank's rows (ROWS_KEY)
+    groups: list[dict[str, Any]] = [{k: v for k, v in g.items() if k != ROWS_KEY} | {"params": list(g["params"])}
+                                    for g in osd["param_groups"]]
     stacked = _stacked_shards(report)
     for param in report.params:
         if param.index is None:
@@ -399,7 +421,9 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
     """Load an optimizer state of the unsharded model (``full_optim_state_dict``'s, or
     ``get_optimizer_state_dict`` of the unsharded model) into the optimizer of the sharded one:
     each rank keeps its experts' rows, in the order of its slots now (after any expert swap), and
-    the state of its own expert modules. Not collective."""
+    the state of its own expert modules. Collective only where the optimizer has not stepped
+    yet: torch then creates its state with one step on zero gradients, and the first step of an
+    optimizer over expert shards compares its rows on every rank (``_check_rows``)."""
     state: dict[str, Any] = dict(optim_state_dict["state"])
     groups: list[dict[str, Any]] = [dict(g, params=list(g["params"])) for g in optim_state_dict["param_groups"]]
     stacked = _stacked_shards(report)
@@ -420,6 +444,10 @@ def load_full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimize
                 if param.name in g["params"]:
                     g["params"].remove(param.name)
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})
+    # torch merges the loaded groups into the optimizer's: rows a per-rank state loaded before said
+    # it held (a Trainer loads its first rank's, then ShardedExperts this) are not what it holds now
+    for g in optimizer.param_groups:
+        g.pop(ROWS_KEY, None)
 
 
 def _device(module: nn.Module, attr: str) -> torch.device:
@@ -470,3 +498,94 @@ def _broadcast_entry(model: nn.Module, param: ExpertParam, comm: Any, state: dic
     entry, group = payload[0]
     device = _device(*_resolve(model, param.name))
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in entry.items()}, group
+
+
+# ---- whose rows an optimizer's state holds --------------------------------------------------------
+
+ROWS_KEY = "hiermoe_expert_rows"  # in a saved param group: [index in the group, weight, its rows' experts]
+_EXPERT_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # expert parameter -> (ShardReport, Shard | name)
+_ROWS_HOOK: Any = None  # the global optimizer step pre-hook (_check_rows), registered once
+
+
+def _rows_of(param: Tensor) -> tuple[str, list[int]]:
+    """(the unsharded weight's name, the logical experts of its rows here, in row order) of an
+    expert parameter: a stacked shard's rows (after any expert swap), an expert module's weight
+    (its own name says which expert; no rows)."""
+    what = _EXPERT_ROWS[param][1]
+    if isinstance(what, Shard):
+        return what.name, _local_experts(what, settle=None)
+    return what, []
+
+
+def _tag_rows(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` post-hook: each saved param group says whose rows its expert parameters'
+    state is (not collective: a trainer's writer takes it on one rank)."""
+    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
+        rows = [[i, *_rows_of(p)] for i, p in enumerate(group["params"]) if p in _EXPERT_ROWS]
+        if rows:
+            saved[ROWS_KEY] = rows
+        else:
+            saved.pop(ROWS_KEY, None)
+    return state_dict
+
+
+def _loaded(optimizer: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post-hook: check the loaded rows at the next step."""
+    optimizer._hiermoe_rows_checked = False  # type: ignore[attr-defined]
+
+
+def _check_rows(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook (``register_optimizer_step_pre_hook``), at the first step of
+    an optimizer over expert shards and the first after each ``load_state_dict``: the rows each
+    loaded param group says its state holds (``ROWS_KEY``) against the experts this rank holds.
+    The same experts in another order (an expert swap since it was saved): the state's rows are
+    put in this rank's order. Other experts (another rank's state: a trainer that saved its first
+    rank's optimizer state for every rank): every rank raises, before the step updates anything.
+    Collective over the mesh then: every rank steps its optimizer at the same points, as the
+    expert-parallel training it is part of does. A group without ``ROWS_KEY`` (saved before
+    the first step, or the unsharded optimizer's, ``load_full_optim_state_dict``) is trusted."""
+    if getattr(optimizer, "_hiermoe_rows_checked", False):
+        return
+    found = [(g, i, p) for g in optimizer.param_groups for i, p in enumerate(g["params"]) if p in _EXPERT_ROWS]
+    optimizer._hiermoe_rows_checked = True  # type: ignore[attr-defined]
+    if not found:
+        return
+    if not getattr(optimizer, "_hiermoe_rows_hooked", False):
+        optimizer.register_state_dict_post_hook(_tag_rows)
+        optimizer.register_load_state_dict_post_hook(_loaded)
+        optimizer._hiermoe_rows_hooked = True  # type: ignore[attr-defined]
+    problems: list[str] = []
+    reorders: list[tuple[Tensor, list[int]]] = []
+    for group, i, p in found:
+        saved = {int(r[0]): (r[1], [int(e) for e in r[2]]) for r in group.get(ROWS_KEY, ())}
+        if i not in saved:
+            continue
+        name, held = _rows_of(p)
+        saved_name, saved_experts = saved[i]
+        if saved_name != name or sorted(saved_experts) != sorted(held):
+            what = f"experts {saved_experts}" if saved_experts else "that expert"
+            problems.append(f"{name}{f' (experts {held})' if held else ''} got the state of {saved_name}'s {what}")
+        elif saved_experts != held:
+            reorders.append((p, [saved_experts.index(e) for e in held]))
+    report = _EXPERT_ROWS[found[0][2]][0]
+    verdicts: list[Any] = [problems]
+    if report.comm is not None:
+        verdicts = [None] * report.comm.world
+        dist.all_gather_object(verdicts, problems, group=report.comm.intra[0].group)
+    bad = {pos: v for pos, v in enumerate(verdicts) if v}
+    if bad:
+        optimizer._hiermoe_rows_checked = False  # type: ignore[attr-defined]  # until a right state is loaded
+        first = next(iter(bad))
+        raise RuntimeError(
+            f"the optimizer state loaded on mesh position(s) {sorted(bad)} is not those ranks' own: at position "
+            f"{first}, {'; '.join(bad[first][:3])}. A sharded model's optimizer.state_dict() holds the experts of "
+            "the rank that took it (transformers' Trainer without moe_compile.trainer.ShardedExperts saves its "
+            "first rank's for every rank). Load each rank's own, or save with moe_compile.full_optim_state_dict "
+            "and load with moe_compile.load_full_optim_state_dict (ShardedExperts does both for a Trainer). "
+            "The step was refused: no weight has changed")
+    for p, order in reorders:
+        for v in optimizer.state.get(p, {}).values():
+            if isinstance(v, Tensor) and v.shape == p.shape:
+                v.copy_(v.index_select(0, torch.as_tensor(order, device=v.device)))
+    for group in optimizer.param_groups:  # checked: the rows are this rank's now (_tag_rows says so again)
+        group.pop(ROWS_KEY, None)

@@ -164,6 +164,15 @@ def check_optim(c: dict[str, Any], rank: int, where: Any) -> None:
     assert not c["keys_missing"] and not c["keys_extra"] and c["groups_equal"], (where, c)
     assert c["state_err"] < 1e-4, (where, c)
     assert c["reload_err"] == 0.0 and c["unsharded_err"] == 0.0, (where, c)
+    # a rank's own optimizer.state_dict() says whose rows it holds; the first rank's loaded on every
+    # rank is refused on every rank at the next step (before, its experts' moments trained the others'),
+    # and reordered rows are put back in the rank's order
+    assert all(n > 0 for n in c["tagged"]), (where, c)
+    others = list(range(1, c["world"]))
+    assert "is not those ranks' own" in c["foreign_error"] and f"mesh position(s) {others}" in c["foreign_error"], \
+        (where, c)
+    assert c["foreign_weights_err"] == 0.0 and c["own_weights_err"] == 0.0, (where, c)
+    assert c["flipped_state_err"] == 0.0 and c["own_state_err"] == 0.0, (where, c)
     if rank == 0:
         assert c["rank0_keys"] > 0 and c["rank0_err"] == 0.0, (where, c)
     else:

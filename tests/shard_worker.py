@@ -167,6 +167,56 @@ def optim_checks(model: torch.nn.Module, opt: torch.optim.Optimizer, report: Any
     set_optimizer_state_dict(unsharded, opt_u, full)
     back = get_optimizer_state_dict(unsharded, opt_u)["state"]
     out["unsharded_err"] = max(_state_err(back[k], full["state"][k]) for k in full["state"])
+    out.update(foreign_optim_checks(model, opt))
+    return out
+
+
+def foreign_optim_checks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """A rank's own ``opt.state_dict()``: loaded on another rank (the first rank's on every rank,
+    as a trainer that saves one file does) the next step is refused on every rank, nothing
+    updated; its rows reordered (as an expert swap since would have them) they are put back in
+    the rank's order; loaded back as it is, the step runs. The steps run without gradients, so
+    AdamW changes no weight and no state by itself."""
+    from moe_compile.sharding import ROWS_KEY
+
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    opt.zero_grad(set_to_none=True)
+    own = opt.state_dict()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state_before = copy.deepcopy(opt.state_dict()["state"])
+    out: dict[str, Any] = {"tagged": [len(g.get(ROWS_KEY, ())) for g in own["param_groups"]],
+                           "world": dist.get_world_size()}
+    first: list[Any] = [copy.deepcopy(own) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(first, src=0)
+    opt.load_state_dict(first[0])
+    try:
+        opt.step()
+        out["foreign_error"] = ""
+    except RuntimeError as e:
+        out["foreign_error"] = str(e)
+    out["foreign_weights_err"] = max(rel_err(p.detach(), before[n]) for n, p in model.named_parameters())
+    # this rank's rows in reverse order, and the tag saying so: loaded, they come back in order
+    flipped = copy.deepcopy(own)
+    reversed_rows = 0
+    for group in flipped["param_groups"]:
+        for i, _name, experts in group.get(ROWS_KEY, ()):
+            if len(experts) > 1:
+                pid = group["params"][i]
+                for k, v in flipped["state"].get(pid, {}).items():
+                    if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == len(experts):
+                        flipped["state"][pid][k] = v.flip(0)
+                        reversed_rows += 1
+                experts.reverse()
+    out["reversed_rows"] = reversed_rows
+    opt.load_state_dict(flipped)
+    opt.step()
+    out["flipped_state_err"] = max(_state_err(opt.state_dict()["state"][k], state_before[k]) for k in state_before)
+    opt.load_state_dict(own)
+    opt.step()
+    out["own_state_err"] = max(_state_err(opt.state_dict()["state"][k], state_before[k]) for k in state_before)
+    out["own_weights_err"] = max(rel_err(p.detach(), before[n]) for n, p in model.named_parameters())
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
     return out
 
 
@@ -279,7 +329,7 @@ def case_trainer_shard() -> dict[str, Any]:
     (``ShardedExperts`` clips over the whole model). With ``save``: the compiled run
     saves a checkpoint halfway (``ShardedExperts``), and a second sharded model with other
     weights resumes from it; its losses are the uninterrupted run's, and the checkpoint loads into
-    the unsharded model with from_pretrained."""
+    the unsharded model with from_pretrained; resumed without ``ShardedExperts`` it stops."""
     import warnings
 
     import transformers
@@ -348,6 +398,13 @@ def case_trainer_shard() -> dict[str, Any]:
         out["checkpoint_err"] = max((rel_err(p.detach(), ref[n].detach()), n) for n, p in unsharded.named_parameters())
         resumed_model, resumed_report, _ = sharded(1)
         out["losses_resumed"], _ = losses(resumed_model, shared, [ShardedExperts(resumed_report)], resume=folder)
+        # resumed without ShardedExperts, the Trainer loads its first rank's optimizer state on
+        # every rank (its optimizer.pt): the first step refuses it on every rank
+        try:
+            losses(resumed_model, shared, [], resume=folder)
+            out["no_callback_error"] = ""
+        except RuntimeError as e:
+            out["no_callback_error"] = str(e)
     out["losses"] = {"compiled": compiled, "eager": reference}
     out["grad_norms"] = {"compiled": norms[shared], "eager": norms[eager_out],
                          "args after": norms[f"{shared}/max_grad_norm after"]}

@@ -342,7 +342,8 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
     before, the recompile took them for full weights and ran on zeros) and wraps it in DDP itself.
     Its logged losses and gradient norms (2 micro-batches accumulated per step, clipped by
     ShardedExperts) equal those of a Trainer of the unsharded eager model; its checkpoint
-    (ShardedExperts) is the unsharded model's, and a run resumed from it trains on alike."""
+    (ShardedExperts) is the unsharded model's, and a run resumed from it trains on alike; resumed
+    without ShardedExperts, every rank stops at the first step (another rank's optimizer state)."""
     results = run_ranks(4, "trainer_shard", worker="shard_worker.py", shape=[2, 2], steps=4, save=2, max_grad_norm=0.05,
                         accumulate=2)
     for rank, res in enumerate(results):
@@ -368,6 +369,10 @@ def test_trainer_under_torchrun_with_sharded_experts() -> None:
         assert len(resumed) == 2, resumed
         for a, b in zip(resumed, res["losses"]["compiled"][2:], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, resumed, res["losses"]["compiled"])
+        # resumed without ShardedExperts, the Trainer gives every rank its first rank's optimizer
+        # state: before, the other ranks trained their experts on it; now every rank stops, saying so
+        assert "mesh position(s) [1, 2, 3]" in res["no_callback_error"], res["no_callback_error"]
+        assert "ShardedExperts" in res["no_callback_error"], res["no_callback_error"]
 
 
 @pytest.mark.ranks
@@ -454,6 +459,8 @@ def test_shard_experts_memory_equality_and_training() -> None:
                 assert abs(r["zeroed_loss"] - r["loss_now"]) > 1e-4, (where, r)
             check_checkpoint(r["checkpoint"], rank, where)
             check_optim(r["optim"], rank, where)
+            # the stacked shards' optimizer rows were reordered and put back (E modules have no rows)
+            assert (r["optim"]["reversed_rows"] > 0) == (kind == "grouped_gemm"), (where, r["optim"])
             # gradient clipping (0.05, active at every step): moe_compile.clip_grad_norm_'s norm is eager
             # DDP's (the losses and weights above equal eager's with it); torch's over the sharded
             # model's parameters sees this rank's experts only and is another
