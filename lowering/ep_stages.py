@@ -24,6 +24,12 @@ fused ``hiermoe::ep_experts`` re-dispatches ``[x | grad_y]`` (1.5x). The price i
 dispatched rows ([R, H] per layer) kept from forward to backward; ``explain`` reports them per
 layer (``EPLayer.saved_bytes``).
 
+Dtypes: the rows travel in the tokens' dtype, the slot weights as float32 metadata (back in the
+routing weights' dtype on arrival), and the partial sums and ``y`` in promote(tokens, routing
+weights), the dtype ``hiermoe::experts`` returns: under torch.autocast the tokens go out in bf16
+and the partial sums come back in float32, as the layer weights bf16 expert outputs by float32
+routing weights and sums them in float32 (sent in bf16 they were rounded where eager's are not).
+
 Legend: T tokens, K top-k, H hidden, R rows at this rank after dispatch, S slots per row (K
 with dedup, 1 without), P (row, slot) pairs bound for local experts.
 """
@@ -46,6 +52,7 @@ from moe_compile.lowering.experts_ref import (
     check_activation,
     experts_reference_backward,
     experts_reference_keep,
+    out_dtype,
 )
 
 # route header: d, placement version, runtime layer id
@@ -158,7 +165,7 @@ def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tenso
     w_up, w_gate, w_down, b_up, b_gate, b_down = weights
     assert w_up is not None and w_down is not None
     d_x_PH, d_w_P1, *d_weights = experts_reference_backward(
-        grad_RH[r_P].to(rows_RH.dtype), rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate, b_down,
+        grad_RH[r_P].to(out_dtype(rows_RH, w_P1)), rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate, b_down,
         activation, kept=kept)
     d_rows_RH.index_add_(0, r_P, d_x_PH.float())
     d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
@@ -272,8 +279,8 @@ _DISPATCH_OUT = "(Tensor, Tensor, Tensor, Tensor)"
 
 def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int,
                   step: Tensor | None = None, chunk: int = 0) -> Job:
-    """(rows [R, H], their expert ids [R, S] (-1: no slot), weights [R, S] float32, packed route)
-    at this rank after HD-d's dispatch, d chosen for this step. ``slots`` is S (K with dedup, 1
+    """(rows [R, H], their expert ids [R, S] (-1: no slot), weights [R, S] in the routing weights'
+    dtype (they travel as float32 metadata), packed route) at this rank after HD-d's dispatch, d chosen for this step. ``slots`` is S (K with dedup, 1
     without), for the fake. Choosing d runs here, on the caller's thread, or, for one chunk of a
     chunked layer, ``step`` (``ep_begin``'s) holds it; the all-to-alls are the job."""
     lay = runtime.resolve(layer)
@@ -296,7 +303,7 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         assert ids_RS.shape[1] == slots, (ids_RS.shape, slots)
         packed = route.pack([d, lay.version, lay.layer_id])
         # contiguous, as the fake says (the compiler checks the strides of a wait's outputs)
-        out = (rows_RH.contiguous(), ids_RS.contiguous(), w_RS.contiguous(), packed)
+        out = (rows_RH.contiguous(), ids_RS.contiguous(), w_RS.to(topk_weights.dtype).contiguous(), packed)
         lay.add_saved_bytes(sum(t.numel() * t.element_size() for t in out))
         return out
 
@@ -308,7 +315,7 @@ def _dispatch_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int
     ctx = torch.library.get_ctx()
     num_rows, route_len = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return (x.new_empty((num_rows, x.shape[1])), topk_idx.new_empty((num_rows, slots), dtype=torch.long),
-            x.new_empty((num_rows, slots), dtype=torch.float32),
+            x.new_empty((num_rows, slots), dtype=topk_weights.dtype),
             torch.empty((route_len,), dtype=torch.long, device="cpu"))
 
 
@@ -379,8 +386,9 @@ ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
                      b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
                      by_expert: bool, route: Tensor, triton: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """([R, H] in the rows' dtype: each dispatched row's weighted sum over its slots of its local
-    experts' FFN outputs; then the valid slots' up and gate pre-activations, [P, F] each, that
+    """([R, H] in promote(rows, w), as ``hiermoe::experts`` sums: each dispatched row's weighted sum
+    over its slots of its local experts' FFN outputs (bf16 rows under autocast, whose routing
+    weights stay float32, send float32 partial sums back, as the layer sums in float32); then the valid slots' up and gate pre-activations, [P, F] each, that
     autograd keeps so that backward does not recompute 2 of the 3 forward matmuls: zero-size
     with ``triton``, whose backward recomputes, and the gate's when non-gated). ``by_expert``:
     the weights are indexed by expert id (they hold every expert) rather than by local slot
@@ -388,9 +396,9 @@ def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate:
     sets it, options['kernels'])."""
     lay = runtime.layer(int(route[2]))
     out, kept = local_forward(rows, ids, w, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
-                              activation, w_up.dtype, triton)
+                              activation, w.dtype, triton)
     lay.add_saved_bytes(sum(t.numel() * t.element_size() for t in kept))
-    return out.to(rows.dtype), kept.up_NF, kept.gate_NF
+    return out.to(out_dtype(rows, w)), kept.up_NF, kept.gate_NF
 
 
 @ep_local_experts.register_fake
@@ -401,7 +409,7 @@ def _ep_local_experts_fake(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w
     check_activation(activation)
     num_f = w_down.shape[-1]
     num_kept = 0 if triton else torch.library.get_ctx().new_dynamic_size()
-    return (rows.new_empty(rows.shape), rows.new_empty((num_kept, num_f)),
+    return (rows.new_empty(rows.shape, dtype=out_dtype(rows, w)), rows.new_empty((num_kept, num_f)),
             rows.new_empty((0 if w_gate is None else num_kept, num_f)))
 
 
@@ -414,15 +422,15 @@ def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Te
                               b_down: Tensor | None, activation: str, by_expert: bool, route: Tensor,
                               kept_up: Tensor, kept_gate: Tensor, triton: bool = False
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(d_rows, d_w float32, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
+    """(d_rows, d_w in w's dtype, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
     absent weights) from the dispatched rows and the pre-activations autograd saved (zero-size
     on the Triton path, whose backward recomputes them)."""
     lay = runtime.layer(int(route[2]))
     check_version(lay, int(route[1]))
     d_rows, d_w, d_weights = local_backward(grad_out, rows, ids, w, lay, by_expert,
-                                            [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w_up.dtype,
+                                            [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w.dtype,
                                             triton, Kept(kept_up, kept_gate))
-    return (d_rows.to(rows.dtype), d_w, *d_weights)  # type: ignore[return-value]
+    return (d_rows.to(rows.dtype), d_w.to(w.dtype), *d_weights)  # type: ignore[return-value]
 
 
 @ep_local_experts_backward.register_fake
@@ -434,7 +442,7 @@ def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor,
     def like(t: Tensor | None) -> Tensor:
         return rows.new_empty(0) if t is None else t.new_empty(t.shape)
 
-    return (like(rows), w.new_empty(w.shape, dtype=torch.float32), like(w_up), like(w_gate), like(w_down), like(b_up),
+    return (like(rows), like(w), like(w_up), like(w_gate), like(w_down), like(b_up),
             like(b_gate), like(b_down))
 
 

@@ -53,7 +53,7 @@ from moe_compile.lowering.ep_stages import (
     local_forward,
 )
 from moe_compile.lowering.ep_stages import phase_names as _phases
-from moe_compile.lowering.experts_ref import check_activation
+from moe_compile.lowering.experts_ref import check_activation, out_dtype
 
 _SCHEMA = (
     "(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w_up, Tensor? w_gate, Tensor w_down, "
@@ -85,7 +85,8 @@ def ep_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Tensor, 
                               activation, topk_weights.dtype)  # what it could keep is not: resend recomputes
     t2 = time.perf_counter()
     with collective(lay, f"the forward combine all-to-alls ({_phases(d, lay)})"):
-        y_TH, _ = worker.run(x.device, lambda: hier_a2a.combine(out_RH.to(x.dtype), route, "forward"))
+        y_TH, _ = worker.run(x.device, lambda: hier_a2a.combine(out_RH.to(out_dtype(x, topk_weights)), route,
+                                                               "forward"))
     lay.add_comm_time("forward", (t1 - t0) + (time.perf_counter() - t2))
     return y_TH, torch.tensor([d, lay.version, lay.layer_id], dtype=torch.long)
 
@@ -95,7 +96,7 @@ def _ep_experts_fake(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_up: Te
                      w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
                      activation: str, layer: int, by_expert: bool) -> tuple[Tensor, Tensor]:
     check_activation(activation)
-    return x.new_empty(x.shape), x.new_empty((3,), dtype=torch.long, device="cpu")
+    return x.new_empty(x.shape, dtype=out_dtype(x, topk_weights)), x.new_empty((3,), dtype=torch.long, device="cpu")
 
 
 @torch.library.custom_op("hiermoe::ep_experts_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)

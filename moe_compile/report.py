@@ -63,6 +63,7 @@ def parallel_summary(layer_id: int) -> dict[str, Any]:
             "statistics": None if lay.dimension is not None else
             "gathered" if lay.last_stats is not None else "max-reduced",
             "bytes_per_level": lay.last_step_bytes(), "local_experts": list(lay.local_experts),
+            "bytes_per_phase": {p: lay.last_step_bytes(phase=p) for p in ("dispatch", "combine")},
             "mesh": dict(zip(lay.comm.level_names, lay.comm.sizes, strict=True)), "rank_position": lay.comm.position,
             "placement": lay.placement(), "swaps": [asdict(r) for r in lay.swaps],
             "swap_decisions": dict(lay.swap_decisions), "swappable": lay.swap_blocker is None,

@@ -96,19 +96,22 @@ def expected_bytes(idx: np.ndarray, E: int, shape: list[int], me: int, d: int, d
 
 def case_op_matrix() -> dict[str, Any]:
     """Every d and both dedup modes on several routings: outputs and all gradients against the
-    single-process op; traffic against the routing-derived counts."""
+    single-process op; traffic against the routing-derived counts. ``dtype``: the tokens' and
+    expert weights' (the routing weights stay float32, as under torch.autocast)."""
     shape, E, K, H, F, T = (PARAMS[k] for k in ("shape", "E", "K", "H", "F", "T"))  # noqa: N806
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh(shape)
+    dtype = getattr(torch, PARAMS.get("dtype", "float32"))
     torch.manual_seed(0)  # same weights on every rank
-    full = [torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), torch.randn(E, F), None, torch.randn(E, H)]
+    full = [None if w is None else w.to(dtype) for w in (
+        torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), torch.randn(E, F), None, torch.randn(E, H))]
     records = []
     for kind in PARAMS["routings"]:
         k = E if kind == "k_eq_e" else min(K, E // world) if kind == "local_only" else K
         t = 1 if kind == "t1" else T
         idx = routing(kind, t, k, E, rank)
         gen = torch.Generator().manual_seed(2000 + rank)
-        x = torch.randn(idx.shape[0], H, generator=gen)
+        x = torch.randn(idx.shape[0], H, generator=gen).to(dtype)
         tw = torch.rand(idx.shape[0], k, generator=gen)
         g = torch.randn(idx.shape[0], H, generator=gen)
         ref_w = [None if w is None else w.clone().requires_grad_() for w in full]
@@ -120,7 +123,7 @@ def case_op_matrix() -> dict[str, Any]:
                 continue
             lay = setup.build_layer(name=f"{kind}-{dedup}-{d}", mesh=mesh, topology=None, dimension=d,
                                     dedup=dedup, num_experts=E, top_k=k, hidden_size=H, ffn_size=F,
-                                    gated=True, dtype=torch.float32, device=torch.device("cpu"))
+                                    gated=True, dtype=dtype, device=torch.device("cpu"))
             first, n = lay.local_experts[0], len(lay.local_experts)
             ws = [None if w is None else w.clone().requires_grad_() for w in full]
             by_expert = d % 2 == 1  # both row modes: every expert's rows, or only the local slots
@@ -134,20 +137,21 @@ def case_op_matrix() -> dict[str, Any]:
                 y = staged_experts(xe, idx, twe, local, "silu", lay.layer_id, by_expert, k if dedup else 1)
                 used = lay.last_dimension
             grads = torch.autograd.grad(y, [xe, twe, *(w for w in ws if w is not None)], g)
-            errs = {"y": rel_err(y, y_ref), "x": rel_err(grads[0], grads_ref[0]),
+            errs = {"y": rel_err(y.float(), y_ref.float()), "x": rel_err(grads[0].float(), grads_ref[0].float()),
                     "topk_weights": rel_err(grads[1], grads_ref[1])}
             for i, (a, b) in enumerate(zip(grads[2:], grads_ref[2:], strict=True)):
                 a, b = a.clone(), b.clone()
                 dist.all_reduce(a)  # expert grads live on their owner: compare the sums over ranks
                 dist.all_reduce(b)
-                errs[f"w{i}"] = rel_err(a, b)
+                errs[f"w{i}"] = rel_err(a.float(), b.float())
             c = runtime.counters()
-            row_bytes = H * 4
+            row_bytes = H * x.element_size()
             stats = hd_statistics(idx, E, shape)
             p_inter1 = stats.p_inter[0] if len(shape) > 1 else None
             p_flat = stats.p_intra[0]
             records.append({
                 "kind": kind, "dedup": dedup, "d": d, "mode": mode, "used": used, "errs": errs,
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in (y, y_ref, grads[0], grads[1])],
                 "sent": {lv: {ph: {dr: c[name][ph][dr]["payload_bytes"] for dr in ("forward", "backward")}
                               for ph in ("dispatch", "combine")} for lv, name in enumerate(mesh.mesh_dim_names)},
                 "meta": sum(c[name][ph][dr]["meta_bytes"] for name in mesh.mesh_dim_names

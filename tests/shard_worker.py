@@ -458,7 +458,7 @@ def case_autocast() -> dict[str, Any]:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
                     explained = moe_compile.explain(model, ids[:, :-1], ids[:, 1:], options={
                         "mesh": mesh, "dimension": 2, "inner_compiler": "aot_eager"})
-                sent[label] = [r.parallel["bytes_per_level"] for r in explained.regions]
+                sent[label] = [r.parallel["bytes_per_phase"] for r in explained.regions]
         out[kind] = {"losses": losses, "weight_err": weight_err, "sent": sent,
                      "dtypes": [r.dtype for g in graphs for r in g.regions],
                      "skipped": [s.reason for g in graphs for s in g.skipped]}

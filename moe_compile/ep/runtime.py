@@ -382,14 +382,16 @@ class EPLayer:
         with _lock:
             self.step_comm_s[direction] = self.step_comm_s.get(direction, 0.0) + seconds
 
-    def last_step_bytes(self, gather: bool = False, samples: bool = False) -> dict[str, int]:
+    def last_step_bytes(self, gather: bool = False, samples: bool = False, phase: str | None = None
+                        ) -> dict[str, int]:
         """Payload bytes this rank sent per level in the last step (its forward and, once run, its
         backward): tokens, or with ``gather`` expert weights (and their gradients), or with
-        ``samples`` the samples the sample exchanges after this layer moved."""
+        ``samples`` the samples the sample exchanges after this layer moved; ``phase``: only
+        those of that phase ("dispatch", "combine")."""
         names = self.comm.level_names
         out = {n: 0 for n in names}
-        for (level, phase, _), b in (self.gather_step_bytes if gather else self.step_bytes).items():
-            if gather or (phase == "samples") == samples:
+        for (level, what, _), b in (self.gather_step_bytes if gather else self.step_bytes).items():
+            if (gather or (what == "samples") == samples) and phase in (None, what):
                 out[names[level]] += b
         return out
 
