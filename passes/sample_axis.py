@@ -27,7 +27,7 @@ clamp_min clamp_max maximum minimum where masked_fill lerp reciprocal square sig
 logical_or logical_not logical_xor eq ne lt le gt ge isnan isinf isfinite nan_to_num float half bfloat16 double int
 long bool to type type_as contiguous clone detach zeros_like ones_like full_like empty_like dropout add_ mul_ div_
 sub_ masked_fill_ relu_ addcmul addcdiv hardtanh hardsigmoid hardswish alias sigmoid_ tanh_ pow_ neg_ clamp_ copy_
-new_empty new_zeros new_ones new_full fill_ zero_
+fill_ zero_
 """.split())
 _OPERATORS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
                         operator.pow, operator.neg, operator.pos, operator.abs, operator.invert, operator.and_,
@@ -49,6 +49,9 @@ _RESHAPE = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "res
                       "unsqueeze", "squeeze", "repeat"})
 _DIM_MOVES = frozenset({"transpose", "swapaxes", "permute", "movedim", "mT"})
 _NEUTRAL = frozenset({"size", "dim", "numel", "ndimension", "is_contiguous", "get_device"})
+# a new tensor of constants (its input gives dtype and device): shaped like the input's samples it
+# is per-sample (a buffer filled per sample), else no sample's value (Llama-4's x.new_ones(()))
+_FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"})
 _MATMUL = frozenset({"matmul", "bmm", "mm"})
 
 
@@ -139,6 +142,10 @@ def out_axis(node: fx.Node, axes: Axes, samples: int) -> int | None:
     nd = _ndim(x_val)
     if name in _NEUTRAL:
         return NOT_TENSOR
+    if name in _FACTORIES:
+        like = isinstance(out, torch.Tensor) and isinstance(x_val, torch.Tensor) and xa is not None \
+            and out.ndim > xa and tuple(out.shape[:xa + 1]) == tuple(x_val.shape[:xa + 1])
+        return xa if like else NOT_TENSOR
     if name == "hiermoe":
         return 0 if xa == 0 else None  # the expert ops are token-wise
     if name == "getitem" and not isinstance(x_val, torch.Tensor):
@@ -148,7 +155,7 @@ def out_axis(node: fx.Node, axes: Axes, samples: int) -> int | None:
         return axis
     vals = out if isinstance(out, tuple | list) else [out]
     for v in vals:  # every result holds a multiple of B along its axis
-        if not isinstance(v, torch.Tensor) or axis >= v.ndim or v.shape[axis] == 0 or v.shape[axis] % samples:
+        if not isinstance(v, torch.Tensor) or not 0 <= axis < v.ndim or v.shape[axis] == 0 or v.shape[axis] % samples:
             return None
     return axis
 
@@ -242,6 +249,8 @@ def _result_axis(node: fx.Node, name: str, x: Any, xa: int | None, x_val: Any, n
         if tuple(out.shape[:xa]) == tuple(x_val.shape[:xa]) and out.ndim > xa and out.shape[xa] % samples == 0:
             return xa
         return None
+    if name in ("view_as_complex", "view_as_real"):  # the trailing pair of reals <-> one complex (rotary embeddings)
+        return None if xa is None or (name == "view_as_complex" and xa >= nd - 1) else xa
     if name in _DIM_MOVES:
         if xa is None:
             return None

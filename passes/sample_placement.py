@@ -102,6 +102,27 @@ class Layer:
 
 # -- analysis --------------------------------------------------------------------------------------
 
+def layer_tokens(lay: Layer) -> fx.Node | None:
+    """The [T, H] tokens of a layer's expert op: its first argument, or where the routing weights
+    scale the experts' input (Llama-4) the tokens they scale. There the op's rows are the K
+    products w_tk x_t of each token, token-major (``emit``: reshape(unsqueeze(x, 1) *
+    unsqueeze(w, -1), -1, H)), so a sample's rows are still one block, K times its tokens', and
+    its [T*K, 1] routing says where each of them goes; the samples are counted on x."""
+    tokens = lay.op.args[0]
+    if not isinstance(tokens, fx.Node):
+        return None
+    if not lay.input_scaled:
+        return tokens
+    prod = tokens.args[0] if op_name(tokens) == "reshape" and tokens.args else None
+    if not isinstance(prod, fx.Node) or prod.target is not operator.mul or not prod.args:
+        return None
+    scaled = prod.args[0]
+    if not isinstance(scaled, fx.Node) or op_name(scaled) != "unsqueeze" or not scaled.args:
+        return None
+    x = scaled.args[0]
+    return x if isinstance(x, fx.Node) else None
+
+
 def sample_dimension(tokens: fx.Node) -> int | None:
     """B where the tokens [T, H] are a [B, S, H] value flattened (followed back through views)."""
     t_val = example_value(tokens)
@@ -225,12 +246,8 @@ def _trial(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence
     compared with the graph."""
     if len(layers) < 2:
         return "one MoE layer in this graph: no later all-to-all gains from moving samples", 0, 0
-    scaled = [lay.name for lay in layers if lay.input_scaled]
-    if scaled:
-        return (f"the routing weights of {scaled[0]} scale the experts' input, so its expert op's rows are "
-                "(token, expert) pairs, not tokens; the sample analysis follows tokens"), 0, 0
-    tokens = layers[0].op.args[0]
-    samples = sample_dimension(tokens) if isinstance(tokens, fx.Node) else None
+    tokens = layer_tokens(layers[0])
+    samples = sample_dimension(tokens) if tokens is not None else None
     if samples is None:
         return "the tokens are not a [batch, seq, hidden] value flattened: no sample dimension found", 0, 0
     if samples < 2:
@@ -241,8 +258,8 @@ def _trial(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence
     out = graph.graph_copy(gm.graph, node_map)  # nodes keep their meta (example values)
     graph.output(out)
     trial = fx.GraphModule(gm, graph)
-    trial_layers = [Layer(lay.name, node_map[lay.op], node_map[lay.topk_idx], lay.top_k, lay.hidden_bytes)
-                    for lay in layers]
+    trial_layers = [Layer(lay.name, node_map[lay.op], node_map[lay.topk_idx], lay.top_k, lay.hidden_bytes,
+                          lay.input_scaled) for lay in layers]
     probe = PlacementResult(samples=samples)
     reason = _rewrite(trial, trial_layers, ParamTable(trial, example_inputs), samples, 1, probe)
     if reason is not None:
@@ -321,6 +338,9 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
         if n.op in ("call_function", "call_method") and any(a in derived or a in anchors for a in n.all_input_nodes):
             if sample_wise(n, per_sample, samples, rank_local):
                 derived.add(n)
+                if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
+                    # later readers of the value it mutates read this (Llama-4: shared.add_(routed))
+                    derived.add(n.args[0])
             else:
                 blockers.append(n)
     for _, i, home in cuts:

@@ -92,6 +92,41 @@ def case_placement() -> dict[str, Any]:
     return out
 
 
+def case_llama4() -> dict[str, Any]:
+    """transformers' Llama-4 (its routing weights scale the experts' input: K rows per token) of
+    3 layers with sample placement over the mesh, 2 steps: loss and logits against eager on this
+    rank's batch, gradients summed over the ranks against eager's, each cut's decisions."""
+    from hf_models import build, input_ids
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    torch._dynamo.reset()
+    model = build("llama4_text", None, num_hidden_layers=3, num_experts_per_tok=2)
+    ref = copy.deepcopy(model)
+    opts = {"mesh": mesh, "topology": topology_for(mesh, node_gbps=0.01, inner_gbps=10.0), "inner_compiler": "aot_eager",
+            "expert_gather": False, "sample_placement": True, "replicated_experts": False}
+    compiled = torch.compile(model, backend="hiermoe", options=opts)
+    out: dict[str, Any] = {"steps": []}
+    with collect_reports() as reports:
+        for step in range(2):
+            ids = input_ids(seed=10 * step + rank, batch=4, seq=8)
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+            got = compiled(input_ids=ids, labels=ids)
+            got.loss.backward()
+            want = ref(input_ids=ids, labels=ids)
+            want.loss.backward()
+            out["steps"].append({"loss": got.loss.item(), "loss_ref": want.loss.item(),
+                                 "logits_err": rel_err(got.logits.detach(), want.logits.detach()),
+                                 "grad_err": summed_grad_err(model, ref)})
+    records = [r for lay in runtime.layers() if (r := sample_exchange.record(lay.layer_id)) is not None]
+    out["decided"] = [r.steps + r.skipped for r in records]
+    out["moved"] = [r.moved_samples for r in records]
+    out["placed_layers"] = sum(len(g.regions) for g in reports)
+    out["report"] = str(Report(graphs=list(reports)))
+    return out
+
+
 if __name__ == "__main__":
     assert moe_compile is not None
     main(globals())

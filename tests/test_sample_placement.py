@@ -111,14 +111,28 @@ def test_an_op_that_mixes_samples_between_layers_returns_them_first() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_input_scaled_experts_are_refused_with_the_reason() -> None:
-    """Llama-4's routing weights scale the experts' input: the op's rows are (token, expert) pairs
-    (its T*K rows would read as T*K samples of one token), so the pass leaves the graph alone and
-    says why; the compiled model still equals eager."""
-    model = hf_models.build("llama4_text", None, num_hidden_layers=2)
-    res, want, got = _place(model, input_ids=hf_models.input_ids(batch=3, seq=8))
-    assert res.reason is not None and "scale the experts' input" in res.reason, res.reason
-    assert res.cuts == []
+def test_input_scaled_experts_place_their_samples() -> None:
+    """Llama-4's routing weights scale the experts' input: the op's rows are the K products w_tk x_t
+    of each token, token-major, so a sample's rows are one block K times its tokens' (before, the
+    pass refused such layers). The samples are counted on the tokens the weights scale (3, not
+    T*K). Between the layers the analysis follows the shared expert's output that the routed sum
+    is added into in place, and the displaced layers' rotary embedding (view_as_complex,
+    view_as_real) and scalar mask (x.new_ones(())). A cut after each of the first two layers moves
+    the residual stream, the home cut returns it; with every exchange a derangement of the 3 local
+    samples the graph's outputs are the unpermuted graph's (the pass's own verification), and the
+    loss and logits eager's."""
+    model = hf_models.build("llama4_text", None, num_hidden_layers=3, num_experts_per_tok=2)
+    ids = hf_models.input_ids(batch=3, seq=8)
+    res, want, got = _place(model, input_ids=ids, labels=ids)
+    assert res.reason is None, res.reason
+    assert res.samples == 3, res.samples
+    assert res.verify_err is not None and res.verify_err <= 1e-6, res.verify_err
+    assert [c.home for c in res.cuts] == [False, False, True], res.cuts
+    # the residual stream ([S, H] fp32 per sample), and after the first layer the [1, S, S] bool
+    # attention mask that a later attention still reads
+    assert [(c.moved[-1].startswith("hidden_states"), c.sample_bytes) for c in res.cuts] == \
+        [(True, 8 * 32 * 4 + 8 * 8), (True, 8 * 32 * 4), (True, 8 * 32 * 4)], res.cuts
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
 
 
@@ -166,3 +180,21 @@ def test_placement_on_8_ranks_equals_eager() -> None:
         assert abs(on["loss"] - on["loss_ref"]) <= 1e-6 * abs(on["loss_ref"]), rank
         assert on["logits_err"] < 1e-6 and on["grad_err"] < 1e-5, (rank, on)
         assert on["moves"] == [1] and on["moved"] == [16] and on["pays"] == [True], (rank, on)
+
+
+@pytest.mark.ranks
+def test_llama4_placement_over_ranks_equals_eager() -> None:
+    """Llama-4 (K rows per token, the routing weights scaling the experts' input) of 3 layers on 4
+    gloo ranks (2 nodes x 2) with sample placement: before, refused; now each of the 2 steps' loss
+    and logits equal eager's on every rank and the gradients summed over the ranks equal eager's,
+    and the two cuts between its layers decide on every step (from the [T*K, 1] routing of each
+    token's K rows) and move samples."""
+    results = run_ranks(4, "llama4", worker="placement_worker.py", shape=[2, 2])
+    for rank, res in enumerate(results):
+        for step in res["steps"]:
+            assert abs(step["loss"] - step["loss_ref"]) <= 1e-6 * abs(step["loss_ref"]), (rank, step)
+            assert step["logits_err"] < 1e-5 and step["grad_err"] < 1e-5, (rank, step)
+        assert res["placed_layers"] == 3, res
+        assert len(res["decided"]) == 2 and all(d >= 1 for d in res["decided"]), res["report"]
+        assert sum(res["moved"]) > 0, res  # samples did move (3 and 4 of the 16 when written)
+        assert "sample placement: after" in res["report"], res["report"]
