@@ -165,8 +165,8 @@ def local_backward(grad_RH: Tensor, rows_RH: Tensor, ids_RS: Tensor, w_RS: Tenso
     w_up, w_gate, w_down, b_up, b_gate, b_down = weights
     assert w_up is not None and w_down is not None
     d_x_PH, d_w_P1, *d_weights = experts_reference_backward(
-        grad_RH[r_P].to(out_dtype(rows_RH, w_P1)), rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate, b_down,
-        activation, kept=kept)
+        grad_RH[r_P].to(out_dtype(rows_RH, w_P1)), rows_RH[r_P], slot_P1, w_P1, w_up, w_gate, w_down, b_up, b_gate,
+        b_down, activation, kept=kept)
     d_rows_RH.index_add_(0, r_P, d_x_PH.float())
     d_w_RS[r_P, s_P] = d_w_P1[:, 0].float()
     return d_rows_RH, d_w_RS, d_weights
@@ -280,9 +280,10 @@ _DISPATCH_OUT = "(Tensor, Tensor, Tensor, Tensor)"
 def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int, slots: int,
                   step: Tensor | None = None, chunk: int = 0) -> Job:
     """(rows [R, H], their expert ids [R, S] (-1: no slot), weights [R, S] in the routing weights'
-    dtype (they travel as float32 metadata), packed route) at this rank after HD-d's dispatch, d chosen for this step. ``slots`` is S (K with dedup, 1
-    without), for the fake. Choosing d runs here, on the caller's thread, or, for one chunk of a
-    chunked layer, ``step`` (``ep_begin``'s) holds it; the all-to-alls are the job."""
+    dtype (they travel as float32 metadata), packed route) at this rank after HD-d's dispatch, d
+    chosen for this step. ``slots`` is S (K with dedup, 1 without), for the fake. Choosing d runs
+    here, on the caller's thread, or, for one chunk of a chunked layer, ``step`` (``ep_begin``'s)
+    holds it; the all-to-alls are the job."""
     lay = runtime.resolve(layer)
     if step is None:
         d = begin_forward(lay, x, topk_idx)
@@ -388,8 +389,9 @@ def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate:
                      by_expert: bool, route: Tensor, triton: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """([R, H] in promote(rows, w), as ``hiermoe::experts`` sums: each dispatched row's weighted sum
     over its slots of its local experts' FFN outputs (bf16 rows under autocast, whose routing
-    weights stay float32, send float32 partial sums back, as the layer sums in float32); then the valid slots' up and gate pre-activations, [P, F] each, that
-    autograd keeps so that backward does not recompute 2 of the 3 forward matmuls: zero-size
+    weights stay float32, send float32 partial sums back, as the layer sums in float32); then the
+    valid slots' up and gate pre-activations, [P, F] each, that autograd keeps so that backward
+    does not recompute 2 of the 3 forward matmuls: zero-size
     with ``triton``, whose backward recomputes, and the gate's when non-gated). ``by_expert``:
     the weights are indexed by expert id (they hold every expert) rather than by local slot
     (this rank's shard or stack). ``triton``: by the ESMM/ESFK kernels (``passes.lower_kernels``

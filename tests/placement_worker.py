@@ -103,8 +103,9 @@ def case_llama4() -> dict[str, Any]:
     torch._dynamo.reset()
     model = build("llama4_text", None, num_hidden_layers=3, num_experts_per_tok=2)
     ref = copy.deepcopy(model)
-    opts = {"mesh": mesh, "topology": topology_for(mesh, node_gbps=0.01, inner_gbps=10.0), "inner_compiler": "aot_eager",
-            "expert_gather": False, "sample_placement": True, "replicated_experts": False}
+    opts = {"mesh": mesh, "topology": topology_for(mesh, node_gbps=0.01, inner_gbps=10.0),
+            "inner_compiler": "aot_eager", "expert_gather": False, "sample_placement": True,
+            "replicated_experts": False}
     compiled = torch.compile(model, backend="hiermoe", options=opts)
     out: dict[str, Any] = {"steps": []}
     with collect_reports() as reports:
