@@ -583,9 +583,10 @@ def _check_rows(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             "first rank's for every rank). Load each rank's own, or save with moe_compile.full_optim_state_dict "
             "and load with moe_compile.load_full_optim_state_dict (ShardedExperts does both for a Trainer). "
             "The step was refused: no weight has changed")
-    for p, order in reorders:
-        for v in optimizer.state.get(p, {}).values():
+    for p, order in reorders:  # new tensors: the loaded ones are the caller's state dict's own
+        state = optimizer.state.get(p, {})
+        for k, v in state.items():
             if isinstance(v, Tensor) and v.shape == p.shape:
-                v.copy_(v.index_select(0, torch.as_tensor(order, device=v.device)))
+                state[k] = v.index_select(0, torch.as_tensor(order, device=v.device))
     for group in optimizer.param_groups:  # checked: the rows are this rank's now (_tag_rows says so again)
         group.pop(ROWS_KEY, None)

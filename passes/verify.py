@@ -231,17 +231,16 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
                      _AUTOCAST_OFF)
     # where the layer cannot run outside autocast (a dtype read off an autocast result is baked into
     # the graph, as in `mask.to(gates.dtype)`: _check's verdict names the error) or differs there
-    # from the op beyond fp32's tolerance
-    # (a value autocast rounded to bf16 before the region reaches the gradients): both under
-    # autocast, gradients too, at the compute dtype's tolerance, as a bf16 model is verified
-    low_backward = not verdict.ok
+    # from the op beyond fp32's tolerance (a value autocast rounded to bf16 before the region reaches
+    # the gradients): both under autocast, gradients too, at the compute dtype's tolerance, as a
+    # bf16 model is verified
+    alone = not verdict.ok
     low = _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype), inside,
-                 backward=low_backward)
-    if low_backward:
-        return low if low.ok else Verdict(False, low.forward_err, low.backward_err, f"under torch.autocast, {low.reason}")
+                 backward=alone)
+    backward_err = low.backward_err if alone else verdict.backward_err
     if not low.ok:
-        return Verdict(False, low.forward_err, verdict.backward_err, f"under torch.autocast, {low.reason}")
-    return Verdict(True, max(verdict.forward_err, low.forward_err), verdict.backward_err)
+        return Verdict(False, low.forward_err, backward_err, f"under torch.autocast, {low.reason}")
+    return low if alone else Verdict(True, max(verdict.forward_err, low.forward_err), backward_err)
 
 
 def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tuple[str, list[object]]],
