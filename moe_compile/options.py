@@ -16,7 +16,7 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 KERNELS = ("auto", "triton", "torch")
 EP_BACKWARDS = ("stages", "resend")
 # the pipeline's passes, in order (moe_compile.pipeline.PASSES runs them and checks this list)
-PASS_NAMES = ("find_moe_regions", "canonicalize", "plan", "sample_placement", "expert_parallel", "lower_kernels")
+PASS_NAMES = ("inline_checkpoint", "find_moe_regions", "canonicalize", "plan", "sample_placement", "expert_parallel", "lower_kernels")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
 """The hiermoe pass pipeline: one ordered list, each pass switchable off by name.
 
 Ordering constraints:
-  find_moe_regions  first: every later pass consumes its MoERegion records, and it must see the
-                    graph exactly as Dynamo produced it (verification re-runs that graph).
+  inline_checkpoint first: opens activation checkpointing's subgraphs (their ops tagged for
+                    recompute, as AOTAutograd would tag them) so that the MoE layers inside are
+                    in the graph the other passes read.
+  find_moe_regions  after inline_checkpoint: every later pass consumes its MoERegion records, and
+                    it must see the graph as Dynamo produced it, its checkpointed calls opened
+                    (verification re-runs that graph).
   canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
                     With a mesh and neither a topology nor a dimension it first probes the mesh's
                     links (tools/calibrate.probe, once per mesh; every rank reaches the agreement
@@ -39,6 +43,7 @@ from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
+from moe_compile.passes.inline_checkpoint import inline_checkpoints, tag_rewrites
 from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
@@ -69,6 +74,17 @@ class PassContext:
     topology: Topology | None = None
     topology_probed: bool = False
     placement: PlacementResult | None = None  # what the sample_placement pass did (options['sample_placement'])
+    # the graph's nodes once inline_checkpoint opened its checkpointed calls (None: it opened none);
+    # what the later passes emit among them gets their recompute tags (inline_checkpoint.tag_rewrites)
+    checkpointed: set[fx.Node] | None = None
+
+
+def _inline_checkpoint(ctx: PassContext) -> dict[str, int]:
+    res = inline_checkpoints(ctx.gm)
+    ctx.skipped.extend(Skip(name, why) for name, why in res.kept)
+    if res.inlined:
+        ctx.checkpointed = set(ctx.gm.graph.nodes)
+    return res.counters()
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
@@ -332,6 +348,7 @@ def _lower_kernels(ctx: PassContext) -> dict[str, int]:
 
 
 PASSES: list[tuple[str, Callable[[PassContext], dict[str, int]]]] = [
+    ("inline_checkpoint", _inline_checkpoint),
     ("find_moe_regions", _find),
     ("canonicalize", _canonicalize),
     ("plan", _plan),
@@ -349,6 +366,8 @@ def run_pipeline(ctx: PassContext) -> PassContext:
             ctx.counters[name] = {"disabled": 1}
             continue
         ctx.counters[name] = fn(ctx)
+    if ctx.checkpointed is not None:
+        ctx.counters["inline_checkpoint"]["rewrite_nodes_tagged"] = tag_rewrites(ctx.gm, ctx.checkpointed)
     if ctx.found is not None and ctx.found.regions and ctx.canonical is None:
         ctx.skipped.extend(Skip(r.name, "the canonicalize pass is disabled (options['disable_passes'])")
                            for r in ctx.found.regions)

@@ -251,11 +251,30 @@ def case_llama4() -> dict[str, Any]:
     """transformers' Llama-4 (its routing weights scale the experts' input) with K = PARAMS["k"],
     compiled over the mesh with the token all-to-alls: loss and gradients summed over the ranks
     against eager, the rewritten layers' layouts and plans, the layers that ran."""
+    return _hf_over_mesh(build_args=("llama4_text", None), k=PARAMS["k"])
+
+
+def case_checkpointed() -> dict[str, Any]:
+    """transformers' Mixtral trained with activation checkpointing (``activation_checkpointing_enable``,
+    PARAMS["reentrant"]), compiled over the mesh with the token all-to-alls, against the eager
+    model checkpointed alike; and the bytes its steps send against the same model's without
+    checkpointing (a backward that recomputed the exchanges would send them twice)."""
+    plain = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2)
+    checkpointed = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2, checkpointing=PARAMS["reentrant"])
+    return {"plain": plain, "checkpointed": checkpointed}
+
+
+def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: bool | None = None) -> dict[str, Any]:
+    """``checkpointing`` None: none; else activation checkpointing with that ``use_reentrant``."""
     from hf_models import build, input_ids
 
     rank = dist.get_rank()
     mesh = make_mesh(PARAMS["shape"])
-    model = build("llama4_text", None, num_experts_per_tok=PARAMS["k"])
+    torch._dynamo.reset()
+    model = build(*build_args, num_experts_per_tok=k)
+    model.train()
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager",
                                                                  "expert_gather": False, "replicated_experts": False})
@@ -265,9 +284,13 @@ def case_llama4() -> dict[str, Any]:
         loss, loss_ref = compiled(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
         loss.backward()
         loss_ref.backward()
+    c = runtime.counters()
+    sent = {f"{ph} {dr}": sum(c[lv][ph][dr]["payload_bytes"] for lv in c)
+            for ph in ("dispatch", "combine") for dr in ("forward", "backward")}
     return {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
             "layouts": [r.layout for g in graphs for r in g.regions], "plans": [r.plan for g in graphs for r in g.regions],
-            "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers())}
+            "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers()), "sent": sent,
+            "inlined": sum(g.counters.get("inline_checkpoint", {}).get("inlined", 0) for g in graphs)}
 
 
 @contextmanager

@@ -120,6 +120,22 @@ def test_llama4_input_scaled_experts_over_ranks() -> None:
 
 
 @pytest.mark.ranks
+def test_activation_checkpointed_mixtral_over_ranks() -> None:
+    """transformers' Mixtral with activation checkpointing (each decoder layer a checkpointed
+    subgraph), over 2 gloo ranks with the token all-to-alls: both layers are found inside the
+    checkpointed regions and run expert parallel, loss and summed gradients equal the eager model
+    checkpointed alike, and every step sends the bytes it sends without checkpointing: backward
+    recomputes the layer's local work, not its exchanges."""
+    for rank, r in enumerate(run_ranks(2, "checkpointed", shape=[2], reentrant=False)):
+        plain, ckpt = r["plain"], r["checkpointed"]
+        assert ckpt["inlined"] == 2 and plain["inlined"] == 0, (rank, r)
+        assert len(ckpt["plans"]) == 2 and all(p.startswith("hd") for p in ckpt["plans"]), (rank, ckpt)
+        assert abs(ckpt["loss"] - ckpt["loss_ref"]) <= TOL * abs(ckpt["loss_ref"]), (rank, ckpt)
+        assert ckpt["grad_err"] < 1e-5, (rank, ckpt)
+        assert ckpt["sent"] == plain["sent"] and ckpt["sent"]["dispatch backward"] > 0, (rank, r)
+
+
+@pytest.mark.ranks
 @pytest.mark.parametrize("options", [{"dimension": 2}, {"dimension": 1, "dedup": False},
                                      {"dimension": 2, "ep_backward": "resend"}])
 def test_compiled_samples_match_eager(options: dict) -> None:

@@ -80,6 +80,20 @@ def test_trainer_in_bf16_trains_like_eager_with_the_experts_in_bf16(tmp_path: ob
         assert abs(a - b) <= 1e-4 * abs(b), (compiled, eager)
 
 
+def test_trainer_with_gradient_checkpointing_rewrites_the_checkpointed_layers(tmp_path: object) -> None:
+    """``gradient_checkpointing=True``: the Trainer wraps each decoder layer in
+    torch.utils.checkpoint; both MoE layers are still rewritten (inside the checkpointed
+    subgraphs Dynamo makes of them) and training keeps eager's losses."""
+    torch._dynamo.reset()
+    eager = _losses(tmp_path, compile_model=False, gradient_checkpointing=True)
+    with collect_reports() as graphs:
+        compiled = _losses(tmp_path, compile_model=True, gradient_checkpointing=True)
+    assert sum(len(g.regions) for g in graphs) == 2, [s.reason for g in graphs for s in g.skipped]
+    assert len(eager) == len(compiled) == 3
+    for a, b in zip(compiled, eager, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (compiled, eager)
+
+
 def test_training_arguments_cannot_name_the_backend(tmp_path: object) -> None:
     with pytest.raises(ValueError, match="'HIERMOE' is not a valid DynamoBackend"):
         _losses(tmp_path, compile_model=False, torch_compile=True, torch_compile_backend="hiermoe")

@@ -1,0 +1,229 @@
+"""inline_checkpoint: open activation checkpointing's regions so that the MoE layers inside them
+can be found, keeping their recompute tags.
+
+A model trained with activation checkpointing (``torch.utils.checkpoint``; transformers'
+``gradient_checkpointing_enable()``, ``TrainingArguments(gradient_checkpointing=True)``) reaches
+the backend as Dynamo's ``torch.ops.higher_order.tag_activation_checkpoint(wrap_body_i, *args)``
+calls: each decoder layer, its MoE layer with it, is a subgraph the later passes would not see
+(find_moe_regions would report "no top-k router in this graph"). AOTAutograd itself opens such a
+call when it traces it (``torch._higher_order_ops.wrap.tag_activation_checkpoint_impl``): it runs
+the body under a selective-checkpoint policy that tags every op ``PREFER_RECOMPUTE`` with one
+``ac_graph_id`` per call, and the partitioner recomputes those ops in backward instead of saving
+their outputs. This pass does the same one stage earlier: it copies each body's nodes into the
+graph, tagged so (``node.meta["recompute"]``, ``["ac_graph_id"]``, which AOTAutograd copies onto
+the ops it traces from them), so the graph AOTAutograd partitions is the one it would have built
+from the call, and the MoE layers are in it.
+
+Contract
+    needs     a Dynamo torch-level graph (before find_moe_regions).
+    does      replaces each plain ``tag_activation_checkpoint`` call (innermost last: a body that
+              itself checkpoints is opened in turn) by its body's nodes, each tagged
+              ``CheckpointPolicy.PREFER_RECOMPUTE`` with a fresh ``ac_graph_id`` per call
+              (``torch._higher_order_ops.wrap.uid``, the counter AOTAutograd's own tagging
+              draws from), and rewires the call's ``getitem`` users to the body's outputs.
+    keeps     a call whose checkpoint has a ``context_fn`` (selective activation checkpointing:
+              its policy decides per op at run time, which a static tag cannot reproduce), and a
+              call read other than through ``getitem``; each with the reason, which find_moe_regions
+              reports for the MoE layers inside.
+    guarantees the graph computes what it computed; the partitioner sees the same tags.
+
+After the other passes, ``tag_rewrites`` gives the nodes they emitted inside a checkpointed
+region (the expert op, its lowering) that region's tag, so backward recomputes them from the
+layer's input as it recomputes what they replaced, rather than keeping their intermediates
+(the gathered rows, the routing slots). Nodes that exchange data between ranks or count into
+the runtime layers (the expert-parallel stages, the gathers, sample exchanges) are not tagged:
+recomputing them would send and count twice; their outputs are kept instead (the partitioner
+keeps a region's untagged inputs).
+
+Pseudo-code::
+
+    while a tag_activation_checkpoint call c = hop(body, *args) is left:
+        if body has a context_fn or c has a non-getitem user: keep c (reason); continue
+        env <- body placeholders -> args;  gid <- next(uid)
+        for node in body (not placeholder/output): copy before c with env; tag (PREFER_RECOMPUTE, gid)
+        replace getitem(c, i) by env[body output i]; erase c and its body
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._higher_order_ops.wrap import uid as _ac_graph_ids
+from torch.utils.checkpoint import CheckpointPolicy
+
+_HOP = torch.ops.higher_order.tag_activation_checkpoint
+
+
+@dataclass
+class InlineResult:
+    inlined: int = 0  # checkpoint calls opened
+    # (call, why it stays closed) for each call left closed whose body holds a top-k
+    kept: list[tuple[str, str]] = field(default_factory=list)
+
+    def counters(self) -> dict[str, int]:
+        return {"inlined": self.inlined, "kept": len(self.kept)}
+
+
+def _local(target: Any) -> bool:
+    """Whether a hiermoe op computes on this process alone and keeps no state, so that backward
+    may run it again: the expert op and its lowerings (``experts*``, ``grouped_*``), not the
+    expert-parallel runtime's (``ep_*``: exchanges, counters) nor the sample exchanges
+    (``sample_*``)."""
+    name = target.name().split("::", 1)[1]
+    return not name.startswith(("ep_", "sample_"))
+
+
+def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
+    """Give each node the passes emitted (not in ``original``, the graph as inline_checkpoints
+    left it) the checkpoint tag of the region it computes in: when every tagged node it reads
+    is ``PREFER_RECOMPUTE`` of one ``ac_graph_id`` (an opened checkpoint's) and it is an aten op,
+    a Python operator on values or a local hiermoe op (``_local``). In program
+    order, so a chain of emitted nodes carries the tag along. Returns how many were tagged."""
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node in original or node.op != "call_function" or "recompute" in node.meta:
+            continue
+        target = node.target
+        if getattr(target, "namespace", None) == "hiermoe":
+            if not _local(target):
+                continue
+        elif not (isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+                  or getattr(target, "__module__", None) in ("_operator", "operator", "torch")):
+            continue
+        ids = {a.meta.get("ac_graph_id") for a in node.all_input_nodes
+               if a.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE}
+        untagged_new = any(a not in original and a.op == "call_function" and "recompute" not in a.meta
+                           for a in node.all_input_nodes)
+        if len(ids) != 1 or untagged_new:
+            continue
+        node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["ac_graph_id"] = ids.pop()
+        tagged += 1
+    # an emitted node that reads no computed value (an arange of token positions) takes the
+    # region of its users, when they all are in one
+    for node in reversed(gm.graph.nodes):
+        if (node in original or node.op != "call_function" or "recompute" in node.meta or not node.users
+                or any(a.op == "call_function" for a in node.all_input_nodes)
+                or getattr(node.target, "namespace", None) == "hiermoe"):
+            continue
+        ids = {u.meta.get("ac_graph_id") if u.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
+               for u in node.users}
+        if len(ids) == 1 and None not in ids:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            node.meta["ac_graph_id"] = ids.pop()
+            tagged += 1
+    return tagged
+
+
+def _body(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
+    ref = call.args[0]
+    assert isinstance(ref, fx.Node) and ref.op == "get_attr", f"{call.name}: its body is not a submodule"
+    body = gm.get_submodule(str(ref.target))
+    assert isinstance(body, fx.GraphModule)
+    return body
+
+
+def _why_kept(gm: fx.GraphModule, call: fx.Node) -> str | None:
+    body = _body(gm, call)
+    if "_checkpoint_context_fn" in body.meta:
+        return ("torch.utils.checkpoint with a context_fn (selective activation checkpointing) "
+                "decides per op at run time what to recompute, which hiermoe cannot reproduce; the MoE layers "
+                "inside it are not rewritten. Checkpoint without a context_fn, or leave the MoE layer outside "
+                "the checkpointed function")
+    if any(u.op != "call_function" or u.target is not operator.getitem or not isinstance(u.args[1], int)
+           for u in call.users):
+        return "the activation-checkpointed call's result is read other than by indexing its outputs"
+    return None
+
+
+def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
+    body = _body(gm, call)
+    graph = gm.graph
+    operands = list(call.args[1:])
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(operands), \
+        f"{call.name}: its body takes {len(placeholders)} inputs, the call passes {len(operands)}"
+    env: dict[fx.Node, Any] = dict(zip(placeholders, operands, strict=True))
+    gid = next(_ac_graph_ids)
+    outputs: Any = None
+    with graph.inserting_before(call):
+        for bn in body.graph.nodes:
+            if bn.op == "placeholder":
+                continue
+            if bn.op == "output":
+                outputs = fx.map_arg(bn.args[0], lambda a: env[a])
+                continue
+            if bn.op == "get_attr":  # a constant or a nested body: carried over under a fresh name
+                name = _fresh_attr(gm, f"{call.name}_{str(bn.target).replace('.', '_')}")
+                value = _attr(body, str(bn.target))
+                if isinstance(value, torch.nn.Module):
+                    gm.register_module(name, value)
+                else:
+                    setattr(gm, name, value)
+                new = graph.get_attr(name)
+                new.meta = dict(bn.meta)
+            else:
+                new = graph.node_copy(bn, lambda a: env[a])
+                new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                new.meta["ac_graph_id"] = gid
+            env[bn] = new
+    outs = outputs if isinstance(outputs, list | tuple) else (outputs,)
+    for user in list(call.users):
+        user.replace_all_uses_with(outs[user.args[1]])  # type: ignore[index]
+        graph.erase_node(user)
+    ref = call.args[0]
+    graph.erase_node(call)
+    assert isinstance(ref, fx.Node)
+    if not ref.users:
+        graph.erase_node(ref)
+        # Dynamo may install one body for several identical calls: drop it with its last reader
+        if not any(n.op == "get_attr" and n.target == ref.target for n in graph.nodes):
+            gm.delete_submodule(str(ref.target))
+
+
+def _routes(body: fx.GraphModule) -> bool:
+    """Whether a body (or one nested in it) takes a top-k: it may hold an MoE layer."""
+    return any(n.target in (torch.topk, "topk") for m in body.modules() if isinstance(m, fx.GraphModule)
+               for n in m.graph.nodes)
+
+
+def _attr(mod: torch.nn.Module, target: str) -> Any:
+    obj: Any = mod
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> InlineResult:
+    """Open every plain activation-checkpoint call of ``gm`` in place (see the module docstring)."""
+    res = InlineResult()
+    kept: set[fx.Node] = set()
+    while True:
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _HOP and n not in kept]
+        if not calls:
+            break
+        for call in calls:
+            why = _why_kept(gm, call)
+            if why is not None:
+                kept.add(call)
+                if _routes(_body(gm, call)):
+                    res.kept.append((call.name, why))
+                continue
+            _inline(gm, call)
+            res.inlined += 1
+    if res.inlined:
+        gm.graph.lint()
+        gm.recompile()
+    return res
