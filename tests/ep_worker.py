@@ -261,11 +261,16 @@ def case_checkpointed() -> dict[str, Any]:
     checkpointing (a backward that recomputed the exchanges would send them twice)."""
     plain = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2)
     checkpointed = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2, checkpointing=PARAMS["reentrant"])
-    return {"plain": plain, "checkpointed": checkpointed}
+    sharded = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2, checkpointing=PARAMS["reentrant"], shard=True)
+    return {"plain": plain, "checkpointed": checkpointed, "sharded": sharded}
 
 
-def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: bool | None = None) -> dict[str, Any]:
-    """``checkpointing`` None: none; else activation checkpointing with that ``use_reentrant``."""
+def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: bool | None = None,
+                  shard: bool = False) -> dict[str, Any]:
+    """``checkpointing`` None: none; else activation checkpointing with that ``use_reentrant``.
+    ``shard``: the experts sharded over the mesh first (moe_compile.shard_experts); then
+    "grad_err" compares each shard's gradient with the eager model's rows of it summed over the
+    ranks, and the other gradients summed over the ranks."""
     from hf_models import build, input_ids
 
     rank = dist.get_rank()
@@ -276,9 +281,10 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
     ref = copy.deepcopy(model)
+    ids = input_ids(seed=rank)
+    report = moe_compile.shard_experts(model, mesh, input_ids=ids, labels=ids) if shard else None
     compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager",
                                                                  "expert_gather": False, "replicated_experts": False})
-    ids = input_ids(seed=rank)
     with collect_reports() as graphs:
         runtime.reset_counters()
         loss, loss_ref = compiled(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
@@ -287,10 +293,34 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
     c = runtime.counters()
     sent = {f"{ph} {dr}": sum(c[lv][ph][dr]["payload_bytes"] for lv in c)
             for ph in ("dispatch", "combine") for dr in ("forward", "backward")}
-    return {"loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+    return {"loss": float(loss), "loss_ref": float(loss_ref),
+            "grad_err": summed_grad_err(model, ref) if report is None else _sharded_grad_err(model, ref, report),
             "layouts": [r.layout for g in graphs for r in g.regions], "plans": [r.plan for g in graphs for r in g.regions],
             "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers()), "sent": sent,
             "inlined": sum(g.counters.get("inline_checkpoint", {}).get("inlined", 0) for g in graphs)}
+
+
+def _sharded_grad_err(model: torch.nn.Module, ref: torch.nn.Module, report: Any) -> float:
+    """Largest relative error between a sharded model's gradients and the eager reference's, each
+    summed over the ranks: a shard's gradient (its owner's alone) against the reference's rows of
+    it; every other parameter's summed like the reference's."""
+    shards = {id(s.local): s for s in report.shards if s.local is not None}
+    ref_params = dict(ref.named_parameters())
+    errs = []
+    for name, p in model.named_parameters():
+        s = shards.get(id(p))
+        if s is not None:
+            want = ref_params[s.name].grad.clone()
+            dist.all_reduce(want)
+            errs.append(rel_err(p.grad, want[s.first:s.first + s.num_local]))
+            continue
+        if name not in ref_params:  # another rank's expert module: no gradient here
+            continue
+        a, b = p.grad.clone(), ref_params[name].grad.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+        errs.append(rel_err(a, b))
+    return max(errs)
 
 
 @contextmanager

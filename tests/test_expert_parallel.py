@@ -122,17 +122,22 @@ def test_llama4_input_scaled_experts_over_ranks() -> None:
 @pytest.mark.ranks
 def test_activation_checkpointed_mixtral_over_ranks() -> None:
     """transformers' Mixtral with activation checkpointing (each decoder layer a checkpointed
-    subgraph), over 2 gloo ranks with the token all-to-alls: both layers are found inside the
-    checkpointed regions and run expert parallel, loss and summed gradients equal the eager model
-    checkpointed alike, and every step sends the bytes it sends without checkpointing: backward
-    recomputes the layer's local work, not its exchanges."""
+    subgraph), over 2 gloo ranks with the token exchanges the planner picks: both layers are found
+    inside the checkpointed regions and run expert parallel, loss and summed gradients equal the
+    eager model checkpointed alike, and every step sends the bytes it sends without
+    checkpointing: backward recomputes the layer's local work, not its exchanges. The same with
+    the experts sharded (shard_experts), each shard's gradient its rows' summed over the ranks."""
     for rank, r in enumerate(run_ranks(2, "checkpointed", shape=[2], reentrant=False)):
-        plain, ckpt = r["plain"], r["checkpointed"]
-        assert ckpt["inlined"] == 2 and plain["inlined"] == 0, (rank, r)
-        assert len(ckpt["plans"]) == 2 and all(p.startswith("hd") for p in ckpt["plans"]), (rank, ckpt)
-        assert abs(ckpt["loss"] - ckpt["loss_ref"]) <= TOL * abs(ckpt["loss_ref"]), (rank, ckpt)
-        assert ckpt["grad_err"] < 1e-5, (rank, ckpt)
-        assert ckpt["sent"] == plain["sent"] and ckpt["sent"]["dispatch backward"] > 0, (rank, r)
+        plain = r["plain"]
+        assert plain["inlined"] == 0, (rank, plain)
+        for ckpt in (r["checkpointed"], r["sharded"]):
+            assert ckpt["inlined"] == 2, (rank, ckpt)
+            assert len(ckpt["plans"]) == 2, (rank, ckpt)
+            assert not any(p.startswith(("local", "gather", "replicated")) for p in ckpt["plans"]), (rank, ckpt)
+            assert abs(ckpt["loss"] - ckpt["loss_ref"]) <= TOL * abs(ckpt["loss_ref"]), (rank, ckpt)
+            assert ckpt["grad_err"] < 1e-5, (rank, ckpt)
+            assert ckpt["sent"]["dispatch backward"] > 0, (rank, ckpt)
+        assert r["checkpointed"]["plans"] == plain["plans"] and r["checkpointed"]["sent"] == plain["sent"], (rank, r)
 
 
 @pytest.mark.ranks
