@@ -101,8 +101,11 @@ _HF_CASES = {"hf_mixtral": ("MixtralConfig", "MixtralForCausalLM"),
              "hf_llama4": ("Llama4TextConfig", "Llama4ForCausalLM")}
 
 
-def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate."""
+def build_case(case: str, shape: Shape, device: torch.device, checkpointing: bool = False
+               ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate.
+    ``checkpointing``: the transformers models with activation checkpointing on (each decoder
+    layer recomputed in backward, transformers' ``activation_checkpointing_enable()``)."""
     torch.manual_seed(0)
     dtype = getattr(torch, shape.dtype)
     if case in SAMPLES:
@@ -131,6 +134,9 @@ def build_case(case: str, shape: Shape, device: torch.device) -> tuple[nn.Module
         hf = model_cls(config)
         if case != "hf_llama4":  # Llama-4 has no ExpertsInterface
             hf.set_experts_implementation("grouped_mm")
+        if checkpointing:
+            hf.train()
+            hf.activation_checkpointing_enable()
         cast(nn.Module, hf).to(device=device, dtype=dtype)  # transformers' typed wrapper of .to confuses mypy
         ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
 
@@ -200,9 +206,9 @@ def peak_step_bytes(model: nn.Module, step: Callable[[nn.Module], torch.Tensor],
 
 
 def bench_case(case: str, shape: Shape, variants: list[str], reps: int, warmup: int,
-               device: torch.device) -> list[Result]:
+               device: torch.device, checkpointing: bool = False) -> list[Result]:
     torch._dynamo.reset()
-    base, step = build_case(case, shape, device)
+    base, step = build_case(case, shape, device, checkpointing)
     results = {v: Result(case, v) for v in variants}
     models: dict[str, nn.Module] = {}
     for v in variants:
@@ -298,9 +304,9 @@ HEADERS = ["case", "variant", "median ms", "min / max ms", "time vs eager", "(mi
 
 
 def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], shape: Shape,
-                  command: str, name: str = "single_process") -> None:
+                  command: str, name: str = "single_process", checkpointing: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"command": command, "machine": info, "shape": asdict(shape),
+    payload = {"command": command, "machine": info, "shape": asdict(shape), "checkpointing": checkpointing,
                "results": [{**asdict(r), "median_s": r.median_s} for r in results]}
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
@@ -319,7 +325,9 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         "are 2-layer MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM (vocab 1024, 4 heads) with "
         "experts implementation grouped_mm"
         + ("; hf_llama4 is a 2-layer Llama4ForCausalLM the same way, with its own experts code." if any(
-            r.case == "hf_llama4" for r in results) else "."),
+            r.case == "hf_llama4" for r in results) else ".")
+        + (" Activation checkpointing on (transformers' `activation_checkpointing_enable()`: every decoder "
+           "layer recomputed in backward)." if checkpointing else ""),
         "",
         "Time: one training step (forward, loss, backward); median and min/max over the repetitions, "
         "variants interleaved. Peak: tensor bytes live at once during one step above those before it "
@@ -353,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default, one per usable core)")
     parser.add_argument("--quick", action="store_true", help="small shapes and few reps: a smoke test")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="the transformers models with activation checkpointing (activation_checkpointing_enable)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default bench/results; with --quick nothing is written "
                              "unless --out is given)")
@@ -381,7 +391,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{shape}; reps {reps}")
     results: list[Result] = []
     for case in args.cases:
-        results.extend(bench_case(case, shape, variants, reps, args.warmup, device))
+        if args.checkpointing and case not in _HF_CASES:
+            raise ValueError(f"--checkpointing applies to the transformers models ({', '.join(_HF_CASES)}), not {case}")
+        results.extend(bench_case(case, shape, variants, reps, args.warmup, device, args.checkpointing))
 
     table = Table(title=f"forward+backward, {shape.tokens} tokens, H={shape.hidden} F={shape.ffn} "
                         f"E={shape.experts} K={shape.top_k}, {device}")
@@ -392,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(*row)
     console.print(table)
     if out_dir is not None:
-        write_results(out_dir, results, info, shape, command.strip(), args.name)
+        write_results(out_dir, results, info, shape, command.strip(), args.name, args.checkpointing)
         console.print(f"wrote {out_dir / (args.name + '.md')} and {out_dir / (args.name + '.json')}")
 
 
