@@ -7,7 +7,9 @@ registers the backend (an installed package also registers it through the
 ``hiermoe`` experts implementation with Hugging Face transformers when transformers is installed,
 and turns on Dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` so
 per-expert loops over ``torch.where(mask)``, and over token counts read into Python ints
-(``counts.tolist()``, ``int(counts[e])``), trace as one graph instead of breaking at every expert.
+(``counts.tolist()``, ``int(counts[e])``), trace as one graph instead of breaking at every expert,
+and turns off ``optimize_ddp`` so a model under DistributedDataParallel is not cut at its
+gradient buckets.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ torch._dynamo.config.capture_dynamic_output_shape_ops = True
 # `torch.split(tokens, counts.tolist())`, `n = int(counts[e])`): the ints become unbacked sizes
 # instead of a graph break at the read.
 torch._dynamo.config.capture_scalar_outputs = True
+# A model under DistributedDataParallel: Dynamo's DDP optimizer cuts its graph at DDP's gradient
+# buckets (25 MiB), so a layer whose experts outweigh a bucket reaches the backend in pieces and
+# is never found whole. Compiled whole, DDP all-reduces the gradients after the compiled backward
+# (the pieces would let it start during backward).
+torch._dynamo.config.optimize_ddp = False
 
 
 def _register_backend() -> None:

@@ -87,9 +87,26 @@ def _inline_checkpoint(ctx: PassContext) -> dict[str, int]:
     return res.counters()
 
 
+def _ddp_split() -> str | None:
+    """Why this graph may be a piece of a bigger one: Dynamo's DDP optimizer cutting the graph of
+    a model DistributedDataParallel wraps at its gradient buckets (importing moe_compile turns it
+    off; None when it is off or no DDP forward is running)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    mode = torch._dynamo.config.optimize_ddp
+    if mode not in (True, "ddp_optimizer") or DistributedDataParallel._get_active_ddp_module() is None:
+        return None
+    return (f"Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp = {mode!r}) cut this model's graph at "
+            "DistributedDataParallel's gradient buckets, and a layer cut in two is not found whole: set "
+            "torch._dynamo.config.optimize_ddp = False (importing moe_compile does; something set it back)")
+
+
 def _find(ctx: PassContext) -> dict[str, int]:
     ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
     ctx.skipped.extend(ctx.found.skipped)
+    split = _ddp_split()
+    if split is not None and (ctx.found.skipped or not ctx.found.num_topk):
+        ctx.skipped.append(Skip("graph cut for DDP", split))
     return {"topk": ctx.found.num_topk, "regions": len(ctx.found.regions), "skipped": len(ctx.found.skipped)}
 
 

@@ -125,10 +125,9 @@ def prepare_ddp(model: nn.Module, report: ShardReport) -> list[str]:
     on the incoming gradient, so gradient accumulation stays right); the buffers that mark the
     shards are rank-local and ignored too. Returns the ignored names.
     Compile the model itself before wrapping (``model.compile(backend="hiermoe", ...)``, then DDP,
-    as with a Trainer). A model larger than one DDP bucket (25 MiB by default) also wants
-    ``torch._dynamo.config.optimize_ddp = False``: Dynamo otherwise splits the graph at the bucket
-    boundaries, and a layer cut in two cannot be found whole (tested here: one bucket, both
-    settings)."""
+    as with a Trainer). Importing moe_compile sets ``torch._dynamo.config.optimize_ddp = False``:
+    Dynamo otherwise splits the graph of a DDP model at its gradient buckets (25 MiB by default),
+    and a layer cut in two cannot be found whole (tests/test_ddp_graph.py)."""
     from torch.nn.parallel import DistributedDataParallel
 
     world = dist.get_world_size()
