@@ -16,15 +16,15 @@ from the call, and the MoE layers are in it.
 
 Contract
     needs     a Dynamo torch-level graph (before find_moe_regions).
-    does      replaces each plain ``tag_activation_checkpoint`` call (innermost last: a body that
-              itself checkpoints is opened in turn) by its body's nodes, each tagged
+    does      replaces each plain ``tag_activation_checkpoint`` call (outermost first: a call
+              nested in a body is opened after that body) by its body's nodes, each tagged
               ``CheckpointPolicy.PREFER_RECOMPUTE`` with a fresh ``ac_graph_id`` per call
               (``torch._higher_order_ops.wrap.uid``, the counter AOTAutograd's own tagging
               draws from), and rewires the call's ``getitem`` users to the body's outputs.
     keeps     a call whose checkpoint has a ``context_fn`` (selective activation checkpointing:
               its policy decides per op at run time, which a static tag cannot reproduce), and a
-              call read other than through ``getitem``; each with the reason, which find_moe_regions
-              reports for the MoE layers inside.
+              call read other than through ``getitem``; when its body takes a top-k, the pipeline
+              reports the reason as a layer left alone.
     guarantees the graph computes what it computed; the partitioner sees the same tags.
 
 After the other passes, ``tag_rewrites`` gives the nodes they emitted inside a checkpointed

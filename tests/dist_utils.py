@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone (world size 1), destroyed on the way out. Tests
+    that need several ranks spawn processes; none may leave a group behind in this one."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a test leaked an initialized process group"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # what each rank's worker imports anyway, imported once in the forkserver the ranks are forked from

@@ -7,12 +7,11 @@ settings"); turned back on, the report says why the layers were left alone. One 
 from __future__ import annotations
 
 import copy
-import socket
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
+from dist_utils import one_rank_group
 from hf_models import build, input_ids
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,17 +42,10 @@ def _ddp_step(optimize_ddp: bool) -> tuple[float, float, list[int], list[str]]:
 
 def test_ddp_wrapped_model_is_compiled_whole_and_a_cut_one_says_why() -> None:
     assert torch._dynamo.config.optimize_ddp is False  # what importing moe_compile set
-    assert not dist.is_initialized(), "a test leaked an initialized process group"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         loss, want, rewritten, _ = _ddp_step(optimize_ddp=False)
         assert rewritten == [2] and loss == pytest.approx(want, rel=1e-6)
         loss, want, rewritten, reasons = _ddp_step(optimize_ddp=True)
         assert len(rewritten) > 1 and sum(rewritten) < 2, rewritten  # cut in pieces, layers lost
         assert any("optimize_ddp = False" in r and "gradient buckets" in r for r in reasons), reasons
         assert loss == pytest.approx(want, rel=1e-6)
-    finally:
-        dist.destroy_process_group()

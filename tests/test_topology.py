@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,21 +107,13 @@ def test_from_mesh_needs_links_for_every_level() -> None:
 
 
 def test_from_real_one_process_device_mesh() -> None:
-    import torch.distributed as dist
+    from dist_utils import one_rank_group
     from torch.distributed.device_mesh import init_device_mesh
 
-    # tests that need several ranks spawn processes; none may leave a group behind in this one
-    assert not dist.is_initialized(), "a test leaked an initialized process group"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("node", "gpu"))
         topo = Topology.from_mesh(mesh, LINKS)
         assert topo.level_names == ("node", "gpu") and topo.world_size == 1
-    finally:
-        dist.destroy_process_group()
 
 
 GOOD_LEVEL = 'name = "node"\nsize = 2\nalpha_s = 5e-6\nbeta_s_per_byte = 2.5e-11\n'
