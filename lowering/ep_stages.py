@@ -383,10 +383,11 @@ ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 @torch.library.custom_op("hiermoe::ep_local_experts", mutates_args=(),
                          schema=f"(Tensor rows, Tensor ids, Tensor w, {_WEIGHTS}, str activation, bool by_expert, "
-                                "Tensor route, bool triton=False) -> (Tensor, Tensor, Tensor)")
+                                "Tensor route, bool triton=False, bool keep=True) -> (Tensor, Tensor, Tensor)")
 def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor,
                      b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None, activation: str,
-                     by_expert: bool, route: Tensor, triton: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     by_expert: bool, route: Tensor, triton: bool = False, keep: bool = True
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     """([R, H] in promote(rows, w), as ``hiermoe::experts`` sums: each dispatched row's weighted sum
     over its slots of its local experts' FFN outputs (bf16 rows under autocast, whose routing
     weights stay float32, send float32 partial sums back, as the layer sums in float32); then the
@@ -395,10 +396,14 @@ def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate:
     with ``triton``, whose backward recomputes, and the gate's when non-gated). ``by_expert``:
     the weights are indexed by expert id (they hold every expert) rather than by local slot
     (this rank's shard or stack). ``triton``: by the ESMM/ESFK kernels (``passes.lower_kernels``
-    sets it, options['kernels'])."""
+    sets it, options['kernels']). ``keep`` False: the pre-activations are not kept either (zero-size;
+    backward recomputes them), for a layer under activation checkpointing
+    (``passes.inline_checkpoint.tag_rewrites`` sets it)."""
     lay = runtime.layer(int(route[2]))
     out, kept = local_forward(rows, ids, w, lay, by_expert, [w_up, w_gate, w_down, b_up, b_gate, b_down],
                               activation, w.dtype, triton)
+    if not keep:
+        kept = Kept(kept.up_NF[:0].clone(), kept.gate_NF[:0].clone())
     lay.add_saved_bytes(sum(t.numel() * t.element_size() for t in kept))
     return out.to(out_dtype(rows, w)), kept.up_NF, kept.gate_NF
 
@@ -406,11 +411,11 @@ def ep_local_experts(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate:
 @ep_local_experts.register_fake
 def _ep_local_experts_fake(rows: Tensor, ids: Tensor, w: Tensor, w_up: Tensor, w_gate: Tensor | None,
                            w_down: Tensor, b_up: Tensor | None, b_gate: Tensor | None, b_down: Tensor | None,
-                           activation: str, by_expert: bool, route: Tensor, triton: bool = False
+                           activation: str, by_expert: bool, route: Tensor, triton: bool = False, keep: bool = True
                            ) -> tuple[Tensor, Tensor, Tensor]:
     check_activation(activation)
     num_f = w_down.shape[-1]
-    num_kept = 0 if triton else torch.library.get_ctx().new_dynamic_size()
+    num_kept = 0 if triton or not keep else torch.library.get_ctx().new_dynamic_size()
     return (rows.new_empty(rows.shape, dtype=out_dtype(rows, w)), rows.new_empty((num_kept, num_f)),
             rows.new_empty((0 if w_gate is None else num_kept, num_f)))
 
@@ -426,12 +431,13 @@ def ep_local_experts_backward(grad_out: Tensor, rows: Tensor, ids: Tensor, w: Te
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_rows, d_w in w's dtype, d_w_up, d_w_gate, d_w_down, d_b_up, d_b_gate, d_b_down; zero-size for
     absent weights) from the dispatched rows and the pre-activations autograd saved (zero-size
-    on the Triton path, whose backward recomputes them)."""
+    on the Triton path, whose backward recomputes them, and where the forward kept none: then the
+    torch path recomputes them too; a forward that ran slots keeps [P, F] rows, P > 0)."""
     lay = runtime.layer(int(route[2]))
     check_version(lay, int(route[1]))
     d_rows, d_w, d_weights = local_backward(grad_out, rows, ids, w, lay, by_expert,
                                             [w_up, w_gate, w_down, b_up, b_gate, b_down], activation, w.dtype,
-                                            triton, Kept(kept_up, kept_gate))
+                                            triton, Kept(kept_up, kept_gate) if kept_up.shape[0] else None)
     return (d_rows.to(rows.dtype), d_w.to(w.dtype), *d_weights)  # type: ignore[return-value]
 
 
@@ -449,7 +455,7 @@ def _ep_local_experts_backward_fake(grad_out: Tensor, rows: Tensor, ids: Tensor,
 
 
 def _local_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    *tensors, activation, by_expert, route, triton = inputs
+    *tensors, activation, by_expert, route, triton, _keep = inputs
     _, kept_up, kept_gate = output
     ctx.mark_non_differentiable(kept_up, kept_gate)
     ctx.save_for_backward(*tensors, route, kept_up, kept_gate)
@@ -463,7 +469,7 @@ def _local_experts_backward(ctx: Any, grad_out: Tensor, _g_up: Any, _g_gate: Any
         kept_up, kept_gate, ctx.triton)
     inputs = (w_up, w_gate, w_down, b_up, b_gate, b_down)
     return (d_rows, None, d_w, *(None if t is None else g for g, t in zip(d_weights, inputs, strict=True)),
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 ep_local_experts.register_autograd(_local_experts_backward, setup_context=_local_setup)

@@ -33,7 +33,8 @@ layer's input as it recomputes what they replaced, rather than keeping their int
 (the gathered rows, the routing slots). Nodes that exchange data between ranks or count into
 the runtime layers (the expert-parallel stages, the gathers, sample exchanges) are not tagged:
 recomputing them would send and count twice; their outputs are kept instead (the partitioner
-keeps a region's untagged inputs).
+keeps a region's untagged inputs), and the local expert stage keeps nothing else
+(``ep_local_experts(keep=False)``: its backward recomputes the pre-activations).
 
 Pseudo-code::
 
@@ -79,29 +80,45 @@ def _local(target: Any) -> bool:
 
 def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     """Give each node the passes emitted (not in ``original``, the graph as inline_checkpoints
-    left it) the checkpoint tag of the region it computes in: when every tagged node it reads
-    is ``PREFER_RECOMPUTE`` of one ``ac_graph_id`` (an opened checkpoint's) and it is an aten op,
-    a Python operator on values or a local hiermoe op (``_local``). In program
-    order, so a chain of emitted nodes carries the tag along. Returns how many were tagged."""
+    left it) the checkpoint tag of the region it computes in. A node's region is the one
+    ``ac_graph_id`` of the ``PREFER_RECOMPUTE`` nodes and in-region emitted nodes it reads (none
+    when it reads two regions' values, or none), followed through the exchanges: tokens an
+    expert-parallel stage received are computed on in the region of the tokens it sent. Tagged
+    are aten ops, Python operators on values and the local hiermoe ops (``_local``); not the
+    exchanges (their outputs are kept, and a getitem of them too), and not
+    ``ep_local_experts``, which counts into its runtime layer: in a region it is told to keep
+    nothing for backward (``keep=False``), so its backward recomputes the pre-activations as the
+    checkpointed layer would. In program order, so chains carry the region along. Returns how
+    many nodes were tagged or told."""
+    local_experts = torch.ops.hiermoe.ep_local_experts.default
+    region: dict[fx.Node, int] = {}
     tagged = 0
     for node in gm.graph.nodes:
+        if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE:
+            region[node] = node.meta["ac_graph_id"]
+            continue
         if node in original or node.op != "call_function" or "recompute" in node.meta:
             continue
+        ids = {region[a] for a in node.all_input_nodes if a in region}
+        if len(ids) != 1:
+            continue
+        gid = region[node] = ids.pop()
         target = node.target
+        if target is local_experts:
+            node.update_kwarg("keep", False)
+            tagged += 1
+            continue
         if getattr(target, "namespace", None) == "hiermoe":
             if not _local(target):
                 continue
+        elif target is operator.getitem and getattr(node.args[0], "op", None) == "call_function" \
+                and "recompute" not in node.args[0].meta:  # type: ignore[union-attr]
+            continue  # an output of an exchange (or of a stage that counts): kept, as the exchange is
         elif not (isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
                   or getattr(target, "__module__", None) in ("_operator", "operator", "torch")):
             continue
-        ids = {a.meta.get("ac_graph_id") for a in node.all_input_nodes
-               if a.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE}
-        untagged_new = any(a not in original and a.op == "call_function" and "recompute" not in a.meta
-                           for a in node.all_input_nodes)
-        if len(ids) != 1 or untagged_new:
-            continue
         node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-        node.meta["ac_graph_id"] = ids.pop()
+        node.meta["ac_graph_id"] = gid
         tagged += 1
     # an emitted node that reads no computed value (an arange of token positions) takes the
     # region of its users, when they all are in one
@@ -110,11 +127,11 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
                 or any(a.op == "call_function" for a in node.all_input_nodes)
                 or getattr(node.target, "namespace", None) == "hiermoe"):
             continue
-        ids = {u.meta.get("ac_graph_id") if u.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
-               for u in node.users}
-        if len(ids) == 1 and None not in ids:
+        users = {u.meta.get("ac_graph_id") if u.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
+                 for u in node.users}
+        if len(users) == 1 and None not in users:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            node.meta["ac_graph_id"] = ids.pop()
+            node.meta["ac_graph_id"] = users.pop()
             tagged += 1
     return tagged
 

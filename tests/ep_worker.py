@@ -286,17 +286,29 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
     compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager",
                                                                  "expert_gather": False, "replicated_experts": False})
     with collect_reports() as graphs:
-        runtime.reset_counters()
-        loss, loss_ref = compiled(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
-        loss.backward()
-        loss_ref.backward()
+        compiled(input_ids=ids, labels=ids).loss.backward()  # compiles (verification saves tensors too)
+    model.zero_grad(set_to_none=True)
+    runtime.reset_counters()
+    params = {p.data_ptr() for p in model.parameters()}
+    kept: list[int] = []  # bytes of each activation autograd keeps for backward (not a parameter)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(input_ids=ids, labels=ids).loss
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    loss_ref.backward()
     c = runtime.counters()
     sent = {f"{ph} {dr}": sum(c[lv][ph][dr]["payload_bytes"] for lv in c)
             for ph in ("dispatch", "combine") for dr in ("forward", "backward")}
     return {"loss": float(loss), "loss_ref": float(loss_ref),
             "grad_err": summed_grad_err(model, ref) if report is None else _sharded_grad_err(model, ref, report),
             "layouts": [r.layout for g in graphs for r in g.regions], "plans": [r.plan for g in graphs for r in g.regions],
-            "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers()), "sent": sent,
+            "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers()), "sent": sent, "kept": sum(kept),
             "inlined": sum(g.counters.get("inline_checkpoint", {}).get("inlined", 0) for g in graphs)}
 
 

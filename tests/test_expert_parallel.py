@@ -125,8 +125,11 @@ def test_activation_checkpointed_mixtral_over_ranks() -> None:
     subgraph), over 2 gloo ranks with the token exchanges the planner picks: both layers are found
     inside the checkpointed regions and run expert parallel, loss and summed gradients equal the
     eager model checkpointed alike, and every step sends the bytes it sends without
-    checkpointing: backward recomputes the layer's local work, not its exchanges. The same with
-    the experts sharded (shard_experts), each shard's gradient its rows' summed over the ranks."""
+    checkpointing: backward recomputes the layer's local work, not its exchanges. It keeps for
+    backward 0.39x the activations it keeps without checkpointing (measured 32 against 80 KB; 55 KB
+    before the local stage stopped keeping its pre-activations in checkpointed layers). The same
+    with the experts sharded (shard_experts), each shard's gradient its rows' summed over the
+    ranks."""
     for rank, r in enumerate(run_ranks(2, "checkpointed", shape=[2], reentrant=False)):
         plain = r["plain"]
         assert plain["inlined"] == 0, (rank, plain)
@@ -138,6 +141,7 @@ def test_activation_checkpointed_mixtral_over_ranks() -> None:
             assert ckpt["grad_err"] < 1e-5, (rank, ckpt)
             assert ckpt["sent"]["dispatch backward"] > 0, (rank, ckpt)
         assert r["checkpointed"]["plans"] == plain["plans"] and r["checkpointed"]["sent"] == plain["sent"], (rank, r)
+        assert r["checkpointed"]["kept"] < 0.5 * plain["kept"], (rank, r["checkpointed"]["kept"], plain["kept"])
 
 
 @pytest.mark.ranks
