@@ -145,7 +145,8 @@ def _checkpointed_step(backend: str | None, checkpointing: str | None) -> dict[s
             loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
     return {"loss": loss.detach(), "grads": [p.grad for p in model.parameters()], "kept": sum(kept),
-            "rewritten": sum(len(g.regions) for g in graphs), "reasons": [s.reason for g in graphs for s in g.skipped]}
+            "rewritten": sum(len(g.regions) for g in graphs), "reasons": [s.reason for g in graphs for s in g.skipped],
+            "layouts": [r.layout for g in graphs for r in g.regions]}
 
 
 def test_activation_checkpointed_layers_are_rewritten_and_recomputed() -> None:
@@ -159,6 +160,7 @@ def test_activation_checkpointed_layers_are_rewritten_and_recomputed() -> None:
     eager = _checkpointed_step(None, "reentrant")
     ours = _checkpointed_step("hiermoe", "reentrant")
     assert ours["rewritten"] == 2, ours["reasons"]
+    assert all(lay.endswith("activation-checkpointed (recomputed in backward)") for lay in ours["layouts"])
     assert torch.allclose(ours["loss"], eager["loss"], rtol=1e-6)
     for g, ref in zip(ours["grads"], eager["grads"], strict=True):
         assert torch.allclose(g, ref, rtol=1e-5, atol=1e-7)

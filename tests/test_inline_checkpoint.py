@@ -54,6 +54,7 @@ def test_checkpointed_calls_are_opened_and_their_layers_rewritten(nested: bool) 
         got = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})(x)
         got.backward()
     assert [len(g.regions) for g in graphs] == [2], [s.reason for g in graphs for s in g.skipped]
+    assert all("activation-checkpointed" in r.layout for r in graphs[0].regions)
     assert graphs[0].counters["inline_checkpoint"]["inlined"] == 2
     assert torch.allclose(got, want, rtol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
