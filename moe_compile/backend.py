@@ -13,12 +13,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 from moe_compile.dump import dump_graph_report, dump_scheduled
 from moe_compile.ep import runtime, shard
 from moe_compile.options import Options, parse_options
 from moe_compile.passes.canonicalize import Rewritten
+from moe_compile.passes.inline_checkpoint import region_of
 from moe_compile.passes.overlap import OverlapPass, Split
 from moe_compile.passes.regions import ExpertLayout
 from moe_compile.pipeline import PassContext, run_pipeline
@@ -112,7 +112,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             if reg.name in ctx.plans else "",
             plan_notes=list(ctx.plans[reg.name].plan.notes) if reg.name in ctx.plans else [],
             layout=lay.describe() + (", weights scale the input (a row per token and expert)" if r.weights.scales == "input" else "")
-            + (", activation-checkpointed (recomputed in backward)" if _checkpointed(reg.topk) else ""),
+            + (", activation-checkpointed (recomputed in backward)" if region_of(reg.topk) is not None else ""),
             drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),
@@ -135,12 +135,6 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             for c in res.cuts]
     return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
                        counters=ctx.counters, topology=topology, placement=placement)
-
-
-def _checkpointed(node: fx.Node) -> bool:
-    """Whether ``node`` computes inside an activation-checkpointed region that
-    ``passes.inline_checkpoint`` opened (backward recomputes it)."""
-    return node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _expert_params(lay: ExpertLayout) -> tuple[tuple[str, ...], ...]:

@@ -78,6 +78,12 @@ def _local(target: Any) -> bool:
     return not name.startswith(("ep_", "sample_"))
 
 
+def region_of(node: fx.Node) -> int | None:
+    """The ``ac_graph_id`` of the opened checkpoint ``node`` computes in (backward recomputes
+    it), or None."""
+    return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
+
+
 def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     """Give each node the passes emitted (not in ``original``, the graph as inline_checkpoints
     left it) the checkpoint tag of the region it computes in. A node's region is the one
@@ -94,8 +100,8 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     region: dict[fx.Node, int] = {}
     tagged = 0
     for node in gm.graph.nodes:
-        if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE:
-            region[node] = node.meta["ac_graph_id"]
+        if (own := region_of(node)) is not None:
+            region[node] = own
             continue
         if node in original or node.op != "call_function" or "recompute" in node.meta:
             continue
@@ -127,8 +133,7 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
                 or any(a.op == "call_function" for a in node.all_input_nodes)
                 or getattr(node.target, "namespace", None) == "hiermoe"):
             continue
-        users = {u.meta.get("ac_graph_id") if u.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
-                 for u in node.users}
+        users = {region_of(u) for u in node.users}
         if len(users) == 1 and None not in users:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             node.meta["ac_graph_id"] = users.pop()

@@ -9,7 +9,8 @@ not the tolerance.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +82,19 @@ def op_count(report: Report) -> int:
 
 
 __all__ = ["Comparison", "compare_compiled", "moe_compile", "op_count", "rel_err"]
+
+
+@contextmanager
+def kept_for_backward(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Inside the block, the bytes of every tensor autograd keeps for backward that is not one of
+    ``model``'s parameters (the activations), appended to the yielded list."""
+    params = {p.data_ptr() for p in model.parameters()}
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield kept

@@ -271,6 +271,7 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
     ``shard``: the experts sharded over the mesh first (moe_compile.shard_experts); then
     "grad_err" compares each shard's gradient with the eager model's rows of it summed over the
     ranks, and the other gradients summed over the ranks."""
+    from compile_utils import kept_for_backward
     from hf_models import build, input_ids
 
     rank = dist.get_rank()
@@ -289,15 +290,7 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
         compiled(input_ids=ids, labels=ids).loss.backward()  # compiles (verification saves tensors too)
     model.zero_grad(set_to_none=True)
     runtime.reset_counters()
-    params = {p.data_ptr() for p in model.parameters()}
-    kept: list[int] = []  # bytes of each activation autograd keeps for backward (not a parameter)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            kept.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward(model) as kept:
         loss = compiled(input_ids=ids, labels=ids).loss
     loss_ref = ref(input_ids=ids, labels=ids).loss
     loss.backward()

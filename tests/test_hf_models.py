@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_utils import compare_compiled, op_count
+from compile_utils import compare_compiled, kept_for_backward, op_count
 from hf_models import build, input_ids
 
 import moe_compile
@@ -129,19 +129,10 @@ def _checkpointed_step(backend: str | None, checkpointing: str | None) -> dict[s
     fn = model if backend is None else torch.compile(
         model, backend=backend, **({"options": {"inner_compiler": "aot_eager"}} if backend == "hiermoe" else {}))
     ids = input_ids(seq=16)
-    params = {p.data_ptr() for p in model.parameters()}
-    kept: list[int] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            kept.append(t.numel() * t.element_size())
-        return t
-
     with collect_reports() as graphs:
         fn(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad()
-        kept.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with kept_for_backward(model) as kept:
             loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
     return {"loss": loss.detach(), "grads": [p.grad for p in model.parameters()], "kept": sum(kept),
