@@ -129,6 +129,37 @@ def case_plan() -> dict[str, Any]:
     return out
 
 
+def case_calibrate_retime() -> dict[str, Any]:
+    """``tools.calibrate.retime_flat_levels`` on a 2-rank level "gpu": the level's all-to-all
+    measured for real, then its times replaced by ones that fall with the message size (what noise
+    on a busy machine gives). With ``--retries 0`` the flat fit stays; with 1 the level is timed
+    again (real times replace the planted ones, the other entries are the same objects) and a
+    note says so."""
+    import argparse
+
+    from moe_compile.tools.calibrate import Measurement, measure, plan_measurements, retime_flat_levels
+
+    mesh = make_mesh(PARAMS["shape"])
+    names = ("gpu",)
+    args = argparse.Namespace(min_bytes=4096, max_bytes=1 << 18, steps=3, reps=3, warmup=1, retries=0)
+    plan = plan_measurements(names, (2,), 2, args)
+    dev = torch.device("cpu")
+    measured = measure(mesh, plan, dev, args.reps, args.warmup, lambda what: None, "recv-first")
+    i = next(j for j, (coll, group, *_) in enumerate(plan) if (coll, group) == ("all_to_all", "gpu"))
+    planted = Measurement("all_to_all", "gpu", 2, measured[i].sizes_bytes, (3.0, 2.0, 1.0))
+    out: dict[str, Any] = {}
+    for retries in (0, 1):
+        ms, notes = list(measured), []
+        ms[i] = planted
+        fits = retime_flat_levels(mesh, plan, ms, names, dev, argparse.Namespace(**{**vars(args), "retries": retries}),
+                                  "recv-first", notes.append)
+        out[str(retries)] = {
+            "beta": fits[i].beta_s_per_byte, "times": list(ms[i].times_s), "sizes_same": ms[i].sizes_bytes ==
+            planted.sizes_bytes, "others_same": all(ms[j] is measured[j] for j in range(len(ms)) if j != i),
+            "notes": notes}
+    return out
+
+
 if __name__ == "__main__":
     assert moe_compile is not None
     main(globals())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dist_utils import run_ranks
 
 from moe_compile.cost import Topology
 from moe_compile.cost.calibrate import efficiency_curve, fit_alpha_beta, fit_collective, message_sizes
@@ -145,6 +146,20 @@ def test_build_topology_rejects_flat_times() -> None:
           synthetic("all_to_all", "world", 2, 1e-3, 1e-10)]
     with pytest.raises(ValueError, match="raise --max-bytes"):
         build_topology(fit_measurements(ms), ("gpu",), (2,), flops_per_s=[1e12], mem_bw_bytes_per_s=[1e11], name="")
+
+
+@pytest.mark.ranks
+def test_flat_level_is_timed_again() -> None:
+    """A level whose all-to-all time falls with the size (noise) is timed again, ``--retries``
+    times at most, on every rank alike; the other collectives are not."""
+    results = run_ranks(2, "calibrate_retime", worker="plan_worker.py", shape=[2])
+    for rank, r in enumerate(results):
+        kept, again = r["0"], r["1"]
+        assert kept["beta"] <= 0 and kept["times"] == [3.0, 2.0, 1.0] and kept["notes"] == [], (rank, kept)
+        assert again["times"] != [3.0, 2.0, 1.0] and max(again["times"]) < 1.0, (rank, again)
+        assert again["sizes_same"] and again["others_same"], (rank, again)
+        assert len(again["notes"]) == 1 and "level gpu" in again["notes"][0] and "(1/1)" in again["notes"][0]
+    assert results[0]["1"]["times"] == results[1]["1"]["times"]  # agreed times: the ranks decide alike
 
 
 @pytest.mark.ranks

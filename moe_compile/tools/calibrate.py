@@ -18,6 +18,11 @@ differently from run to run (bench/results/cluster_calibration.md).  On NCCL the
 
 Timing: ``--warmup`` untimed runs per size, then ``--reps`` timed runs, each after a world barrier;
 each run's time is the slowest rank's (all_reduce MAX) and a size's time is the median over runs.
+A level whose all-to-all time does not grow with the message size (fitted beta <= 0: on a busy
+machine, scheduling noise can outweigh the bytes at every size) is timed again, up to
+``--retries`` times, and the note says so; if it still does not grow, the tool stops with an error
+that says which level and what to raise.  Every rank sees the same agreed times, so every rank
+decides the same re-timing.
 
 Model (HierMoE Eq. 1, Section V-B; details in ``moe_compile.cost.calibrate``): one collective
 among g ranks takes ``alpha_s + n * (g-1)/g * beta_s_per_byte``, n the buffer bytes on one rank
@@ -115,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="sizes, spaced geometrically (default 8)")
     p.add_argument("--reps", type=int, default=5, help="timed runs per size; the median is kept (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per size (default 2)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="times a level's all-to-all is timed again when its time does not grow with the message "
+                        "size (noise on a busy machine) before the tool gives up (default 2)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (NCCL) when available under auto, else cpu (gloo)")
     p.add_argument("--a2a", choices=A2A_CHOICES, default=None,
@@ -224,6 +232,33 @@ def measure(mesh: Any, plan: Sequence[tuple[str, str, int, list[int]]], device: 
             advance(f"{collective} {group_name}")
         out.append(Measurement(collective, group_name, group_size, tuple(msgs), tuple(times)))
     return out
+
+
+def _flat_levels(fits: Sequence[Fit], names: Sequence[str]) -> list[int]:
+    """Indices of the level all-to-all fits whose time does not grow with the message size."""
+    return [i for i, f in enumerate(fits)
+            if f.measurement.collective == "all_to_all" and f.measurement.group in names and f.beta_s_per_byte <= 0]
+
+
+def retime_flat_levels(mesh: Any, plan: Sequence[tuple[str, str, int, list[int]]], measurements: list[Measurement],
+                       names: Sequence[str], device: torch.device, args: argparse.Namespace, a2a: str,
+                       note: Callable[[str], None]) -> list[Fit]:
+    """The fits of ``measurements`` (one per ``plan`` entry), after timing again, up to
+    ``args.retries`` times, each level all-to-all whose fitted beta is <= 0. The times are agreed
+    over the ranks (``_agreed_median``), so every rank re-times the same entries in the same order."""
+    fits = fit_measurements(measurements)
+    for attempt in range(1, args.retries + 1):
+        flat = _flat_levels(fits, names)
+        if not flat:
+            break
+        levels = ", ".join(fits[i].measurement.group for i in flat)
+        note(f"note: level {levels}: the all-to-all time does not grow with the message size (busy machine?); "
+             f"timing it again ({attempt}/{args.retries})")
+        again = measure(mesh, [plan[i] for i in flat], device, args.reps, args.warmup, lambda what: None, a2a)
+        for i, m in zip(flat, again, strict=True):
+            measurements[i] = m
+        fits = fit_measurements(measurements)
+    return fits
 
 
 def measure_compute(device: torch.device) -> tuple[float, float]:
@@ -467,8 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"torchrun --nproc-per-node {math.prod(sizes)} -m moe_compile.tools.calibrate --mesh {args.mesh}")
         world_size = int(os.environ["WORLD_SIZE"])
         check_world_size(names, sizes, world_size)
-        if args.reps < 1 or args.warmup < 0:
-            raise ValueError(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
+        if args.reps < 1 or args.warmup < 0 or args.retries < 0:
+            raise ValueError(f"--reps must be >= 1, --warmup and --retries >= 0, got {args.reps}, {args.warmup} "
+                             f"and {args.retries}")
         plan = plan_measurements(names, sizes, world_size, args)
     except ValueError as e:
         if rank == 0:
@@ -498,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flops_values = _compute_values(flops, device, world_size)
             if args.mem_bw_bytes_per_s is None:
                 mem_values = _compute_values(mem_bw, device, world_size)
-        fits = fit_measurements(measurements)
+        fits = retime_flat_levels(mesh, plan, measurements, names, device, args, a2a,
+                                  note=(lambda msg: err.print(msg, markup=False, highlight=False)) if rank == 0
+                                  else (lambda msg: None))
         name = args.name or f"calibrated {args.mesh} ({device.type}, {a2a} all-to-all)"
         try:
             topo = build_topology(fits, names, sizes, flops_per_s=flops_values, mem_bw_bytes_per_s=mem_values,
