@@ -18,7 +18,7 @@ from moe_compile.dump import dump_graph_report, dump_scheduled
 from moe_compile.ep import runtime, shard
 from moe_compile.options import Options, parse_options
 from moe_compile.passes.canonicalize import Rewritten
-from moe_compile.passes.inline_checkpoint import region_of
+from moe_compile.passes.inline_checkpoint import checkpoint_note
 from moe_compile.passes.overlap import OverlapPass, Split
 from moe_compile.passes.regions import ExpertLayout
 from moe_compile.pipeline import PassContext, run_pipeline
@@ -112,7 +112,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             if reg.name in ctx.plans else "",
             plan_notes=list(ctx.plans[reg.name].plan.notes) if reg.name in ctx.plans else [],
             layout=lay.describe() + (", weights scale the input (a row per token and expert)" if r.weights.scales == "input" else "")
-            + (", activation-checkpointed (recomputed in backward)" if region_of(reg.topk) is not None else ""),
+            + checkpoint_note(reg.topk),
             drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),

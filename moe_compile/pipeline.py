@@ -43,7 +43,13 @@ from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
-from moe_compile.passes.inline_checkpoint import inline_checkpoints, tag_rewrites
+from moe_compile.passes.inline_checkpoint import (
+    Selective,
+    inline_checkpoints,
+    outline_selective,
+    straddles,
+    tag_rewrites,
+)
 from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
@@ -77,11 +83,17 @@ class PassContext:
     # the graph's nodes once inline_checkpoint opened its checkpointed calls (None: it opened none);
     # what the later passes emit among them gets their recompute tags (inline_checkpoint.tag_rewrites)
     checkpointed: set[fx.Node] | None = None
+    # the selective checkpoints inline_checkpoint opened (single process only), which
+    # inline_checkpoint.outline_selective closes again around the rewritten layers
+    selective: dict[int, Selective] = field(default_factory=dict)
 
 
 def _inline_checkpoint(ctx: PassContext) -> dict[str, int]:
-    res = inline_checkpoints(ctx.gm)
+    # a selective checkpoint's policy would decide whether backward runs expert-parallel exchanges
+    # again: opened on a single process only
+    res = inline_checkpoints(ctx.gm, selective=ctx.options.mesh is None)
     ctx.skipped.extend(Skip(name, why) for name, why in res.kept)
+    ctx.selective = res.selective
     if res.inlined:
         ctx.checkpointed = set(ctx.gm.graph.nodes)
     return res.counters()
@@ -103,6 +115,12 @@ def _ddp_split() -> str | None:
 
 def _find(ctx: PassContext) -> dict[str, int]:
     ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
+    if ctx.selective:  # a layer cut by a selective checkpoint's boundary is left as written
+        for region in list(ctx.found.regions):
+            why = straddles({region.topk}.union(*(c.nodes for c in region.outputs)))
+            if why is not None:
+                ctx.found.regions.remove(region)
+                ctx.found.skipped.append(Skip(region.name, why, router_weight=region.router_weight))
     ctx.skipped.extend(ctx.found.skipped)
     split = _ddp_split()
     if split is not None and (ctx.found.skipped or not ctx.found.num_topk):
@@ -385,6 +403,10 @@ def run_pipeline(ctx: PassContext) -> PassContext:
         ctx.counters[name] = fn(ctx)
     if ctx.checkpointed is not None:
         ctx.counters["inline_checkpoint"]["rewrite_nodes_tagged"] = tag_rewrites(ctx.gm, ctx.checkpointed)
+    if ctx.selective:
+        assert ctx.checkpointed is not None
+        ctx.counters["inline_checkpoint"]["selective_closed"] = outline_selective(ctx.gm, ctx.checkpointed,
+                                                                                   ctx.selective)
     if ctx.found is not None and ctx.found.regions and ctx.canonical is None:
         ctx.skipped.extend(Skip(r.name, "the canonicalize pass is disabled (options['disable_passes'])")
                            for r in ctx.found.regions)

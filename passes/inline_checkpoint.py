@@ -21,11 +21,20 @@ Contract
               ``CheckpointPolicy.PREFER_RECOMPUTE`` with a fresh ``ac_graph_id`` per call
               (``torch._higher_order_ops.wrap.uid``, the counter AOTAutograd's own tagging
               draws from), and rewires the call's ``getitem`` users to the body's outputs.
-    keeps     a call whose checkpoint has a ``context_fn`` (selective activation checkpointing:
-              its policy decides per op at run time, which a static tag cannot reproduce), and a
-              call read other than through ``getitem``; when its body takes a top-k, the pipeline
-              reports the reason as a layer left alone.
-    guarantees the graph computes what it computed; the partitioner sees the same tags.
+              With ``selective`` (the pipeline sets it on a single process), also a call whose
+              checkpoint has a ``context_fn`` (selective activation checkpointing: its policy
+              decides per op at trace time, which no static tag can stand for): its nodes are
+              copied untagged, marked ``meta[SELECTIVE]`` with the call's id, and
+              ``outline_selective`` closes them, with what the other passes emitted among them,
+              into a call again after the rewrite.
+    keeps     a selective call under expert parallelism (the policy would decide whether backward
+              runs the exchanges again), one nested in or holding another checkpoint, and a call
+              read other than through ``getitem``; when its body takes a top-k, the pipeline
+              reports the reason as a layer left alone. A layer partly inside an opened selective
+              call (``straddles``) is left alone too.
+    guarantees the graph computes what it computed; the partitioner sees the same tags, and a
+              selective checkpoint's policy is asked about the ops of the rewritten layer (the
+              expert op's grouped matmuls) as it was about those they replaced.
 
 After the other passes, ``tag_rewrites`` gives the nodes they emitted inside a checkpointed
 region (the expert op, its lowering) that region's tag, so backward recomputes them from the
@@ -39,15 +48,25 @@ keeps a region's untagged inputs), and the local expert stage keeps nothing else
 Pseudo-code::
 
     while a tag_activation_checkpoint call c = hop(body, *args) is left:
-        if body has a context_fn or c has a non-getitem user: keep c (reason); continue
+        if (body has a context_fn and not selective) or nested or c has a non-getitem user:
+            keep c (reason); continue
         env <- body placeholders -> args;  gid <- next(uid)
-        for node in body (not placeholder/output): copy before c with env; tag (PREFER_RECOMPUTE, gid)
+        for node in body (not placeholder/output): copy before c with env;
+            tag (PREFER_RECOMPUTE, gid), or for a context_fn mark SELECTIVE = sid (remember body.meta)
         replace getitem(c, i) by env[body output i]; erase c and its body
+
+    outline_selective, after the other passes:
+        emitted nodes take the one selective id of what they read (else of their users)
+        for each sid: S <- its nodes; body <- S over placeholders for what S reads from outside,
+            returning what is read outside; body.meta <- the original body's (context_fn)
+            insert hop(body, *inputs) after S's last node, getitems for its outputs; move
+            the outside nodes between that read S after them; erase S
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,9 +83,25 @@ class InlineResult:
     inlined: int = 0  # checkpoint calls opened
     # (call, why it stays closed) for each call left closed whose body holds a top-k
     kept: list[tuple[str, str]] = field(default_factory=list)
+    # selective checkpoints opened (``selective=True``), by the id their nodes carry in
+    # ``node.meta[SELECTIVE]``: what ``outline_selective`` closes them again with
+    selective: dict[int, Selective] = field(default_factory=dict)
 
     def counters(self) -> dict[str, int]:
-        return {"inlined": self.inlined, "kept": len(self.kept)}
+        return {"inlined": self.inlined, "kept": len(self.kept), "selective": len(self.selective)}
+
+
+# node.meta key: the id of the opened selective checkpoint (InlineResult.selective) a node computes in
+SELECTIVE = "hiermoe_selective_checkpoint"
+
+
+@dataclass(frozen=True)
+class Selective:
+    """An opened selective checkpoint call: what closing it again needs."""
+
+    call: str  # the call's node name (for messages)
+    body_meta: dict[str, Any]  # its body's GraphModule.meta (the ``_checkpoint_context_fn``)
+    kwargs: dict[str, Any]  # the call's keyword arguments (``use_reentrant``)
 
 
 def _local(target: Any) -> bool:
@@ -82,6 +117,16 @@ def region_of(node: fx.Node) -> int | None:
     """The ``ac_graph_id`` of the opened checkpoint ``node`` computes in (backward recomputes
     it), or None."""
     return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
+
+
+def checkpoint_note(node: fx.Node) -> str:
+    """What ``explain`` adds to a rewritten layer's layout whose router top-k is ``node``: whether
+    it runs in an opened checkpoint, plain or selective; "" when in none."""
+    if region_of(node) is not None:
+        return ", activation-checkpointed (recomputed in backward)"
+    if SELECTIVE in node.meta:
+        return ", selectively activation-checkpointed (the checkpoint's policy decides what backward recomputes)"
+    return ""
 
 
 def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
@@ -141,6 +186,122 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     return tagged
 
 
+def straddles(nodes: Iterable[fx.Node]) -> str | None:
+    """Why a layer made of ``nodes`` (its router's top-k and every node its interpretations read)
+    cannot be rewritten for an opened selective checkpoint: some of its computing nodes are inside
+    one and others are not, or they are in two. None when they are all in one or all outside."""
+    marks = {n.meta.get(SELECTIVE) for n in nodes if n.op in ("call_function", "call_method", "call_module")}
+    if len(marks) <= 1:
+        return None
+    return ("the layer is partly inside a selective activation checkpoint (torch.utils.checkpoint with a "
+            "context_fn) and partly outside it: its policy could not be applied to the expert op as to the ops "
+            "it replaces. Checkpoint the whole MoE layer, or none of it")
+
+
+def outline_selective(gm: fx.GraphModule, original: set[fx.Node], regions: dict[int, Selective]) -> int:
+    """Close each opened selective checkpoint (``regions``, its nodes marked ``meta[SELECTIVE]``)
+    into a ``tag_activation_checkpoint`` call again, with what the other passes emitted in it,
+    its body keeping the original body's ``_checkpoint_context_fn``: AOTAutograd then runs the
+    rewritten layer under the user's policy, which decides per op (the expert op's grouped
+    matmuls among them) what backward recomputes, as for the ops they replaced.
+
+    An emitted node (not in ``original``) is in the region of the marked and emitted nodes it
+    reads, when they are all in one; one that reads none takes its users' region, when they are
+    all in one. The region's values read outside become the call's outputs (``getitem``), what
+    it reads from outside its inputs. Returns how many calls were made."""
+    made = 0
+    for node in gm.graph.nodes:  # emitted nodes: the region of what they read
+        if node in original or node.op not in ("call_function", "call_method") or SELECTIVE in node.meta:
+            continue
+        ids = {a.meta[SELECTIVE] for a in node.all_input_nodes if SELECTIVE in a.meta}
+        if len(ids) == 1:
+            node.meta[SELECTIVE] = ids.pop()
+    for node in reversed(gm.graph.nodes):  # emitted nodes that read no value computed in one: their users'
+        if node in original or node.op not in ("call_function", "call_method") or SELECTIVE in node.meta:
+            continue
+        ids = {u.meta.get(SELECTIVE) for u in node.users}
+        if len(ids) == 1 and None not in ids and not any(SELECTIVE in a.meta for a in node.all_input_nodes):
+            node.meta[SELECTIVE] = ids.pop()
+    for sid, sel in regions.items():
+        members = [n for n in gm.graph.nodes if n.meta.get(SELECTIVE) == sid]
+        if members:
+            _outline(gm, members, sel)
+            made += 1
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return made
+
+
+def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> None:
+    graph = gm.graph
+    inside = set(members)
+    inputs: list[fx.Node] = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in members if any(u not in inside for u in n.users)]
+    # the region must be convex: no value outside it both reads from it and feeds it
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    first, last = pos[members[0]], pos[members[-1]]
+    after: list[fx.Node] = []  # outside nodes between its first and last node that read from it
+    tainted = set(inside)
+    for n in list(graph.nodes)[first:last + 1]:
+        if n in inside:
+            if any(a in tainted and a not in inside for a in n.all_input_nodes):
+                raise AssertionError(f"selective checkpoint {sel.call}: a value outside it both reads from it "
+                                     f"and feeds {n.name}; it cannot be closed again")
+        elif any(a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+            after.append(n)
+    body_graph = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body_graph.placeholder(a.name)
+        if "example_value" in a.meta:
+            env[a].meta["example_value"] = a.meta["example_value"]
+    for n in members:
+        if n.op == "get_attr":  # a constant the body reads: carried into the body module
+            value = _attr(gm, str(n.target))
+            name = str(n.target).replace(".", "_")
+            if isinstance(value, torch.nn.Module):
+                root.add_module(name, value)
+            else:
+                setattr(root, name, value)
+            env[n] = body_graph.get_attr(name)
+            env[n].meta = {k: v for k, v in n.meta.items() if k != SELECTIVE}
+            continue
+        env[n] = body_graph.node_copy(n, lambda a: env[a])
+        env[n].meta.pop(SELECTIVE, None)
+    body_graph.output(tuple(env[o] for o in outputs))
+    body = fx.GraphModule(root, body_graph)
+    body.meta.update(sel.body_meta)
+    name = _fresh_attr(gm, "hiermoe_selective_body")
+    gm.register_module(name, body)
+    with graph.inserting_after(members[-1]):
+        ref = graph.get_attr(name)
+    with graph.inserting_after(ref):
+        call = graph.call_function(_HOP, (ref, *inputs), dict(sel.kwargs))
+    call.meta["example_value"] = tuple(o.meta.get("example_value") for o in outputs)
+    anchor = call
+    items = []
+    for i, o in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta = {k: v for k, v in o.meta.items() if k != SELECTIVE}
+        items.append(item)
+        anchor = item
+    for n in after:  # what reads the region's values now comes after the call
+        anchor.append(n)
+        anchor = n
+    for o, item in zip(outputs, items, strict=True):
+        o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(members):
+        graph.erase_node(n)
+
+
 def _body(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
     ref = call.args[0]
     assert isinstance(ref, fx.Node) and ref.op == "get_attr", f"{call.name}: its body is not a submodule"
@@ -149,20 +310,29 @@ def _body(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
     return body
 
 
-def _why_kept(gm: fx.GraphModule, call: fx.Node) -> str | None:
+def _why_kept(gm: fx.GraphModule, call: fx.Node, selective: bool) -> str | None:
     body = _body(gm, call)
     if "_checkpoint_context_fn" in body.meta:
-        return ("torch.utils.checkpoint with a context_fn (selective activation checkpointing) "
-                "decides per op at run time what to recompute, which hiermoe cannot reproduce; the MoE layers "
-                "inside it are not rewritten. Checkpoint without a context_fn, or leave the MoE layer outside "
-                "the checkpointed function")
+        if not selective:
+            return ("torch.utils.checkpoint with a context_fn (selective activation checkpointing) under "
+                    "expert parallelism: its policy would decide whether backward runs the layer's exchanges "
+                    "again, so the MoE layers inside it are not rewritten. Checkpoint without a context_fn, "
+                    "or leave the MoE layer outside the checkpointed function")
+        if any(m is not body and isinstance(m, fx.GraphModule) for m in body.modules()) \
+                or "recompute" in call.meta or SELECTIVE in call.meta:
+            return ("a selective activation checkpoint (torch.utils.checkpoint with a context_fn) nested in "
+                    "another checkpoint, or holding one: hiermoe opens a selective one only on its own; the MoE "
+                    "layers inside it are not rewritten")
     if any(u.op != "call_function" or u.target is not operator.getitem or not isinstance(u.args[1], int)
            for u in call.users):
         return "the activation-checkpointed call's result is read other than by indexing its outputs"
     return None
 
 
-def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
+def _inline(gm: fx.GraphModule, call: fx.Node, selective_id: int | None = None) -> None:
+    """Copy ``call``'s body into ``gm`` in its place: its nodes tagged PREFER_RECOMPUTE with a fresh
+    ``ac_graph_id``, or (``selective_id``) marked ``meta[SELECTIVE] = selective_id`` and untagged
+    (the policy decides once ``outline_selective`` has closed them into a call again)."""
     body = _body(gm, call)
     graph = gm.graph
     operands = list(call.args[1:])
@@ -190,8 +360,11 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
                 new.meta = dict(bn.meta)
             else:
                 new = graph.node_copy(bn, lambda a: env[a])
-                new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-                new.meta["ac_graph_id"] = gid
+                if selective_id is None:
+                    new.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                    new.meta["ac_graph_id"] = gid
+            if selective_id is not None:
+                new.meta[SELECTIVE] = selective_id
             env[bn] = new
     outs = outputs if isinstance(outputs, list | tuple) else (outputs,)
     for user in list(call.users):
@@ -228,8 +401,10 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
-def inline_checkpoints(gm: fx.GraphModule) -> InlineResult:
-    """Open every plain activation-checkpoint call of ``gm`` in place (see the module docstring)."""
+def inline_checkpoints(gm: fx.GraphModule, selective: bool = False) -> InlineResult:
+    """Open every plain activation-checkpoint call of ``gm`` in place (see the module docstring);
+    ``selective``: also each selective one (a body with a ``_checkpoint_context_fn``) not nested in
+    or holding another checkpoint, its nodes marked for ``outline_selective``."""
     res = InlineResult()
     kept: set[fx.Node] = set()
     while True:
@@ -237,13 +412,19 @@ def inline_checkpoints(gm: fx.GraphModule) -> InlineResult:
         if not calls:
             break
         for call in calls:
-            why = _why_kept(gm, call)
+            why = _why_kept(gm, call, selective)
             if why is not None:
                 kept.add(call)
                 if _routes(_body(gm, call)):
                     res.kept.append((call.name, why))
                 continue
-            _inline(gm, call)
+            body = _body(gm, call)
+            if "_checkpoint_context_fn" in body.meta:
+                sid = len(res.selective)
+                res.selective[sid] = Selective(call.name, dict(body.meta), dict(call.kwargs))
+                _inline(gm, call, selective_id=sid)
+            else:
+                _inline(gm, call)
             res.inlined += 1
     if res.inlined:
         gm.graph.lint()

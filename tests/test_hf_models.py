@@ -161,11 +161,18 @@ def test_activation_checkpointed_layers_are_rewritten_and_recomputed() -> None:
     assert ours["kept"] <= 1.25 * aot["kept"], (ours["kept"], aot["kept"])
 
 
-def test_selective_activation_checkpointing_is_left_alone_with_its_reason() -> None:
-    """A checkpoint with a context_fn decides per op at run time what to keep; hiermoe leaves its
-    MoE layers as written and says so (and the model computes what eager computes)."""
+def test_selective_activation_checkpointing_is_rewritten_under_its_policy() -> None:
+    """A checkpoint with a context_fn decides per op at run time what to keep. hiermoe opens it to
+    find the layer, then closes it again around the rewritten layer with the same context_fn, so
+    the policy decides for the expert op's matmuls too: both layers rewritten, loss and gradients
+    equal eager's, and with a recompute-everything policy it keeps about what torch.compile
+    without hiermoe keeps (measured 38 against 34 KB)."""
     eager = _checkpointed_step(None, "selective")
     ours = _checkpointed_step("hiermoe", "selective")
-    assert ours["rewritten"] == 0
-    assert sum("selective activation checkpointing" in r for r in ours["reasons"]) == 2, ours["reasons"]
+    assert ours["rewritten"] == 2, ours["reasons"]
+    assert all("selectively activation-checkpointed" in lay for lay in ours["layouts"]), ours["layouts"]
     assert torch.allclose(ours["loss"], eager["loss"], rtol=1e-6)
+    for g, ref in zip(ours["grads"], eager["grads"], strict=True):
+        assert torch.allclose(g, ref, rtol=1e-5, atol=1e-7)
+    aot = _checkpointed_step("aot_eager", "selective")
+    assert ours["kept"] <= 1.25 * aot["kept"], (ours["kept"], aot["kept"])

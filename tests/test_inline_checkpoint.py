@@ -6,39 +6,43 @@ test_hf_models.py, test_trainer.py; over ranks: test_expert_parallel.py)."""
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Any
 
 import pytest
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moe_compile.backend import collect_reports
 from moe_compile.passes.inline_checkpoint import inline_checkpoints
 from moe_compile.samples import SAMPLES
+from moe_compile.samples.grouped_gemm import GroupedGemmMoE
 
 
 class TwoLayers(torch.nn.Module):
     """Two grouped-GEMM MoE layers with residuals; ``nested``: the second layer's checkpoint
     inside the first's, else one checkpoint per layer."""
 
-    def __init__(self, nested: bool) -> None:
+    def __init__(self, nested: bool, **checkpoint_kwargs: Any) -> None:
         super().__init__()
         spec = SAMPLES["grouped_gemm"]
         torch.manual_seed(0)
         self.a, self.b = spec.factory(**spec.kwargs), spec.factory(**spec.kwargs)
         self.nested = nested
+        self.kwargs = {"use_reentrant": False, **checkpoint_kwargs}  # context_fn: selective checkpointing
 
     def second(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.b(x)
 
     def both(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.second, x + self.a(x), use_reentrant=False)
+        return checkpoint(self.second, x + self.a(x), **self.kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.nested:
-            x = checkpoint(self.both, x, use_reentrant=False)
+            x = checkpoint(self.both, x, **self.kwargs)
         else:
-            x = checkpoint(lambda t: t + self.a(t), x, use_reentrant=False)
-            x = checkpoint(self.second, x, use_reentrant=False)
+            x = checkpoint(lambda t: t + self.a(t), x, **self.kwargs)
+            x = checkpoint(self.second, x, **self.kwargs)
         return x.square().mean()
 
 
@@ -87,3 +91,100 @@ def test_opened_nodes_carry_one_recompute_tag_per_call() -> None:
     # the final loss is outside any checkpoint
     loss = [n for n in gm.graph.nodes if n.target == "mean"]
     assert len(loss) == 1 and "recompute" not in loss[0].meta
+
+
+def _policy(seen: list[str], save: tuple[str, ...]) -> Any:
+    """A selective-checkpoint context_fn whose policy records every op it is asked about and saves
+    the outputs of the ops named in ``save`` (recomputes the others)."""
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        seen.append(str(op))
+        return CheckpointPolicy.MUST_SAVE if str(op) in save else CheckpointPolicy.PREFER_RECOMPUTE
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_selective_checkpoints_are_closed_again_around_the_rewritten_layers(inner: str) -> None:
+    """A checkpoint with a context_fn (selective: its policy decides per op what backward
+    recomputes) is opened so its layer is found, then closed again around the rewritten layer with
+    the same context_fn: the policy is asked about the expert op's own matmuls, and the model
+    computes what eager computes."""
+    from compile_utils import kept_for_backward
+
+    kept: dict[str, int] = {}
+    for save in ((), ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default")):
+        torch._dynamo.reset()
+        seen: list[str] = []
+        model = TwoLayers(nested=False, context_fn=_policy(seen, save))
+        ref = copy.deepcopy(model)
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+        want = ref(x)
+        want.backward()
+        compiled = torch.compile(model, backend="hiermoe", options={"inner_compiler": inner})
+        with collect_reports() as graphs:
+            compiled(x).backward()
+        model.zero_grad()
+        with kept_for_backward(model) as saved:
+            got = compiled(x)
+        got.backward()
+        kept[str(save)] = sum(saved)
+        assert [len(g.regions) for g in graphs] == [2], [s.reason for g in graphs for s in g.skipped]
+        assert all("selectively activation-checkpointed" in r.layout for r in graphs[0].regions)
+        counters = graphs[0].counters["inline_checkpoint"]
+        assert counters["selective"] == 2 and counters["selective_closed"] == 2, counters
+        assert "hiermoe.grouped_mm.default" in seen or "hiermoe.grouped_mm_rows.default" in seen, set(seen)
+        assert torch.allclose(got, want, rtol=1e-5)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    # saving the grouped matmuls' outputs keeps more for backward than recomputing them
+    assert kept[str(("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default"))] > kept["()"], kept
+
+
+class RouterCheckpointed(GroupedGemmMoE):
+    """A grouped-GEMM MoE layer whose router alone runs in a selective checkpoint."""
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return checkpoint(super().route, x_TH, use_reentrant=False, context_fn=_policy([], ()))
+
+
+def test_layer_cut_by_a_selective_checkpoint_is_left_alone() -> None:
+    """A layer whose router is in a selective checkpoint and whose experts are not: the policy
+    could not be applied to one expert op as to the ops it would replace, so the layer stays as
+    written, the report says why, and the checkpoint is closed again as it was."""
+    torch._dynamo.reset()
+    spec = SAMPLES["grouped_gemm"]
+    torch.manual_seed(0)
+    model = RouterCheckpointed(**spec.kwargs)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    want = ref(x).square().mean()
+    want.backward()
+    with collect_reports() as graphs:
+        got = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})(x).square().mean()
+        got.backward()
+    assert [len(g.regions) for g in graphs] == [0]
+    reasons = [s.reason for g in graphs for s in g.skipped]
+    assert any("partly inside a selective activation checkpoint" in r for r in reasons), reasons
+    assert graphs[0].counters["inline_checkpoint"]["selective_closed"] == 1
+    assert torch.allclose(got, want, rtol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_selective_checkpoint_under_expert_parallelism_stays_closed_with_its_reason() -> None:
+    """With a mesh, the policy would decide whether backward runs the layer's exchanges again:
+    the selective checkpoint stays closed and the report says why (here a world of one rank)."""
+    from dist_utils import one_rank_group
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = TwoLayers(nested=False, context_fn=_policy([], ()))
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    want = ref(x)
+    with one_rank_group(), collect_reports() as graphs:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("gpu",))
+        got = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager"})(x)
+    assert [len(g.regions) for g in graphs] == [0]
+    reasons = [s.reason for g in graphs for s in g.skipped]
+    assert sum("under expert parallelism" in r for r in reasons) == 2, reasons
+    assert torch.allclose(got, want, rtol=1e-6)
