@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -101,11 +102,31 @@ _HF_CASES = {"hf_mixtral": ("MixtralConfig", "MixtralForCausalLM"),
              "hf_llama4": ("Llama4TextConfig", "Llama4ForCausalLM")}
 
 
-def build_case(case: str, shape: Shape, device: torch.device, checkpointing: bool = False
+# --checkpointing selective: the outputs of these ops are saved for backward, everything else in a
+# decoder layer recomputed (torchtitan's op-level selective checkpointing saves matmuls and
+# attention the same way); the expert matmuls as each variant runs them
+SAVED_OPS = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._grouped_mm.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default", "transformers.grouped_mm_fallback.default",
+    "hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default", "hiermoe.grouped_linear.default",
+    "hiermoe.grouped_linear_gate_up.default",
+})
+CHECKPOINTING = ("full", "selective")
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if str(op) in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def build_case(case: str, shape: Shape, device: torch.device, checkpointing: str | None = None
                ) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     """(model, step): ``step(m)`` runs forward and returns the scalar loss to backpropagate.
-    ``checkpointing``: the transformers models with activation checkpointing on (each decoder
-    layer recomputed in backward, transformers' ``activation_checkpointing_enable()``)."""
+    ``checkpointing``: the transformers models with activation checkpointing on, transformers'
+    ``activation_checkpointing_enable()``: "full" recomputes each decoder layer in backward,
+    "selective" saves its matmuls' and attention's outputs (``SAVED_OPS``) and recomputes the rest."""
     torch.manual_seed(0)
     dtype = getattr(torch, shape.dtype)
     if case in SAMPLES:
@@ -134,9 +155,15 @@ def build_case(case: str, shape: Shape, device: torch.device, checkpointing: boo
         hf = model_cls(config)
         if case != "hf_llama4":  # Llama-4 has no ExpertsInterface
             hf.set_experts_implementation("grouped_mm")
-        if checkpointing:
+        if checkpointing is not None:
             hf.train()
-            hf.activation_checkpointing_enable()
+            kwargs: dict[str, Any] = {}
+            if checkpointing == "selective":
+                from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+                kwargs = {"use_reentrant": False,
+                          "context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
         cast(nn.Module, hf).to(device=device, dtype=dtype)  # transformers' typed wrapper of .to confuses mypy
         ids = torch.randint(0, config.vocab_size, (shape.batch, shape.seq), device=device)
 
@@ -206,7 +233,7 @@ def peak_step_bytes(model: nn.Module, step: Callable[[nn.Module], torch.Tensor],
 
 
 def bench_case(case: str, shape: Shape, variants: list[str], reps: int, warmup: int,
-               device: torch.device, checkpointing: bool = False) -> list[Result]:
+               device: torch.device, checkpointing: str | None = None) -> list[Result]:
     torch._dynamo.reset()
     base, step = build_case(case, shape, device, checkpointing)
     results = {v: Result(case, v) for v in variants}
@@ -304,7 +331,7 @@ HEADERS = ["case", "variant", "median ms", "min / max ms", "time vs eager", "(mi
 
 
 def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], shape: Shape,
-                  command: str, name: str = "single_process", checkpointing: bool = False) -> None:
+                  command: str, name: str = "single_process", checkpointing: str | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"command": command, "machine": info, "shape": asdict(shape), "checkpointing": checkpointing,
                "results": [{**asdict(r), "median_s": r.median_s} for r in results]}
@@ -327,7 +354,11 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         + ("; hf_llama4 is a 2-layer Llama4ForCausalLM the same way, with its own experts code." if any(
             r.case == "hf_llama4" for r in results) else ".")
         + (" Activation checkpointing on (transformers' `activation_checkpointing_enable()`: every decoder "
-           "layer recomputed in backward)." if checkpointing else ""),
+           "layer recomputed in backward)." if checkpointing == "full" else "")
+        + (" Selective activation checkpointing (`activation_checkpointing_enable()` with a `context_fn`): "
+           "the outputs of each decoder layer's matmuls and attention saved for backward (the expert matmuls "
+           "as each variant runs them: " + ", ".join(f"`{o}`" for o in sorted(SAVED_OPS)) + "), the rest "
+           "recomputed." if checkpointing == "selective" else ""),
         "",
         "Time: one training step (forward, loss, backward); median and min/max over the repetitions, "
         "variants interleaved. Peak: tensor bytes live at once during one step above those before it "
@@ -361,8 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's default, one per usable core)")
     parser.add_argument("--quick", action="store_true", help="small shapes and few reps: a smoke test")
-    parser.add_argument("--checkpointing", action="store_true",
-                        help="the transformers models with activation checkpointing (activation_checkpointing_enable)")
+    parser.add_argument("--checkpointing", nargs="?", const="full", choices=CHECKPOINTING, default=None,
+                        help="the transformers models with activation checkpointing (activation_checkpointing_enable): "
+                             "full (the default when given bare: each decoder layer recomputed) or selective (its "
+                             "matmuls' and attention's outputs saved, the rest recomputed)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default bench/results; with --quick nothing is written "
                              "unless --out is given)")
@@ -391,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{shape}; reps {reps}")
     results: list[Result] = []
     for case in args.cases:
-        if args.checkpointing and case not in _HF_CASES:
+        if args.checkpointing is not None and case not in _HF_CASES:
             raise ValueError(f"--checkpointing applies to the transformers models ({', '.join(_HF_CASES)}), not {case}")
         results.extend(bench_case(case, shape, variants, reps, args.warmup, device, args.checkpointing))
 
