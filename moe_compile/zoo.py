@@ -362,7 +362,7 @@ def markdown(rows: Sequence[ZooRow], command: str, autocast: bool = False) -> st
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:400]
+    return text.replace("|", "\\|").replace("\n", " ")[:800]
 
 
 def _version() -> str:

@@ -29,7 +29,9 @@ Detection is anchored on top-k and does not match one exact DAG (DESIGN.md, "Dat
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -475,15 +477,46 @@ def _label(params: ParamTable, state: list[fx.Node], anchor: fx.Node) -> str:
 
 
 def _graph_break_hint(index: GraphIndex, topk: fx.Node) -> str:
-    """Explain the common reason a router is found but no expert compute: a graph break."""
+    """Explain the common reason a router is found but no expert compute: a graph break; and what
+    to do about it, for a transformers model whether it can switch its experts implementation."""
     later = index.descendants([topk])
-    if any(ops.op_name(n) in ("nonzero", "where", "one_hot") for n in later) or len(later) < 8:
-        return (". The expert computation is not in this graph: a graph break (usually a "
-                "data-dependent loop such as `for e in expert_hit:` over `.nonzero()`, or "
-                "`.tolist()`/`.item()`) split the layer. Fix: loop over `range(num_experts)` instead, or "
-                "for Hugging Face models use `model.set_experts_implementation(\"grouped_mm\")`, "
-                "\"batched_mm\" or \"hiermoe\"")
-    return ""
+    if not (any(ops.op_name(n) in ("nonzero", "where", "one_hot") for n in later) or len(later) < 8):
+        return ""
+    hint = (". The expert computation is not in this graph: a graph break (usually a "
+            "data-dependent loop such as `for e in expert_hit:` over `.nonzero()`, or "
+            "`.tolist()`/`.item()`) split the layer. Fix: loop over `range(num_experts)` instead")
+    model = _transformers_model(topk)
+    if model is None:
+        return hint + (", or for Hugging Face models use `model.set_experts_implementation(\"grouped_mm\")`, "
+                       "\"batched_mm\" or \"hiermoe\"")
+    family = model.__module__.split(".")[2]
+    if model._can_set_experts_implementation():
+        return hint + (f"; transformers' {family} models can switch their experts code: "
+                       "`model.set_experts_implementation(\"grouped_mm\")`, \"batched_mm\" or \"hiermoe\"")
+    return hint + (f"; transformers' {family} models have no other experts implementation to switch to "
+                   "(`set_experts_implementation` refuses them), so their MoE layers stay as written unless "
+                   "their experts loop is changed")
+
+
+def _transformers_model(node: fx.Node) -> Any:
+    """A transformers ``PreTrainedModel`` class of the modeling module ``node`` was traced from
+    (the classes in Dynamo's ``nn_module_stack``, else the files of its ``stack_trace``: a graph
+    resumed after a break has no module stack), or None."""
+    classes = [cls for _, cls in (node.meta.get("nn_module_stack") or {}).values() if isinstance(cls, type)]
+    names = [cls.__module__ for cls in classes]
+    files = re.findall(r'File "([^"]+)"', node.meta.get("stack_trace") or "")
+    if files:
+        by_file = {getattr(m, "__file__", None): name for name, m in list(sys.modules.items())
+                   if name.startswith("transformers.models.")}
+        names += [by_file[f] for f in files if f in by_file]
+    for name in names:
+        module = sys.modules.get(name)
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for value in vars(module).values():
+            if isinstance(value, type) and value.__module__ == name and hasattr(value, "_can_set_experts_implementation"):
+                return value
+    return None
 
 
 __all__ = ["FindResult", "find_moe_regions"]
