@@ -109,6 +109,9 @@ def plan(topology: Topology | None, workload: Workload, topk_idx: Any = None, *,
                                    else compute * topology.world_size}
     params: dict[str, dict[str, Any]] = {"local": {}}
     notes: list[str] = []
+    if topology is not None and topology.world_size == 1:
+        # a mesh of one rank (torchrun --nproc-per-node 1): it holds every expert, nothing to send
+        predicted["replicated"], params["replicated"] = compute, {}
     if topology is not None and topology.world_size > 1:
         predicted["replicated"] = replicated_time_s(topology, workload, compute)
         params["replicated"] = {}

@@ -43,6 +43,14 @@ def test_single_process_plan_is_local() -> None:
     assert p.predicted["local"] == pytest.approx(4096 * 8 * 2 * 3 * 2048 * 1024 / 1e12)
 
 
+def test_mesh_of_one_rank_plans_replicated() -> None:
+    """A mesh of one rank holds every expert: under a mesh's executable strategies the plan is
+    replicated (nothing sent) at the local compute time, where before no strategy applied."""
+    one = Topology(levels=(Level("gpu", 1, 1e-6, 8 / 1e12),), flops_per_s=(3e14,))
+    p = plan(one, WORK, implemented=tuple(executable(1, None, None, replicated=True)))
+    assert p.strategy == "replicated" and p.predicted["replicated"] == pytest.approx(compute_s(one, WORK))
+
+
 def test_every_candidate_is_predicted_and_argmin_is_over_implemented() -> None:
     topo = two_level()
     p = plan(topo, WORK)
