@@ -83,15 +83,13 @@ class PassContext:
     # the graph's nodes once inline_checkpoint opened its checkpointed calls (None: it opened none);
     # what the later passes emit among them gets their recompute tags (inline_checkpoint.tag_rewrites)
     checkpointed: set[fx.Node] | None = None
-    # the selective checkpoints inline_checkpoint opened (single process only), which
-    # inline_checkpoint.outline_selective closes again around the rewritten layers
+    # the selective checkpoints inline_checkpoint opened, which inline_checkpoint.outline_selective
+    # closes again around the rewritten layers (the exchanges between ranks left outside)
     selective: dict[int, Selective] = field(default_factory=dict)
 
 
 def _inline_checkpoint(ctx: PassContext) -> dict[str, int]:
-    # a selective checkpoint's policy would decide whether backward runs expert-parallel exchanges
-    # again: opened on a single process only
-    res = inline_checkpoints(ctx.gm, selective=ctx.options.mesh is None)
+    res = inline_checkpoints(ctx.gm, selective=True)
     ctx.skipped.extend(Skip(name, why) for name, why in res.kept)
     ctx.selective = res.selective
     if res.inlined:

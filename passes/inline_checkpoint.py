@@ -21,20 +21,21 @@ Contract
               ``CheckpointPolicy.PREFER_RECOMPUTE`` with a fresh ``ac_graph_id`` per call
               (``torch._higher_order_ops.wrap.uid``, the counter AOTAutograd's own tagging
               draws from), and rewires the call's ``getitem`` users to the body's outputs.
-              With ``selective`` (the pipeline sets it on a single process), also a call whose
+              With ``selective`` (the pipeline sets it), also a call whose
               checkpoint has a ``context_fn`` (selective activation checkpointing: its policy
               decides per op at trace time, which no static tag can stand for): its nodes are
               copied untagged, marked ``meta[SELECTIVE]`` with the call's id, and
               ``outline_selective`` closes them, with what the other passes emitted among them,
               into a call again after the rewrite.
-    keeps     a selective call under expert parallelism (the policy would decide whether backward
-              runs the exchanges again), one nested in or holding another checkpoint, and a call
+    keeps     a selective call nested in or holding another checkpoint, and a call
               read other than through ``getitem``; when its body takes a top-k, the pipeline
               reports the reason as a layer left alone. A layer partly inside an opened selective
               call (``straddles``) is left alone too.
     guarantees the graph computes what it computed; the partitioner sees the same tags, and a
               selective checkpoint's policy is asked about the ops of the rewritten layer (the
-              expert op's grouped matmuls) as it was about those they replaced.
+              expert op's grouped matmuls) as it was about those they replaced; never about an
+              exchange between ranks (the expert-parallel stages, gathers, sample moves), which
+              stays outside the calls it is closed into, so backward never runs one again.
 
 After the other passes, ``tag_rewrites`` gives the nodes they emitted inside a checkpointed
 region (the expert op, its lowering) that region's tag, so backward recomputes them from the
@@ -57,10 +58,12 @@ Pseudo-code::
 
     outline_selective, after the other passes:
         emitted nodes take the one selective id of what they read (else of their users)
-        for each sid: S <- its nodes; body <- S over placeholders for what S reads from outside,
-            returning what is read outside; body.meta <- the original body's (context_fn)
-            insert hop(body, *inputs) after S's last node, getitems for its outputs; move
-            the outside nodes between that read S after them; erase S
+        exchanges (ep_*, sample_* ops and their getitems) are in no region
+        for each sid, for each convex piece S of its nodes (split where a path leaves it):
+            body <- S over placeholders for what S reads from outside, returning what is read
+            outside; body.meta <- the original body's (context_fn); insert hop(body, *inputs)
+            after S's last node, getitems for its outputs; move the outside nodes between that
+            read S after them; erase S
 """
 
 from __future__ import annotations
@@ -198,34 +201,54 @@ def straddles(nodes: Iterable[fx.Node]) -> str | None:
             "it replaces. Checkpoint the whole MoE layer, or none of it")
 
 
+def _exchange(node: fx.Node) -> bool:
+    """Whether ``node`` is (or reads an output of) an op that exchanges data between ranks or
+    counts into a runtime layer (``_local`` is False: the expert-parallel stages, gathers, sample
+    exchanges): no checkpoint may run it again in backward."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _exchange(node.args[0])
+    return getattr(node.target, "namespace", None) == "hiermoe" and not _local(node.target)
+
+
 def outline_selective(gm: fx.GraphModule, original: set[fx.Node], regions: dict[int, Selective]) -> int:
     """Close each opened selective checkpoint (``regions``, its nodes marked ``meta[SELECTIVE]``)
-    into a ``tag_activation_checkpoint`` call again, with what the other passes emitted in it,
-    its body keeping the original body's ``_checkpoint_context_fn``: AOTAutograd then runs the
+    into ``tag_activation_checkpoint`` calls again, with what the other passes emitted in it,
+    each body keeping the original body's ``_checkpoint_context_fn``: AOTAutograd then runs the
     rewritten layer under the user's policy, which decides per op (the expert op's grouped
     matmuls among them) what backward recomputes, as for the ops they replaced.
 
     An emitted node (not in ``original``) is in the region of the marked and emitted nodes it
     reads, when they are all in one; one that reads none takes its users' region, when they are
-    all in one. The region's values read outside become the call's outputs (``getitem``), what
-    it reads from outside its inputs. Returns how many calls were made."""
+    all in one. Exchanges (``_exchange``) are never in a region: backward must not run them again,
+    whatever the policy says. So a region with exchanges in it (expert parallelism) closes into
+    one call per piece between them: a piece is the region's nodes that reach each other without
+    passing through a node outside the region (``_pieces``), which makes every call's inputs
+    computable before it and its outputs read after it. A call's outputs are its values read
+    outside it (``getitem``), its inputs what it reads from outside. Returns how many calls were
+    made."""
     made = 0
+    for node in gm.graph.nodes:
+        if _exchange(node):  # an exchange that copied a replaced node's meta is in no region
+            node.meta.pop(SELECTIVE, None)
     for node in gm.graph.nodes:  # emitted nodes: the region of what they read
-        if node in original or node.op not in ("call_function", "call_method") or SELECTIVE in node.meta:
+        if (node in original or node.op not in ("call_function", "call_method") or SELECTIVE in node.meta
+                or _exchange(node)):
             continue
         ids = {a.meta[SELECTIVE] for a in node.all_input_nodes if SELECTIVE in a.meta}
         if len(ids) == 1:
             node.meta[SELECTIVE] = ids.pop()
     for node in reversed(gm.graph.nodes):  # emitted nodes that read no value computed in one: their users'
-        if node in original or node.op not in ("call_function", "call_method") or SELECTIVE in node.meta:
+        if (node in original or node.op not in ("call_function", "call_method") or SELECTIVE in node.meta
+                or _exchange(node)):
             continue
         ids = {u.meta.get(SELECTIVE) for u in node.users}
         if len(ids) == 1 and None not in ids and not any(SELECTIVE in a.meta for a in node.all_input_nodes):
             node.meta[SELECTIVE] = ids.pop()
     for sid, sel in regions.items():
-        members = [n for n in gm.graph.nodes if n.meta.get(SELECTIVE) == sid]
-        if members:
-            _outline(gm, members, sel)
+        for piece in _pieces(gm, sid):
+            _outline(gm, piece, sel)
             made += 1
     if made:
         gm.graph.lint()
@@ -233,8 +256,30 @@ def outline_selective(gm: fx.GraphModule, original: set[fx.Node], regions: dict[
     return made
 
 
+def _pieces(gm: fx.GraphModule, sid: int) -> list[list[fx.Node]]:
+    """Region ``sid``'s nodes in convex pieces, in graph order: a node's generation is the most
+    nodes outside the region on a path to it from the region's nodes; a piece is one generation's
+    nodes. A path that leaves the region and comes back (through an exchange) raises the
+    generation, so no piece reads a value that depends on the same piece through the outside."""
+    gen: dict[fx.Node, int] = {}  # region nodes and the outside nodes that depend on one
+    for node in gm.graph.nodes:
+        inside = node.meta.get(SELECTIVE) == sid
+        before = [gen[a] for a in node.all_input_nodes if a in gen]
+        if inside:
+            gen[node] = max(before, default=0)
+        elif before:
+            gen[node] = max(before) + 1
+    pieces: dict[int, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.meta.get(SELECTIVE) == sid:
+            pieces.setdefault(gen[node], []).append(node)
+    return [pieces[g] for g in sorted(pieces)]
+
+
 def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> None:
     graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}  # an earlier piece's call moved some nodes
+    members = sorted(members, key=order.__getitem__)
     inside = set(members)
     inputs: list[fx.Node] = []
     for n in members:
@@ -242,12 +287,12 @@ def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> None
             if a not in inside and a not in inputs:
                 inputs.append(a)
     outputs = [n for n in members if any(u not in inside for u in n.users)]
-    # the region must be convex: no value outside it both reads from it and feeds it
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    first, last = pos[members[0]], pos[members[-1]]
-    after: list[fx.Node] = []  # outside nodes between its first and last node that read from it
+    # the piece is convex (_pieces): no value outside it both reads from it and feeds it
+    nodes = list(graph.nodes)
+    first, last = nodes.index(members[0]), nodes.index(members[-1])
+    after: list[fx.Node] = []  # nodes between its first and last node that read from it
     tainted = set(inside)
-    for n in list(graph.nodes)[first:last + 1]:
+    for n in nodes[first:last + 1]:
         if n in inside:
             if any(a in tainted and a not in inside for a in n.all_input_nodes):
                 raise AssertionError(f"selective checkpoint {sel.call}: a value outside it both reads from it "
@@ -314,10 +359,8 @@ def _why_kept(gm: fx.GraphModule, call: fx.Node, selective: bool) -> str | None:
     body = _body(gm, call)
     if "_checkpoint_context_fn" in body.meta:
         if not selective:
-            return ("torch.utils.checkpoint with a context_fn (selective activation checkpointing) under "
-                    "expert parallelism: its policy would decide whether backward runs the layer's exchanges "
-                    "again, so the MoE layers inside it are not rewritten. Checkpoint without a context_fn, "
-                    "or leave the MoE layer outside the checkpointed function")
+            return ("torch.utils.checkpoint with a context_fn (selective activation checkpointing): opened only "
+                    "with inline_checkpoints(selective=True), whose caller closes it again (outline_selective)")
         if any(m is not body and isinstance(m, fx.GraphModule) for m in body.modules()) \
                 or "recompute" in call.meta or SELECTIVE in call.meta:
             return ("a selective activation checkpoint (torch.utils.checkpoint with a context_fn) nested in "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -261,25 +262,39 @@ def case_checkpointed() -> dict[str, Any]:
     checkpointing (a backward that recomputed the exchanges would send them twice)."""
     plain = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2)
     checkpointed = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2, checkpointing=PARAMS["reentrant"])
-    sharded = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2, checkpointing=PARAMS["reentrant"], shard=True)
+    # sharded experts, with selective checkpointing (a context_fn): the exchanges stay outside it
+    sharded = _hf_over_mesh(build_args=("mixtral", "grouped_mm"), k=2, checkpointing="selective", shard=True)
     return {"plain": plain, "checkpointed": checkpointed, "sharded": sharded}
 
 
-def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: bool | None = None,
+def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: bool | str | None = None,
                   shard: bool = False) -> dict[str, Any]:
-    """``checkpointing`` None: none; else activation checkpointing with that ``use_reentrant``.
-    ``shard``: the experts sharded over the mesh first (moe_compile.shard_experts); then
-    "grad_err" compares each shard's gradient with the eager model's rows of it summed over the
-    ranks, and the other gradients summed over the ranks."""
+    """``checkpointing`` None: none; "selective": non-reentrant with a context_fn whose policy
+    recomputes everything and records the ops it is asked about ("policy_ops"); else activation
+    checkpointing with that ``use_reentrant``. ``shard``: the experts sharded over the mesh first
+    (moe_compile.shard_experts); then "grad_err" compares each shard's gradient with the eager
+    model's rows of it summed over the ranks, and the other gradients summed over the ranks."""
     from compile_utils import kept_for_backward
     from hf_models import build, input_ids
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     rank = dist.get_rank()
     mesh = make_mesh(PARAMS["shape"])
     torch._dynamo.reset()
     model = build(*build_args, num_experts_per_tok=k)
     model.train()
-    if checkpointing is not None:
+    policy_ops: set[str] = set()
+    recording = [False]  # the compiled model's ops only (the eager reference shares the policy)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if recording[0]:
+            policy_ops.add(str(op))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    if checkpointing == "selective":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})
+    elif checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
     ref = copy.deepcopy(model)
     ids = input_ids(seed=rank)
@@ -287,7 +302,9 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
     compiled = torch.compile(model, backend="hiermoe", options={"mesh": mesh, "inner_compiler": "aot_eager",
                                                                  "expert_gather": False, "replicated_experts": False})
     with collect_reports() as graphs:
+        recording[0] = True  # AOTAutograd asks the policy as it traces the checkpoints
         compiled(input_ids=ids, labels=ids).loss.backward()  # compiles (verification saves tensors too)
+        recording[0] = False
     model.zero_grad(set_to_none=True)
     runtime.reset_counters()
     with kept_for_backward(model) as kept:
@@ -302,7 +319,8 @@ def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: boo
             "grad_err": summed_grad_err(model, ref) if report is None else _sharded_grad_err(model, ref, report),
             "layouts": [r.layout for g in graphs for r in g.regions], "plans": [r.plan for g in graphs for r in g.regions],
             "layers_run": sum(lay.num_steps > 0 for lay in runtime.layers()), "sent": sent, "kept": sum(kept),
-            "inlined": sum(g.counters.get("inline_checkpoint", {}).get("inlined", 0) for g in graphs)}
+            "inlined": sum(g.counters.get("inline_checkpoint", {}).get("inlined", 0) for g in graphs),
+            "policy_ops": sorted(policy_ops)}
 
 
 def _sharded_grad_err(model: torch.nn.Module, ref: torch.nn.Module, report: Any) -> float:
