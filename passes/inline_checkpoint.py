@@ -122,13 +122,17 @@ def region_of(node: fx.Node) -> int | None:
     return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
 
 
-def checkpoint_note(node: fx.Node) -> str:
+def checkpoint_note(node: fx.Node, exchanged: bool = False) -> str:
     """What ``explain`` adds to a rewritten layer's layout whose router top-k is ``node``: whether
-    it runs in an opened checkpoint, plain or selective; "" when in none."""
+    it runs in an opened checkpoint, plain or selective; "" when in none. ``exchanged``: the layer
+    runs expert parallel (what its exchanges received is kept, not received again; under a
+    selective checkpoint its local expert stage keeps its pre-activations too)."""
     if region_of(node) is not None:
-        return ", activation-checkpointed (recomputed in backward)"
+        return ", activation-checkpointed (recomputed in backward" + ("; what its exchanges received kept)"
+                                                                     if exchanged else ")")
     if SELECTIVE in node.meta:
-        return ", selectively activation-checkpointed (the checkpoint's policy decides what backward recomputes)"
+        return (", selectively activation-checkpointed (the checkpoint's policy decides what backward recomputes"
+                + ("; not for its exchanges and local expert stage, kept)" if exchanged else ")"))
     return ""
 
 
