@@ -252,8 +252,7 @@ def outline_selective(gm: fx.GraphModule, original: set[fx.Node], regions: dict[
             node.meta[SELECTIVE] = ids.pop()
     for sid, sel in regions.items():
         for piece in _pieces(gm, sid):
-            _outline(gm, piece, sel)
-            made += 1
+            made += _outline(gm, piece, sel)
     if made:
         gm.graph.lint()
         gm.recompile()
@@ -280,7 +279,9 @@ def _pieces(gm: fx.GraphModule, sid: int) -> list[list[fx.Node]]:
     return [pieces[g] for g in sorted(pieces)]
 
 
-def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> None:
+def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> bool:
+    """Close ``members`` (one convex piece) into a checkpoint call; False (left as they are) where
+    nothing outside reads them: a call without outputs has nothing to checkpoint."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}  # an earlier piece's call moved some nodes
     members = sorted(members, key=order.__getitem__)
@@ -291,6 +292,8 @@ def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> None
             if a not in inside and a not in inputs:
                 inputs.append(a)
     outputs = [n for n in members if any(u not in inside for u in n.users)]
+    if not outputs:
+        return False
     # the piece is convex (_pieces): no value outside it both reads from it and feeds it
     nodes = list(graph.nodes)
     first, last = nodes.index(members[0]), nodes.index(members[-1])
@@ -349,6 +352,7 @@ def _outline(gm: fx.GraphModule, members: list[fx.Node], sel: Selective) -> None
         o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
     for n in reversed(members):
         graph.erase_node(n)
+    return True
 
 
 def _body(gm: fx.GraphModule, call: fx.Node) -> fx.GraphModule:
