@@ -1,7 +1,9 @@
 """passes/inline_checkpoint.py on models written with torch.utils.checkpoint: checkpointed
 calls one after another and one inside another are opened, the MoE layers inside them rewritten,
-and the model computes what eager computes (HF models with transformers' checkpointing:
-test_hf_models.py, test_trainer.py; over ranks: test_expert_parallel.py)."""
+and the model computes what eager computes; selective checkpoints (a context_fn) are closed again
+around the rewritten layers, their policy asked about the expert op's matmuls, and a layer cut by
+one's boundary is left alone (HF models with transformers' checkpointing: test_hf_models.py,
+test_trainer.py; over ranks: test_expert_parallel.py)."""
 
 from __future__ import annotations
 
