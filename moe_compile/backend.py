@@ -112,7 +112,8 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             if reg.name in ctx.plans else "",
             plan_notes=list(ctx.plans[reg.name].plan.notes) if reg.name in ctx.plans else [],
             layout=lay.describe() + (", weights scale the input (a row per token and expert)" if r.weights.scales == "input" else "")
-            + checkpoint_note(reg.topk, exchanged=ctx.ep_layers.get(reg.name) is not None),
+            + (checkpoint_note(reg.topk, exchanged=ctx.ep_layers.get(reg.name) is not None)
+               or checkpoint_note(r.op_node)),
             drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),

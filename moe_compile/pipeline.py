@@ -48,6 +48,7 @@ from moe_compile.passes.inline_checkpoint import (
     inline_checkpoints,
     outline_selective,
     straddles,
+    tag_expert_ops,
     tag_rewrites,
 )
 from moe_compile.passes.lower_kernels import lower_kernels_pass
@@ -115,7 +116,8 @@ def _find(ctx: PassContext) -> dict[str, int]:
     ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
     if ctx.selective:  # a layer cut by a selective checkpoint's boundary is left as written
         for region in list(ctx.found.regions):
-            why = straddles({region.topk}.union(*(c.nodes for c in region.outputs)))
+            why = straddles(region.topk, {region.topk}.union(*(c.nodes for c in region.outputs)),
+                            exchanged=ctx.options.mesh is not None)
             if why is not None:
                 ctx.found.regions.remove(region)
                 ctx.found.skipped.append(Skip(region.name, why, router_weight=region.router_weight))
@@ -149,6 +151,8 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
     agree = _agreement(ctx) if opts.mesh is not None else None
     ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, inputs, ctx.found, verify=ctx.options.verify, agree=agree)
     ctx.skipped.extend(ctx.canonical.skipped)
+    if ctx.checkpointed is not None and opts.mesh is None:  # a checkpoint around the experts alone
+        tag_expert_ops((r.op_node, r.region.topk, r.output.nodes) for r in ctx.canonical.rewritten)
     return {"rewritten": len(ctx.canonical.rewritten), "left_alone": len(ctx.canonical.skipped),
             "verifications": ctx.canonical.num_verifications, "nodes_before": before,
             "nodes_after": len(ctx.gm.graph.nodes)}

@@ -193,16 +193,50 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     return tagged
 
 
-def straddles(nodes: Iterable[fx.Node]) -> str | None:
-    """Why a layer made of ``nodes`` (its router's top-k and every node its interpretations read)
-    cannot be rewritten for an opened selective checkpoint: some of its computing nodes are inside
-    one and others are not, or they are in two. None when they are all in one or all outside."""
+def straddles(topk: fx.Node, nodes: Iterable[fx.Node], exchanged: bool) -> str | None:
+    """Why a layer (its router's ``topk`` and ``nodes``, every node its interpretations read)
+    cannot be rewritten for an opened selective checkpoint, or None. It can when all its nodes are
+    in one or none, and, on one process (``exchanged`` False), when its router is outside and the
+    rest in one (a checkpoint around the experts alone: ``tag_expert_ops`` puts the expert op in
+    it). It cannot when its router is in one and other nodes are not (the policy would decide for
+    the whole expert op), when they are in two, or under expert parallelism when only its experts
+    are (the expert op becomes exchanges and a local stage, which no checkpoint may hold)."""
     marks = {n.meta.get(SELECTIVE) for n in nodes if n.op in ("call_function", "call_method", "call_module")}
     if len(marks) <= 1:
         return None
+    if SELECTIVE not in topk.meta and len(marks - {None}) == 1 and not exchanged:
+        return None
     return ("the layer is partly inside a selective activation checkpoint (torch.utils.checkpoint with a "
-            "context_fn) and partly outside it: its policy could not be applied to the expert op as to the ops "
-            "it replaces. Checkpoint the whole MoE layer, or none of it")
+            "context_fn) and partly outside it" + (" under expert parallelism" if exchanged else "") + ": its policy "
+            "could not be applied to the expert op as to the ops it replaces. Checkpoint the whole MoE layer, "
+            "or none of it")
+
+
+def tag_expert_ops(layers: Iterable[tuple[fx.Node, fx.Node, Iterable[fx.Node]]]) -> int:
+    """For each rewritten layer (expert op, router top-k, the nodes it replaced) whose router is in
+    no checkpoint but whose replaced nodes are all in one (a checkpoint around the experts alone,
+    as Megatron recomputes only the MoE part): give the expert op that checkpoint, the plain one's
+    recompute tag or the selective one's mark, so backward recomputes it (or the policy decides)
+    as for the experts it replaced. A layer whose router is in the checkpoint needs nothing here:
+    the op reads the router's values, and ``tag_rewrites`` / ``outline_selective`` give it their
+    region. One process only (under expert parallelism the op becomes stages). Returns how many
+    ops were given one."""
+    given = 0
+    for op, topk, nodes in layers:
+        if region_of(topk) is not None or SELECTIVE in topk.meta:
+            continue
+        nodes = list(nodes)
+        plain = {region_of(n) for n in nodes} - {None}
+        selective = {n.meta.get(SELECTIVE) for n in nodes} - {None}
+        if len(plain) == 1 and not selective:
+            op.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            op.meta["ac_graph_id"] = plain.pop()
+        elif len(selective) == 1 and not plain:
+            op.meta[SELECTIVE] = selective.pop()
+        else:
+            continue
+        given += 1
+    return given
 
 
 def _exchange(node: fx.Node) -> bool:

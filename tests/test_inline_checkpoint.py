@@ -199,3 +199,50 @@ def test_mesh_of_one_rank_runs_the_layers_in_its_selective_checkpoints_replicate
     assert torch.allclose(got, want, rtol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+class ExpertsCheckpointed(GroupedGemmMoE):
+    """A grouped-GEMM MoE layer whose experts alone run in a checkpoint (its router and the token
+    sort outside), as Megatron recomputes only the MoE part; ``context_fn``: a selective one."""
+
+    def __init__(self, context_fn: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.checkpoint_kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
+
+    def experts(self, *args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().experts, *args, **self.checkpoint_kwargs)
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_checkpoint_around_the_experts_alone_takes_the_expert_op(selective: bool) -> None:
+    """The router is outside the checkpoint and the experts inside: the expert op that replaces
+    them goes into that checkpoint (recomputed in backward, or under the policy), and the model
+    computes what eager computes. Before, the op was recomputed by neither: plain, it kept
+    2.5x what torch.compile without hiermoe keeps (389 against 156 KB)."""
+    from compile_utils import kept_for_backward
+
+    kept = {}
+    for backend in ("aot_eager", "hiermoe"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ExpertsCheckpointed(_policy([], ()) if selective else None, **SAMPLES["grouped_gemm"].kwargs)
+        ref = copy.deepcopy(model)
+        x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(1))
+        opts = {"options": {"inner_compiler": "aot_eager"}} if backend == "hiermoe" else {}
+        compiled = torch.compile(model, backend=backend, **opts)
+        with collect_reports() as graphs:
+            compiled(x).square().mean().backward()
+        model.zero_grad()
+        with kept_for_backward(model) as saved:
+            got = compiled(x).square().mean()
+        got.backward()
+        kept[backend] = sum(saved)
+        want = ref(x).square().mean()
+        want.backward()
+        assert torch.allclose(got, want, rtol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    (layer,) = [r for g in graphs for r in g.regions]
+    assert layer.layout.endswith("selectively activation-checkpointed (the checkpoint's policy decides what backward "
+                                 "recomputes)" if selective else "activation-checkpointed (recomputed in backward)")
+    assert kept["hiermoe"] <= kept["aot_eager"], kept
