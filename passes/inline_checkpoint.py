@@ -37,6 +37,10 @@ Contract
               exchange between ranks (the expert-parallel stages, gathers, sample moves), which
               stays outside the calls it is closed into, so backward never runs one again.
 
+A checkpoint around a layer's experts alone (its router outside) holds no value the expert op
+reads: on one process ``tag_expert_ops`` gives the op that checkpoint (the recompute tag, or the
+selective mark) after canonicalize, so it is recomputed (or under the policy) as the experts were.
+
 After the other passes, ``tag_rewrites`` gives the nodes they emitted inside a checkpointed
 region (the expert op, its lowering) that region's tag, so backward recomputes them from the
 layer's input as it recomputes what they replaced, rather than keeping their intermediates
