@@ -116,7 +116,7 @@ def _find(ctx: PassContext) -> dict[str, int]:
     ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
     if ctx.selective:  # a layer cut by a selective checkpoint's boundary is left as written
         for region in list(ctx.found.regions):
-            why = straddles(region.topk, {region.topk}.union(*(c.nodes for c in region.outputs)),
+            why = straddles(region.topk, set().union(*(c.nodes for c in region.outputs)),
                             exchanged=ctx.options.mesh is not None)
             if why is not None:
                 ctx.found.regions.remove(region)

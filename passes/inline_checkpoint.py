@@ -170,14 +170,11 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
             node.update_kwarg("keep", False)
             tagged += 1
             continue
-        if getattr(target, "namespace", None) == "hiermoe":
-            if not _local(target):
-                continue
-        elif target is operator.getitem and getattr(node.args[0], "op", None) == "call_function" \
-                and "recompute" not in node.args[0].meta:  # type: ignore[union-attr]
-            continue  # an output of an exchange (or of a stage that counts): kept, as the exchange is
-        elif not (isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
-                  or getattr(target, "__module__", None) in ("_operator", "operator", "torch")):
+        if _exchange(node):
+            continue  # an exchange (or a stage that counts) or an output of one: kept, never run again
+        if getattr(target, "namespace", None) != "hiermoe" and not (
+                isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+                or getattr(target, "__module__", None) in ("_operator", "operator", "torch")):
             continue
         node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         node.meta["ac_graph_id"] = gid
@@ -198,14 +195,14 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
 
 
 def straddles(topk: fx.Node, nodes: Iterable[fx.Node], exchanged: bool) -> str | None:
-    """Why a layer (its router's ``topk`` and ``nodes``, every node its interpretations read)
+    """Why a layer (its router's ``topk`` and ``nodes``, the nodes its interpretations read)
     cannot be rewritten for an opened selective checkpoint, or None. It can when all its nodes are
     in one or none, and, on one process (``exchanged`` False), when its router is outside and the
     rest in one (a checkpoint around the experts alone: ``tag_expert_ops`` puts the expert op in
     it). It cannot when its router is in one and other nodes are not (the policy would decide for
     the whole expert op), when they are in two, or under expert parallelism when only its experts
     are (the expert op becomes exchanges and a local stage, which no checkpoint may hold)."""
-    marks = {n.meta.get(SELECTIVE) for n in nodes if n.op in ("call_function", "call_method", "call_module")}
+    marks = {n.meta.get(SELECTIVE) for n in (topk, *nodes) if n.op in ("call_function", "call_method", "call_module")}
     if len(marks) <= 1:
         return None
     if SELECTIVE not in topk.meta and len(marks - {None}) == 1 and not exchanged:
