@@ -100,6 +100,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
     regions = []
     for r in ctx.canonical.rewritten if ctx.canonical else []:
         reg, lay = r.region, r.layout
+        checkpointing = (ctx.ep_layers.get(reg.name) is not None, ctx.stage_notes.get(reg.name, ""))
         regions.append(RegionReport(
             name=reg.name, pattern=reg.pattern, num_experts=reg.num_experts, top_k=reg.top_k,
             hidden_size=reg.hidden_size, ffn_size=lay.ffn_size, activation=lay.activation, gated=lay.gated,
@@ -112,8 +113,7 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
             if reg.name in ctx.plans else "",
             plan_notes=list(ctx.plans[reg.name].plan.notes) if reg.name in ctx.plans else [],
             layout=lay.describe() + (", weights scale the input (a row per token and expert)" if r.weights.scales == "input" else "")
-            + (checkpoint_note(reg.topk, exchanged=ctx.ep_layers.get(reg.name) is not None)
-               or checkpoint_note(r.op_node)),
+            + (checkpoint_note(reg.topk, *checkpointing) or checkpoint_note(r.op_node, *checkpointing)),
             drops=reg.drops,
             num_tokens=reg.num_tokens, dtype=reg.dtype, verification=_verification(r, ctx.options.mesh is not None),
             forward_err=r.verdict.forward_err if r.verdict else float("nan"),

@@ -45,6 +45,7 @@ from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
 from moe_compile.passes.inline_checkpoint import (
     Selective,
+    checkpoint_local_stages,
     inline_checkpoints,
     outline_selective,
     straddles,
@@ -87,6 +88,9 @@ class PassContext:
     # the selective checkpoints inline_checkpoint opened, which inline_checkpoint.outline_selective
     # closes again around the rewritten layers (the exchanges between ranks left outside)
     selective: dict[int, Selective] = field(default_factory=dict)
+    # per expert-parallel layer under a selective checkpoint: what its local expert stage keeps
+    # (inline_checkpoint.checkpoint_local_stages, shown by explain)
+    stage_notes: dict[str, str] = field(default_factory=dict)
 
 
 def _inline_checkpoint(ctx: PassContext) -> dict[str, int]:
@@ -116,8 +120,7 @@ def _find(ctx: PassContext) -> dict[str, int]:
     ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
     if ctx.selective:  # a layer cut by a selective checkpoint's boundary is left as written
         for region in list(ctx.found.regions):
-            why = straddles(region.topk, set().union(*(c.nodes for c in region.outputs)),
-                            exchanged=ctx.options.mesh is not None)
+            why = straddles(region.topk, set().union(*(c.nodes for c in region.outputs)))
             if why is not None:
                 ctx.found.regions.remove(region)
                 ctx.found.skipped.append(Skip(region.name, why, router_weight=region.router_weight))
@@ -151,7 +154,7 @@ def _canonicalize(ctx: PassContext) -> dict[str, int]:
     agree = _agreement(ctx) if opts.mesh is not None else None
     ctx.canonical = canonicalize_moe_regions_pass(ctx.gm, inputs, ctx.found, verify=ctx.options.verify, agree=agree)
     ctx.skipped.extend(ctx.canonical.skipped)
-    if ctx.checkpointed is not None and opts.mesh is None:  # a checkpoint around the experts alone
+    if ctx.checkpointed is not None:  # a checkpoint around the experts alone
         tag_expert_ops((r.op_node, r.region.topk, r.output.nodes) for r in ctx.canonical.rewritten)
     return {"rewritten": len(ctx.canonical.rewritten), "left_alone": len(ctx.canonical.skipped),
             "verifications": ctx.canonical.num_verifications, "nodes_before": before,
@@ -404,6 +407,7 @@ def run_pipeline(ctx: PassContext) -> PassContext:
             continue
         ctx.counters[name] = fn(ctx)
     if ctx.checkpointed is not None:
+        ctx.stage_notes = checkpoint_local_stages(ctx.gm, ctx.checkpointed, ctx.selective)
         ctx.counters["inline_checkpoint"]["rewrite_nodes_tagged"] = tag_rewrites(ctx.gm, ctx.checkpointed)
     if ctx.selective:
         assert ctx.checkpointed is not None

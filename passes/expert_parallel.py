@@ -57,6 +57,7 @@ from moe_compile.lowering.strategies import Settings
 from moe_compile.passes import autotune
 from moe_compile.passes.canonicalize import Rewritten
 from moe_compile.passes.graph_index import fake_tensor, tensor_meta
+from moe_compile.passes.inline_checkpoint import mark_local_stage
 from moe_compile.passes.plan import LayerPlan
 
 _WEIGHT_ARGS = range(3, 9)  # w_up, w_gate, w_down, b_up, b_gate, b_down in hiermoe::experts
@@ -165,6 +166,7 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             settings = planned.settings
             assert settings is not None
         # Step 3
+        before_op = op.prev  # what Step 3 emits lands between it and op
         with gm.graph.inserting_before(op):
             if backward == "resend" and settings.domain is None:
                 ep = gm.graph.call_function(torch.ops.hiermoe.ep_experts.default,
@@ -173,6 +175,11 @@ def expert_parallel_pass(gm: fx.GraphModule, rewritten: Sequence[Rewritten], pla
             else:
                 assert planned.strategy is not None
                 y = planned.strategy.emit(gm.graph, args, lay.layer_id, bool(by_expert), name, settings, reg.top_k)
+        emitted = before_op.next
+        while emitted is not op:  # a checkpoint around the experts alone holds the local stage
+            if emitted.target is torch.ops.hiermoe.ep_local_experts.default:
+                mark_local_stage(emitted, op, name)
+            emitted = emitted.next
         op.replace_all_uses_with(y)
         gm.graph.erase_node(op)
         ids[name] = lay.layer_id

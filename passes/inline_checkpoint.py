@@ -38,8 +38,9 @@ Contract
               stays outside the calls it is closed into, so backward never runs one again.
 
 A checkpoint around a layer's experts alone (its router outside) holds no value the expert op
-reads: on one process ``tag_expert_ops`` gives the op that checkpoint (the recompute tag, or the
-selective mark) after canonicalize, so it is recomputed (or under the policy) as the experts were.
+reads: ``tag_expert_ops`` gives the op that checkpoint (the recompute tag, or the selective mark)
+after canonicalize, so it is recomputed (or under the policy) as the experts were; under expert
+parallelism its local expert stage takes it instead (``mark_local_stage``).
 
 After the other passes, ``tag_rewrites`` gives the nodes they emitted inside a checkpointed
 region (the expert op, its lowering) that region's tag, so backward recomputes them from the
@@ -47,8 +48,10 @@ layer's input as it recomputes what they replaced, rather than keeping their int
 (the gathered rows, the routing slots). Nodes that exchange data between ranks or count into
 the runtime layers (the expert-parallel stages, the gathers, sample exchanges) are not tagged:
 recomputing them would send and count twice; their outputs are kept instead (the partitioner
-keeps a region's untagged inputs), and the local expert stage keeps nothing else
-(``ep_local_experts(keep=False)``: its backward recomputes the pre-activations).
+keeps a region's untagged inputs). Before that, ``checkpoint_local_stages`` decides what each
+local expert stage keeps: in a plain checkpoint nothing else (``ep_local_experts(keep=False)``:
+its backward recomputes the pre-activations), in a selective one what the policy says of the
+grouped matmuls of the gate and up projections (asked once per checkpoint, ``policy_saves``).
 
 Pseudo-code::
 
@@ -80,7 +83,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._higher_order_ops.wrap import uid as _ac_graph_ids
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 _HOP = torch.ops.higher_order.tag_activation_checkpoint
 
@@ -126,17 +129,19 @@ def region_of(node: fx.Node) -> int | None:
     return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE else None
 
 
-def checkpoint_note(node: fx.Node, exchanged: bool = False) -> str:
-    """What ``explain`` adds to a rewritten layer's layout whose router top-k is ``node``: whether
-    it runs in an opened checkpoint, plain or selective; "" when in none. ``exchanged``: the layer
-    runs expert parallel (what its exchanges received is kept, not received again; under a
-    selective checkpoint its local expert stage keeps its pre-activations too)."""
+def checkpoint_note(node: fx.Node, exchanged: bool = False, stage: str = "") -> str:
+    """What ``explain`` adds to a rewritten layer's layout whose router top-k (or, for a checkpoint
+    around the experts alone, expert op) is ``node``: whether it runs in an opened checkpoint, plain
+    or selective; "" when in none. ``exchanged``: the layer runs expert parallel (what its exchanges
+    received is kept, not received again); ``stage``: what ``checkpoint_local_stages`` decided for
+    its local expert stage under a selective checkpoint."""
     if region_of(node) is not None:
         return ", activation-checkpointed (recomputed in backward" + ("; what its exchanges received kept)"
                                                                      if exchanged else ")")
     if SELECTIVE in node.meta:
         return (", selectively activation-checkpointed (the checkpoint's policy decides what backward recomputes"
-                + ("; not for its exchanges and local expert stage, kept)" if exchanged else ")"))
+                + (f"; not for its exchanges, kept; its local expert stage {stage or 'keeps its pre-activations'})"
+                   if exchanged else ")"))
     return ""
 
 
@@ -147,12 +152,9 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     when it reads two regions' values, or none), followed through the exchanges: tokens an
     expert-parallel stage received are computed on in the region of the tokens it sent. Tagged
     are aten ops, Python operators on values and the local hiermoe ops (``_local``); not the
-    exchanges (their outputs are kept, and a getitem of them too), and not
-    ``ep_local_experts``, which counts into its runtime layer: in a region it is told to keep
-    nothing for backward (``keep=False``), so its backward recomputes the pre-activations as the
-    checkpointed layer would. In program order, so chains carry the region along. Returns how
-    many nodes were tagged or told."""
-    local_experts = torch.ops.hiermoe.ep_local_experts.default
+    exchanges (their outputs are kept, and a getitem of them too), nor ``ep_local_experts``,
+    which counts into its runtime layer (``checkpoint_local_stages`` decides what it keeps). In
+    program order, so chains carry the region along. Returns how many nodes were tagged."""
     region: dict[fx.Node, int] = {}
     tagged = 0
     for node in gm.graph.nodes:
@@ -166,10 +168,6 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
             continue
         gid = region[node] = ids.pop()
         target = node.target
-        if target is local_experts:
-            node.update_kwarg("keep", False)
-            tagged += 1
-            continue
         if _exchange(node):
             continue  # an exchange (or a stage that counts) or an output of one: kept, never run again
         if getattr(target, "namespace", None) != "hiermoe" and not (
@@ -194,23 +192,21 @@ def tag_rewrites(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     return tagged
 
 
-def straddles(topk: fx.Node, nodes: Iterable[fx.Node], exchanged: bool) -> str | None:
+def straddles(topk: fx.Node, nodes: Iterable[fx.Node]) -> str | None:
     """Why a layer (its router's ``topk`` and ``nodes``, the nodes its interpretations read)
     cannot be rewritten for an opened selective checkpoint, or None. It can when all its nodes are
-    in one or none, and, on one process (``exchanged`` False), when its router is outside and the
-    rest in one (a checkpoint around the experts alone: ``tag_expert_ops`` puts the expert op in
-    it). It cannot when its router is in one and other nodes are not (the policy would decide for
-    the whole expert op), when they are in two, or under expert parallelism when only its experts
-    are (the expert op becomes exchanges and a local stage, which no checkpoint may hold)."""
+    in one or none, and when its router is outside and the rest in one (a checkpoint around the
+    experts alone: ``tag_expert_ops`` puts the expert op in it; under expert parallelism its local
+    stage, ``checkpoint_local_stages``). It cannot when its router is in one and other nodes are
+    not (the policy would decide for the whole expert op), or when they are in two."""
     marks = {n.meta.get(SELECTIVE) for n in (topk, *nodes) if n.op in ("call_function", "call_method", "call_module")}
     if len(marks) <= 1:
         return None
-    if SELECTIVE not in topk.meta and len(marks - {None}) == 1 and not exchanged:
+    if SELECTIVE not in topk.meta and len(marks - {None}) == 1:
         return None
     return ("the layer is partly inside a selective activation checkpoint (torch.utils.checkpoint with a "
-            "context_fn) and partly outside it" + (" under expert parallelism" if exchanged else "") + ": its policy "
-            "could not be applied to the expert op as to the ops it replaces. Checkpoint the whole MoE layer, "
-            "or none of it")
+            "context_fn) and partly outside it: its policy could not be applied to the expert op as to the ops it "
+            "replaces. Checkpoint the whole MoE layer, its experts alone, or none of it")
 
 
 def tag_expert_ops(layers: Iterable[tuple[fx.Node, fx.Node, Iterable[fx.Node]]]) -> int:
@@ -220,8 +216,8 @@ def tag_expert_ops(layers: Iterable[tuple[fx.Node, fx.Node, Iterable[fx.Node]]])
     recompute tag or the selective one's mark, so backward recomputes it (or the policy decides)
     as for the experts it replaced. A layer whose router is in the checkpoint needs nothing here:
     the op reads the router's values, and ``tag_rewrites`` / ``outline_selective`` give it their
-    region. One process only (under expert parallelism the op becomes stages). Returns how many
-    ops were given one."""
+    region. Under expert parallelism the op becomes stages: ``mark_local_stage`` carries what it
+    was given to its local expert stage. Returns how many ops were given one."""
     given = 0
     for op, topk, nodes in layers:
         if region_of(topk) is not None or SELECTIVE in topk.meta:
@@ -238,6 +234,110 @@ def tag_expert_ops(layers: Iterable[tuple[fx.Node, fx.Node, Iterable[fx.Node]]])
             continue
         given += 1
     return given
+
+
+# node.meta key of an expert-parallel local expert stage (``ep_local_experts``): the layer it runs
+# and the checkpoint its expert op was given (``mark_local_stage``)
+LOCAL_STAGE = "hiermoe_local_stage"
+
+# the ops whose outputs the local expert stage's kept pre-activations are: the grouped matmuls of the
+# gate and up projections as the expert op runs them on one process, and torch's, which transformers'
+# grouped_mm experts run (what a policy written for the model names)
+_GATE_UP_OPS = ("aten._grouped_mm.default", "hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default",
+                "hiermoe.grouped_linear.default", "hiermoe.grouped_linear_gate_up.default")
+
+
+def mark_local_stage(stage: fx.Node, op: fx.Node, layer: str) -> None:
+    """Record on an expert-parallel local stage the layer it runs and the checkpoint ``tag_expert_ops``
+    gave the expert op it replaces (a checkpoint around the experts alone)."""
+    stage.meta[LOCAL_STAGE] = {"layer": layer, "ac_graph_id": region_of(op), "selective": op.meta.get(SELECTIVE)}
+
+
+def policy_saves(sel: Selective) -> bool | str:
+    """Whether the policy of selective checkpoint ``sel`` saves the outputs of the gate and up
+    projections' grouped matmuls (``_GATE_UP_OPS``: any of them MUST_SAVE or PREFER_SAVE), asked
+    as AOTAutograd asks it (a fresh ``context_fn()``, its forward mode's ``policy_fn``, a context
+    that is not a recompute), without arguments; or why it cannot be asked."""
+    context_fn = sel.body_meta.get("_checkpoint_context_fn")
+    if context_fn is None:
+        return "the checkpoint has no context_fn"
+    try:
+        forward_mode, _ = context_fn()
+    except Exception as e:  # noqa: BLE001 (the user's function; the note names what it raised)
+        return f"its context_fn raised {type(e).__name__}: {e}"
+    policy = getattr(forward_mode, "policy_fn", None)
+    if not callable(policy):
+        return "its context_fn does not come from torch.utils.checkpoint.create_selective_checkpoint_contexts"
+    ops = [op for name in _GATE_UP_OPS if (op := _op(name)) is not None]
+    try:
+        answers = [policy(SelectiveCheckpointContext(is_recompute=False), op) for op in ops]
+    except Exception as e:  # noqa: BLE001 (a policy that reads the op's arguments)
+        return f"its policy raised {type(e).__name__} when asked about {ops[0]} without arguments"
+    saving = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+    return any(a in saving for a in answers)
+
+
+def _op(name: str) -> Any:
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op, None), overload, None)
+
+
+def checkpoint_local_stages(gm: fx.GraphModule, original: set[fx.Node], regions: dict[int, Selective]
+                            ) -> dict[str, str]:
+    """Decide what each expert-parallel local expert stage keeps for backward in a checkpointed
+    layer. The stage counts into its runtime layer, so no checkpoint runs it again; its checkpoint
+    is the one ``mark_local_stage`` recorded (the experts alone checkpointed) or else the one of the
+    tokens and routing it computes on (followed back through the exchanges and what the passes
+    emitted to the original nodes). Plain: it keeps nothing (``keep=False``: its backward
+    recomputes the pre-activations from the rows it received, as backward recomputes the
+    checkpointed layer). Selective: it keeps them where the checkpoint's policy saves the gate and
+    up projections' grouped matmuls (``policy_saves``), and where the policy cannot be asked.
+    Returns per layer what a selective one's stage does (``checkpoint_note``'s ``stage``)."""
+    notes: dict[str, str] = {}
+    answers: dict[int, bool | str] = {}
+    for node in gm.graph.nodes:
+        mark = node.meta.get(LOCAL_STAGE)
+        if mark is None:
+            continue
+        plain, selective = _source_checkpoints(node, original)
+        if mark["ac_graph_id"] is not None or mark["selective"] is not None:
+            plain, selective = {mark["ac_graph_id"]} - {None}, {mark["selective"]} - {None}
+        if len(plain) + len(selective) != 1:
+            continue
+        if plain:
+            node.update_kwarg("keep", False)
+            continue
+        sid = selective.pop()
+        if sid not in answers:
+            answers[sid] = policy_saves(regions[sid])
+        saves = answers[sid]
+        node.update_kwarg("keep", saves is not False)
+        notes[mark["layer"]] = ("recomputes its pre-activations (the policy recomputes the grouped matmuls)"
+                                if saves is False else
+                                "keeps its pre-activations (the policy saves the grouped matmuls)" if saves is True else
+                                f"keeps its pre-activations (the policy could not be asked: {saves})")
+    return notes
+
+
+def _source_checkpoints(node: fx.Node, original: set[fx.Node]) -> tuple[set[int], set[int]]:
+    """(plain ac_graph_ids, selective ids) of the original nodes ``node`` reads, followed back
+    through the nodes the passes emitted (the exchanges among them)."""
+    plain: set[int] = set()
+    selective: set[int] = set()
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if (gid := region_of(a)) is not None:
+            plain.add(gid)
+        elif SELECTIVE in a.meta and a in original:
+            selective.add(a.meta[SELECTIVE])
+        elif a not in original:
+            stack.extend(a.all_input_nodes)
+    return plain, selective
 
 
 def _exchange(node: fx.Node) -> bool:

@@ -9,15 +9,19 @@ not the tolerance.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import moe_compile
 from moe_compile.backend import collect_reports
 from moe_compile.report import Report
+from moe_compile.samples.grouped_gemm import GroupedGemmMoE
 
 RTOL = 1e-5
 
@@ -98,3 +102,28 @@ def kept_for_backward(model: torch.nn.Module) -> Iterator[list[int]]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield kept
+
+
+def selective_policy(seen: list[str], save: tuple[str, ...]) -> Any:
+    """A selective-checkpoint context_fn whose policy records every op it is asked about and saves
+    the outputs of the ops named in ``save`` (recomputes the others)."""
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        seen.append(str(op))
+        return CheckpointPolicy.MUST_SAVE if str(op) in save else CheckpointPolicy.PREFER_RECOMPUTE
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+# the grouped matmuls of the rewritten expert op, as a policy names them
+SAVE_GROUPED = ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default")
+
+
+class ExpertsCheckpointed(GroupedGemmMoE):
+    """A grouped-GEMM MoE layer whose experts alone run in a checkpoint (its router and the token
+    sort outside), as Megatron recomputes only the MoE part; ``context_fn``: a selective one."""
+
+    def __init__(self, context_fn: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.checkpoint_kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
+
+    def experts(self, *args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().experts, *args, **self.checkpoint_kwargs)

@@ -267,6 +267,51 @@ def case_checkpointed() -> dict[str, Any]:
     return {"plain": plain, "checkpointed": checkpointed, "sharded": sharded}
 
 
+def case_experts_checkpointed() -> dict[str, Any]:
+    """A grouped-GEMM MoE layer whose experts alone are checkpointed (compile_utils.ExpertsCheckpointed,
+    the router outside), compiled over the mesh with the token all-to-alls: without checkpointing
+    ("none"), plain ("plain"), selective with a policy that recomputes everything ("recompute") and
+    one that saves the grouped matmuls ("save"). Per variant: loss and gradients summed over the
+    ranks against the eager model checkpointed alike, the bytes kept for backward and sent, the
+    layouts explain shows."""
+    from compile_utils import SAVE_GROUPED, ExpertsCheckpointed, kept_for_backward, selective_policy
+
+    from moe_compile.samples import SAMPLES
+    from moe_compile.samples.grouped_gemm import GroupedGemmMoE
+
+    rank = dist.get_rank()
+    mesh = make_mesh(PARAMS["shape"])
+    kwargs = SAMPLES["grouped_gemm"].kwargs
+    out = {}
+    for variant in ("none", "plain", "recompute", "save"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        context_fn = {"recompute": selective_policy([], ()), "save": selective_policy([], SAVE_GROUPED)}.get(variant)
+        model = GroupedGemmMoE(**kwargs) if variant == "none" else ExpertsCheckpointed(context_fn, **kwargs)
+        ref = copy.deepcopy(model)
+        x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(1 + rank))
+        compiled = torch.compile(model, backend="hiermoe", options={
+            "mesh": mesh, "inner_compiler": "aot_eager", "expert_gather": False, "replicated_experts": False,
+            "model_centric": False})
+        with collect_reports() as graphs:
+            compiled(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        runtime.reset_counters()
+        with kept_for_backward(model) as kept:
+            loss = compiled(x).square().mean()
+        loss.backward()
+        loss_ref = ref(x).square().mean()
+        loss_ref.backward()
+        c = runtime.counters()
+        out[variant] = {
+            "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
+            "kept": sum(kept), "layouts": [r.layout for g in graphs for r in g.regions],
+            "plans": [r.plan for g in graphs for r in g.regions],
+            "sent": {f"{ph} {dr}": sum(c[lv][ph][dr]["payload_bytes"] for lv in c)
+                     for ph in ("dispatch", "combine") for dr in ("forward", "backward")}}
+    return out
+
+
 def _hf_over_mesh(build_args: tuple[str, str | None], k: int, checkpointing: bool | str | None = None,
                   shard: bool = False) -> dict[str, Any]:
     """``checkpointing`` None: none; "selective": non-reentrant with a context_fn whose policy

@@ -131,9 +131,10 @@ def test_activation_checkpointed_mixtral_over_ranks() -> None:
     with the experts sharded (shard_experts) and selective checkpointing (a context_fn), each
     shard's gradient its rows' summed over the ranks: its checkpoints are closed again around the
     rewritten layers' pieces between the exchanges, which stay outside them (the policy is never
-    asked about an exchange, nor about the local expert stage, which keeps its pre-activations as
-    without checkpointing), and it sends the bytes the unsharded plain run sends (measured: kept
-    59 KB, against 32 KB with plain checkpointing and 80 KB without)."""
+    asked about an exchange; the local expert stage, outside too, keeps its pre-activations only if
+    the policy saves grouped matmuls, and this one recomputes everything), and it sends the bytes
+    the unsharded plain run sends (measured: kept 36 KB, against 32 KB with plain checkpointing
+    and 80 KB without; 59 KB while the local stage kept its pre-activations whatever the policy)."""
     for rank, r in enumerate(run_ranks(2, "checkpointed", shape=[2], reentrant=False)):
         plain = r["plain"]
         assert plain["inlined"] == 0, (rank, plain)
@@ -147,8 +148,10 @@ def test_activation_checkpointed_mixtral_over_ranks() -> None:
         assert r["checkpointed"]["plans"] == plain["plans"] and r["checkpointed"]["sent"] == plain["sent"], (rank, r)
         sel = r["sharded"]
         assert all(lay.endswith("selectively activation-checkpointed (the checkpoint's policy decides what backward "
-                                "recomputes; not for its exchanges and local expert stage, kept)")
+                                "recomputes; not for its exchanges, kept; its local expert stage recomputes its "
+                                "pre-activations (the policy recomputes the grouped matmuls))")
                    for lay in sel["layouts"]), (rank, sel["layouts"])
+        assert sel["kept"] < 0.6 * plain["kept"], (rank, sel["kept"], plain["kept"])
         assert all(lay.endswith("activation-checkpointed (recomputed in backward; what its exchanges received kept)")
                    for lay in r["checkpointed"]["layouts"]), (rank, r["checkpointed"]["layouts"])
         assert sel["sent"] == plain["sent"], (rank, sel["sent"], plain["sent"])
@@ -156,6 +159,31 @@ def test_activation_checkpointed_mixtral_over_ranks() -> None:
         assert "aten.mm.default" in sel["policy_ops"], (rank, sel["policy_ops"])
         assert not any(op.startswith(("hiermoe.ep_", "hiermoe.sample_")) for op in sel["policy_ops"]), (rank, sel)
         assert r["checkpointed"]["kept"] < 0.5 * plain["kept"], (rank, r["checkpointed"]["kept"], plain["kept"])
+
+
+@pytest.mark.ranks
+def test_checkpoint_around_the_experts_alone_over_ranks() -> None:
+    """A checkpoint around a layer's experts alone (router outside, as Megatron recomputes only the
+    MoE part), over 2 gloo ranks with the token exchanges: the expert op becomes stages, and the
+    checkpoint goes to its local expert stage (the exchanges are never run again: every variant
+    sends what the layer without checkpointing sends). Plain, the stage keeps nothing for backward
+    but the rows it received; selective, it keeps its pre-activations only where the policy saves
+    the grouped matmuls. Loss and summed gradients equal eager checkpointed alike. Before, plain
+    checkpointing recomputed nothing of the layer and a selective one left it as written."""
+    for rank, r in enumerate(run_ranks(2, "experts_checkpointed", shape=[2])):
+        none = r["none"]
+        for variant, v in r.items():
+            assert len(v["plans"]) == 1 and v["plans"][0].startswith(("hd", "flat", "2dh")), (rank, variant, v)
+            assert abs(v["loss"] - v["loss_ref"]) <= TOL * abs(v["loss_ref"]), (rank, variant, v)
+            assert v["grad_err"] < 1e-5, (rank, variant, v)
+            assert v["sent"] == none["sent"] and none["sent"]["dispatch backward"] > 0, (rank, variant, v["sent"])
+        assert r["plain"]["layouts"][0].endswith(
+            "activation-checkpointed (recomputed in backward; what its exchanges received kept)"), (rank, r["plain"])
+        stage = "its local expert stage {} its pre-activations (the policy {} the grouped matmuls))"
+        assert r["recompute"]["layouts"][0].endswith(stage.format("recomputes", "recomputes")), (rank, r["recompute"])
+        assert r["save"]["layouts"][0].endswith(stage.format("keeps", "saves")), (rank, r["save"])
+        kept = {variant: v["kept"] for variant, v in r.items()}
+        assert kept["plain"] < 0.6 * kept["none"] and kept["recompute"] < 0.6 * kept["save"], (rank, kept)
 
 
 @pytest.mark.ranks

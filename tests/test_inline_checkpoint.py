@@ -7,16 +7,18 @@ test_trainer.py; over ranks: test_expert_parallel.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any
 
 import pytest
 import torch
+from compile_utils import SAVE_GROUPED, ExpertsCheckpointed, selective_policy
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moe_compile.backend import collect_reports
-from moe_compile.passes.inline_checkpoint import inline_checkpoints
+from moe_compile.passes.inline_checkpoint import Selective, inline_checkpoints, policy_saves
 from moe_compile.samples import SAMPLES
 from moe_compile.samples.grouped_gemm import GroupedGemmMoE
 
@@ -95,18 +97,6 @@ def test_opened_nodes_carry_one_recompute_tag_per_call() -> None:
     assert len(loss) == 1 and "recompute" not in loss[0].meta
 
 
-def _policy(seen: list[str], save: tuple[str, ...]) -> Any:
-    """A selective-checkpoint context_fn whose policy records every op it is asked about and saves
-    the outputs of the ops named in ``save`` (recomputes the others)."""
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        seen.append(str(op))
-        return CheckpointPolicy.MUST_SAVE if str(op) in save else CheckpointPolicy.PREFER_RECOMPUTE
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-_SAVE_GROUPED = ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default")
-
-
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_selective_checkpoints_are_closed_again_around_the_rewritten_layers(inner: str) -> None:
     """A checkpoint with a context_fn (selective: its policy decides per op what backward
@@ -117,10 +107,10 @@ def test_selective_checkpoints_are_closed_again_around_the_rewritten_layers(inne
     from compile_utils import kept_for_backward
 
     kept: dict[str, int] = {}
-    for save in ((), _SAVE_GROUPED) if inner == "aot_eager" else ((),):
+    for save in ((), SAVE_GROUPED) if inner == "aot_eager" else ((),):
         torch._dynamo.reset()
         seen: list[str] = []
-        model = TwoLayers(nested=False, context_fn=_policy(seen, save))
+        model = TwoLayers(nested=False, context_fn=selective_policy(seen, save))
         ref = copy.deepcopy(model)
         x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
         want = ref(x)
@@ -142,14 +132,14 @@ def test_selective_checkpoints_are_closed_again_around_the_rewritten_layers(inne
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     if inner == "aot_eager":  # saving the grouped matmuls' outputs keeps more than recomputing them
-        assert kept[str(_SAVE_GROUPED)] > kept["()"], kept
+        assert kept[str(SAVE_GROUPED)] > kept["()"], kept
 
 
 class RouterCheckpointed(GroupedGemmMoE):
     """A grouped-GEMM MoE layer whose router alone runs in a selective checkpoint."""
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return checkpoint(super().route, x_TH, use_reentrant=False, context_fn=_policy([], ()))
+        return checkpoint(super().route, x_TH, use_reentrant=False, context_fn=selective_policy([], ()))
 
 
 def test_layer_cut_by_a_selective_checkpoint_is_left_alone() -> None:
@@ -185,7 +175,7 @@ def test_mesh_of_one_rank_runs_the_layers_in_its_selective_checkpoints_replicate
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
-    model = TwoLayers(nested=False, context_fn=_policy([], ()))
+    model = TwoLayers(nested=False, context_fn=selective_policy([], ()))
     ref = copy.deepcopy(model)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
     want = ref(x)
@@ -201,16 +191,25 @@ def test_mesh_of_one_rank_runs_the_layers_in_its_selective_checkpoints_replicate
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
-class ExpertsCheckpointed(GroupedGemmMoE):
-    """A grouped-GEMM MoE layer whose experts alone run in a checkpoint (its router and the token
-    sort outside), as Megatron recomputes only the MoE part; ``context_fn``: a selective one."""
+def test_a_selective_checkpoints_policy_is_asked_about_the_grouped_matmuls() -> None:
+    """What an expert-parallel local expert stage keeps under a selective checkpoint (it stays
+    outside the checkpoint, test_expert_parallel.py) is the policy's answer about the gate and up
+    projections' grouped matmuls, torch's or the expert op's; a policy that cannot be asked so (it
+    reads the op's arguments, or the context_fn is not torch's) is named, and the stage keeps them."""
+    def selective(context_fn: Any) -> Selective:
+        return Selective("call", {"_checkpoint_context_fn": context_fn}, {})
 
-    def __init__(self, context_fn: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.checkpoint_kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn else {})
+    def reads_args(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if args[0].ndim == 2 else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def experts(self, *args: torch.Tensor) -> torch.Tensor:
-        return checkpoint(super().experts, *args, **self.checkpoint_kwargs)
+    assert policy_saves(selective(selective_policy([], ()))) is False
+    assert policy_saves(selective(selective_policy([], SAVE_GROUPED))) is True
+    torch_ops = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten._grouped_mm.default])
+    assert policy_saves(selective(torch_ops)) is True
+    assert "its policy raised IndexError" in str(policy_saves(selective(
+        functools.partial(create_selective_checkpoint_contexts, reads_args))))
+    assert "does not come from" in str(policy_saves(selective(
+        lambda: (contextlib.nullcontext(), contextlib.nullcontext()))))
 
 
 @pytest.mark.parametrize("selective", [False, True])
@@ -225,7 +224,7 @@ def test_checkpoint_around_the_experts_alone_takes_the_expert_op(selective: bool
     for backend in ("aot_eager", "hiermoe"):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = ExpertsCheckpointed(_policy([], ()) if selective else None, **SAMPLES["grouped_gemm"].kwargs)
+        model = ExpertsCheckpointed(selective_policy([], ()) if selective else None, **SAMPLES["grouped_gemm"].kwargs)
         ref = copy.deepcopy(model)
         x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(1))
         opts = {"options": {"inner_compiler": "aot_eager"}} if backend == "hiermoe" else {}
