@@ -188,6 +188,7 @@ def _timed(lay: runtime.EPLayer, direction: str, t0: float) -> None:
 Job = tuple[torch.device, Generator[Any, None, Any], list[Any]]
 # the stages whose collectives are split into start and wait (``passes.overlap``)
 SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward",
+                "ep_combine_to", "ep_combine_to_backward",  # sample placement's combine
                 "ep_gather", "ep_gather_backward")  # the gathers: lowering.ep_gather
 GATHER_STAGES = ("ep_gather",)  # stages that passes.overlap may start layers ahead (prefetch)
 
@@ -299,7 +300,8 @@ def _dispatch_job(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, layer: int,
         t0 = time.perf_counter()
         with collective(lay, f"the forward dispatch all-to-alls ({phase_names(d, lay)})"):
             rows_RH, ids_RS, w_RS, route = yield from hier_a2a.dispatch_steps(
-                x, topk_idx, topk_weights, lay.expert_pos_E, phases, lay.dedup, "forward", lay.layer_id)
+                x, topk_idx, topk_weights, lay.expert_pos_E, phases, lay.dedup, "forward", lay.layer_id,
+                carry_origin=lay.carry_origin)
         _timed(lay, "forward", t0)
         assert ids_RS.shape[1] == slots, (ids_RS.shape, slots)
         packed = route.pack([d, lay.version, lay.layer_id])
@@ -536,6 +538,79 @@ def _combine_backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
 
 
 ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# -- combine to the samples' new ranks ------------------------------------------------------------
+
+def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int) -> Job:
+    """([T, H], the redirect packed): ``ep_combine`` whose results reach each token's sample at the
+    rank the sample placement moves it to (``perm``: ``hiermoe::sample_plan``'s, out slot n holds
+    the sample of slot perm[n]; ``hier_a2a.combine_to_steps``), the samples' own move for the
+    layer's output fused into its combine: a sample placed where its experts are gets its result
+    from inside the node instead of over the slow link twice (to its old rank, then moved)."""
+    lay, d, rt = _route(route, partial.device)
+    flat = lay.comm.intra[0]
+    new_slot_of = torch.argsort(perm.cpu())
+
+    def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
+        t0 = time.perf_counter()
+        with collective(lay, f"the forward combine all-to-alls to the samples' new ranks ({phase_names(d, lay)})"):
+            y, redirect = yield from hier_a2a.combine_to_steps(partial, rt, new_slot_of, samples, flat, "forward")
+        _timed(lay, "forward", t0)
+        assert y.shape[0] == num_tokens, (y.shape, num_tokens)
+        return y.contiguous(), redirect.pack()
+
+    return partial.device, job(), [*(hop.phase.group for hop in reversed(rt.hops[1:])), flat.group]
+
+
+def _combine_to_fake(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int
+                     ) -> tuple[Tensor, Tensor]:
+    return (partial.new_empty((num_tokens, partial.shape[1])),
+            torch.empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.long, device="cpu"))
+
+
+ep_combine_to = stage_ops("ep_combine_to", "Tensor partial, Tensor route, Tensor perm, int samples, SymInt num_tokens",
+                          "(Tensor, Tensor)", _combine_to_job, _combine_to_fake)
+
+
+def _combine_to_backward_job(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int) -> Job:
+    """[R, H]: ``ep_combine_backward`` from the tokens' new ranks (``hier_a2a.redispatch_from_steps``)."""
+    lay, d, rt = _route(route, grad_y.device)
+    flat = lay.comm.intra[0]
+    back = hier_a2a.Redirect.unpack(redirect, grad_y.device)
+
+    def job() -> Generator[Any, None, Tensor]:
+        t0 = time.perf_counter()
+        with collective(lay, f"the backward dispatch all-to-alls from the samples' new ranks ({phase_names(d, lay)})"):
+            rows = yield from hier_a2a.redispatch_from_steps(grad_y.contiguous(), rt, back, flat, "backward")
+        _timed(lay, "backward", t0)
+        assert rows.shape[0] == num_rows, (rows.shape, num_rows)
+        return rows.contiguous()
+
+    return grad_y.device, job(), [flat.group, *(hop.phase.group for hop in rt.hops[1:])]
+
+
+def _combine_to_backward_fake(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int) -> Tensor:
+    return grad_y.new_empty((num_rows, grad_y.shape[1]))
+
+
+stage_ops("ep_combine_to_backward", "Tensor grad_y, Tensor route, Tensor redirect, SymInt num_rows", "Tensor",
+          _combine_to_backward_job, _combine_to_backward_fake)
+
+
+def _combine_to_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    partial, route, *_ = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(route, output[1])
+    ctx.num_rows = partial.shape[0]
+
+
+def _combine_to_backward(ctx: Any, grad_y: Tensor, _g_redirect: Any) -> tuple[Tensor | None, ...]:
+    route, redirect = ctx.saved_tensors
+    return torch.ops.hiermoe.ep_combine_to_backward(grad_y, route, redirect, ctx.num_rows), None, None, None, None
+
+
+ep_combine_to.register_autograd(_combine_to_backward, setup_context=_combine_to_setup)
 
 
 def staged_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weights: list[Tensor | None], activation: str,

@@ -58,24 +58,29 @@ class Route:
     top_k: int
     dedup: bool
     layer_id: int
+    # with ``carry_origin``: the row (at its sender) of every row the first hop delivered here, in
+    # arrival order: what ``combine_to_steps`` needs to send each result to its token's new rank
+    origin_row: Tensor | None = None
 
     def pack(self, header: list[int]) -> Tensor:
         """The route as one int64 CPU tensor (what the staged ops pass each other in the graph):
         ``header`` (the caller's fixed-size fields), then per hop (rows held before it, its send
-        and receive split sizes), then every hop's source rows. ``unpack`` reverses it, given the
-        header's length and the hops' phases."""
+        and receive split sizes), then every hop's source rows, then the origin rows if carried.
+        ``unpack`` reverses it, given the header's length and the hops' phases."""
         small = [v for hop in self.hops for v in (hop.num_rows, *hop.send_counts, *hop.recv_counts)]
-        head = torch.tensor([*header, self.num_tokens, self.top_k, int(self.dedup), *small], dtype=torch.long)
-        return torch.cat([head, *(hop.src_row_N.cpu().long() for hop in self.hops)])
+        origin = [] if self.origin_row is None else [self.origin_row.cpu().long()]
+        head = torch.tensor([*header, self.num_tokens, self.top_k, int(self.dedup), len(origin), *small],
+                            dtype=torch.long)
+        return torch.cat([head, *(hop.src_row_N.cpu().long() for hop in self.hops), *origin])
 
     @classmethod
     def unpack(cls, packed: Tensor, header_len: int, phases: list[Phase], layer_id: int, device: torch.device
                ) -> Route:
         """The route ``pack`` wrote, its hops along ``phases`` (the same d's)."""
         widths = [1 + 2 * len(ph.peer_pos) for ph in phases]
-        head = packed[: header_len + 3 + sum(widths)].tolist()
-        num_tokens, top_k, dedup = head[header_len: header_len + 3]
-        at, src_at = header_len + 3, header_len + 3 + sum(widths)
+        head = packed[: header_len + 4 + sum(widths)].tolist()
+        num_tokens, top_k, dedup, has_origin = head[header_len: header_len + 4]
+        at, src_at = header_len + 4, header_len + 4 + sum(widths)
         hops = []
         for ph in phases:
             num_peers = len(ph.peer_pos)
@@ -84,7 +89,8 @@ class Route:
             sent = sum(send)
             hops.append(Hop(ph, packed[src_at: src_at + sent].to(device), send, recv, num_rows))
             src_at += sent
-        return cls(hops, num_tokens, top_k, bool(dedup), layer_id)
+        origin = packed[src_at: src_at + sum(hops[0].recv_counts)].to(device) if has_origin else None
+        return cls(hops, num_tokens, top_k, bool(dedup), layer_id, origin)
 
 
 def _a2a(t: Tensor, recv_counts: list[int], send_counts: list[int], group: dist.ProcessGroup) -> Tensor:
@@ -137,17 +143,21 @@ def run_steps(steps: Steps) -> Any:
 
 
 def dispatch(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E: Tensor, phases: list[Phase],
-             dedup: bool, direction: str, layer_id: int = -1) -> tuple[Tensor, Tensor, Tensor, Route]:
+             dedup: bool, direction: str, layer_id: int = -1, carry_origin: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor, Route]:
     """Send rows of ``x_TH`` (any number of columns) to the ranks holding their experts.
 
     Returns (rows [R, C] received at the last phase, their expert ids [R, S] (-1 = no slot),
     their weights [R, S] float32, the route). Collectives: per phase, one all-to-all of the
-    split sizes, one of the rows with their slots (ids and weights, as bytes after each row)."""
-    return run_steps(dispatch_steps(x_TH, topk_idx_TK, weights_TK, expert_pos_E, phases, dedup, direction, layer_id))
+    split sizes, one of the rows with their slots (ids and weights, as bytes after each row).
+    ``carry_origin``: the first phase's rows carry their row index at the sender too (4 bytes of
+    metadata each), kept in the route for ``combine_to_steps``."""
+    return run_steps(dispatch_steps(x_TH, topk_idx_TK, weights_TK, expert_pos_E, phases, dedup, direction, layer_id,
+                                    carry_origin))
 
 
 def dispatch_steps(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert_pos_E: Tensor, phases: list[Phase],
-                   dedup: bool, direction: str, layer_id: int = -1) -> Steps:
+                   dedup: bool, direction: str, layer_id: int = -1, carry_origin: bool = False) -> Steps:
     """``dispatch`` as a generator that yields each phase's process group before the phase's
     collectives and returns the result: a driver can run each phase on a thread of its own group
     (``moe_compile.ep.worker.start_steps``), so that phase 2 of one chunk and phase 1 of the next
@@ -159,7 +169,8 @@ def dispatch_steps(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert
     if not dedup:  # one row per (token, expert) pair
         rows = x_TH.repeat_interleave(top_k, dim=0)
         ids_RS, w_RS = ids_RS.reshape(-1, 1), w_RS.reshape(-1, 1)
-    hops = []
+    hops: list[Hop] = []
+    origin_row: Tensor | None = None
     row_bytes = rows.shape[1] * rows.element_size()
     for phase in phases:
         yield phase.group
@@ -176,6 +187,9 @@ def dispatch_steps(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert
         send_ids = torch.where(keep_NS, ids_RS[src_N], -1).int()
         send_w = torch.where(keep_NS, w_RS[src_N], 0.0)
         meta_NS2 = torch.cat([send_ids, send_w.view(torch.int32)], dim=1)
+        first = carry_origin and not hops
+        if first:  # each row's index at its sender, for combine_to_steps
+            meta_NS2 = torch.cat([meta_NS2, src_N.to(torch.int32)[:, None]], dim=1)
         recv_counts_P = torch.empty_like(send_counts_P)
         dist.all_to_all_single(recv_counts_P, send_counts_P, group=phase.group)
         send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
@@ -184,8 +198,11 @@ def dispatch_steps(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert
         _count(layer_id, phase, send_counts, row_bytes, meta_NS2.shape[1] * 4, "dispatch", direction, count_msg_bytes=8)
         hops.append(Hop(phase, src_N, send_counts, recv_counts, rows.shape[0]))
         num_slots = ids_RS.shape[1]
-        rows, ids_RS, w_RS = new_rows, meta[:, :num_slots].long(), meta[:, num_slots:].view(torch.float32)
-    return rows, ids_RS, w_RS, Route(hops, num_tokens, top_k, dedup, layer_id)
+        if first:
+            origin_row = meta[:, 2 * num_slots].long()
+        rows, ids_RS = new_rows, meta[:, :num_slots].long()
+        w_RS = meta[:, num_slots:2 * num_slots].contiguous().view(torch.float32)
+    return rows, ids_RS, w_RS, Route(hops, num_tokens, top_k, dedup, layer_id, origin_row)
 
 
 def redispatch(x_TC: Tensor, route: Route, direction: str) -> Tensor:
@@ -242,3 +259,96 @@ def combine_steps(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor
         if meta is not None:
             meta = meta.view(route.num_tokens, route.top_k)
     return acc.to(out_dtype), meta
+
+
+# -- combine to the samples' new ranks (sample placement, NetMoE) --------------------------------
+
+@dataclass
+class Redirect:
+    """Where ``combine_to_steps`` sent the rows the first hop had delivered here, and what it
+    received: what its backward (``redispatch_from_steps``) needs to bring the gradients back."""
+
+    send_order: Tensor  # [R0] the rows (in arrival order) as sent, grouped by destination
+    send_counts: list[int]
+    recv_counts: list[int]
+    recv_row: Tensor  # [N] the output row (token at its new rank) of every row received
+
+    def pack(self) -> Tensor:
+        """One int64 CPU tensor: peers, split sizes, the two index lists (``unpack`` reverses it)."""
+        head = torch.tensor([len(self.send_counts), *self.send_counts, *self.recv_counts], dtype=torch.long)
+        return torch.cat([head, self.send_order.cpu().long(), self.recv_row.cpu().long()])
+
+    @classmethod
+    def unpack(cls, packed: Tensor, device: torch.device) -> Redirect:
+        peers = int(packed[0])
+        counts = packed[1: 1 + 2 * peers].tolist()
+        send, recv = counts[:peers], counts[peers:]
+        at = 1 + 2 * peers
+        order = packed[at: at + sum(send)].to(device)
+        return cls(order, send, recv, packed[at + sum(send): at + sum(send) + sum(recv)].to(device))
+
+
+def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples: int, flat: Phase,
+                     direction: str) -> Steps:
+    """``combine`` whose results reach each token's sample at its new rank instead of its origin
+    (NetMoE's placement applied in the combine all-to-all, papers/netmoe-notes-zh.md Sec. 4: "the
+    second AlltoAll" places the samples). Every hop but the first is reversed as in ``combine``
+    (sums at the relays); the rows the first hop had delivered here (``route.origin_row``: their
+    row at the sender, carried by ``dispatch(carry_origin=True)``) then go, in one all-to-all over
+    the world (``flat``), to the rank of their sample's new slot, which sums them into its tokens.
+
+    Slots: rank at mesh position p holds samples p*B .. p*B+B-1 (B = ``samples``), each T / B
+    consecutive tokens (rows for the expert op's K rows per token where its routing weights scale
+    its input); ``new_slot_of[slot]`` is the slot the sample moves to. Returns ([T, C] in the
+    rows' dtype, summed in float32, the ``Redirect``)."""
+    assert route.origin_row is not None, "combine_to needs a dispatch that carried its rows' origin"
+    out_dtype = rows_RC.dtype
+    acc = rows_RC.float()
+    row_bytes = rows_RC.shape[1] * rows_RC.element_size()
+    for hop in reversed(route.hops[1:]):
+        yield hop.phase.group
+        back = _a2a(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)
+        acc = acc.new_zeros((hop.num_rows, acc.shape[1])).index_add_(0, hop.src_row_N, back.float())
+        _count(route.layer_id, hop.phase, hop.recv_counts, row_bytes, 0, "combine", direction, count_msg_bytes=0)
+    first = route.hops[0]
+    device = acc.device
+    num_tokens = route.num_tokens
+    per_sample = num_tokens // samples
+    src_pos = torch.tensor(first.phase.peer_pos, dtype=torch.long, device=device).repeat_interleave(
+        torch.tensor(first.recv_counts, dtype=torch.long, device=device))
+    token = route.origin_row if route.dedup else route.origin_row // route.top_k
+    new_slot = new_slot_of.to(device)[src_pos * samples + token // per_sample]
+    new_row = (new_slot % samples) * per_sample + token % per_sample
+    group_rank = torch.empty(len(flat.peer_pos), dtype=torch.long)
+    group_rank[torch.tensor(flat.peer_pos, dtype=torch.long)] = torch.arange(len(flat.peer_pos))
+    dest = group_rank.to(device)[new_slot // samples]
+    send_order = torch.argsort(dest, stable=True)
+    send_counts_P = torch.bincount(dest, minlength=len(flat.peer_pos))
+    yield flat.group
+    recv_counts_P = torch.empty_like(send_counts_P)
+    dist.all_to_all_single(recv_counts_P, send_counts_P, group=flat.group)
+    send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
+    packed = _a2a(_pack(acc[send_order].to(out_dtype), new_row[send_order].to(torch.int32)[:, None]),
+                  recv_counts, send_counts, flat.group)
+    got, recv_row = _unpack(packed, acc.shape[1], out_dtype, torch.int32)
+    _count(route.layer_id, flat, send_counts, row_bytes, 4, "combine", direction, count_msg_bytes=8)
+    recv_row = recv_row[:, 0].long()
+    out = acc.new_zeros((num_tokens, acc.shape[1])).index_add_(0, recv_row, got.float())
+    return out.to(out_dtype), Redirect(send_order, send_counts, recv_counts, recv_row)
+
+
+def redispatch_from_steps(grad_TC: Tensor, route: Route, redirect: Redirect, flat: Phase, direction: str) -> Steps:
+    """The backward of ``combine_to_steps`` (dispatch-shaped, payload only): each token's output
+    gradient at its new rank goes back to every first-hop row it summed, then along the route's
+    other hops as in ``redispatch``. Returns [R, C] aligned with the rows ``dispatch`` delivered."""
+    row_bytes = grad_TC.shape[1] * grad_TC.element_size()
+    yield flat.group
+    back = _a2a(grad_TC[redirect.recv_row], redirect.send_counts, redirect.recv_counts, flat.group)
+    _count(route.layer_id, flat, redirect.recv_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
+    rows = torch.empty_like(back)
+    rows[redirect.send_order] = back
+    for hop in route.hops[1:]:
+        yield hop.phase.group
+        rows = _a2a(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
+        _count(route.layer_id, hop.phase, hop.send_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
+    return rows

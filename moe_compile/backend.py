@@ -132,7 +132,8 @@ def _graph_report(ctx: PassContext, index: int, before: str) -> GraphReport:
         placement = [res.reason] if res.reason is not None else [
             (f"after {c.after} ({c.layer}) the samples go home" if c.home else
              f"after {c.after} the samples may move, decided by {c.layer}'s routing")
-            + f": {', '.join(c.moved) or 'nothing'} ({c.sample_bytes} B per sample, {res.samples} samples per rank)"
+            + f": {', '.join(c.moved) or 'nothing'} ({c.sample_bytes} B per sample, {res.samples} samples per rank"
+            + ("; its output goes to the new ranks in its combine)" if c.fused and c.layer in res.fused else ")")
             for c in res.cuts]
     return GraphReport(index=index, before=before, after=ctx.gm.code, regions=regions, skipped=skipped,
                        counters=ctx.counters, topology=topology, placement=placement)

@@ -56,7 +56,13 @@ from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
 from moe_compile.passes.sample_placement import Layer as PlacementLayer
-from moe_compile.passes.sample_placement import PlacementResult, bind, register_records, sample_placement_pass
+from moe_compile.passes.sample_placement import (
+    PlacementResult,
+    bind,
+    fuse_combines,
+    register_records,
+    sample_placement_pass,
+)
 from moe_compile.passes.verify import ambient_autocast
 from moe_compile.tools import calibrate
 
@@ -332,6 +338,9 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
     ctx.layer_inputs.update(out.pop("layer_inputs"))
     if ctx.placement is not None and ctx.placement.cuts:
         out["sample_exchanges"] = bind(ctx.gm, ctx.ep_layers, int(opts.mesh.mesh.numel()))
+        fused = fuse_combines(ctx.gm)
+        ctx.placement.fused = {name for name, lid in ctx.ep_layers.items() if lid in fused}
+        out["fused_combines"] = len(fused)
         register_records(ctx.placement, ctx.ep_layers, ctx.topology, {
             r.region.name: r.region.hidden_size * getattr(torch, r.region.dtype).itemsize + r.region.top_k * SLOT_BYTES
             for r in ctx.canonical.rewritten})
@@ -353,29 +362,40 @@ def _sample_placement(ctx: PassContext) -> dict[str, int]:
     identity = tuple(ctx.found.params.value.get(r.region.router_weight) for r in rewritten)
     levels = int(opts.mesh.mesh.ndim)
 
-    def agree(reason: str | None, samples: int, cuts: int) -> str | None:
+    def agree(reason: str | None, samples: int, cuts: int, fused: tuple[str, ...]) -> str | None:
         if levels != 2:
             reason = (f"the mesh has {levels} levels: NetMoE's placement model has two (nodes, ranks in a node); "
                       "give a 2-level mesh")
         elif ctx.topology is None:
             reason = "no topology to weigh a move against its saving: give options['topology'] or leave 'dimension' out"
-        every = agreement.every_rank("sample placement", identity, (reason, samples, cuts))
-        if every[dist.get_rank()] != (reason, samples, cuts):
+        every = agreement.every_rank("sample placement", identity, (reason, samples, cuts, fused))
+        if every[dist.get_rank()] != (reason, samples, cuts, fused):
             raise RuntimeError(f"this rank's recompile decides sample placement differently ({reason or 'place'}, "
                                f"{samples} samples) from what every rank agreed when the graph was first compiled "
                                f"{every[dist.get_rank()]}; keep the batch shape the same on every rank")
-        for r, (why, _, _) in enumerate(every):
+        for r, (why, *_) in enumerate(every):
             if why is not None:
                 return why if r == dist.get_rank() else f"left alone on every rank because rank {r} does: {why}"
-        if len({(b, c) for _, b, c in every}) > 1:
+        if len({(b, c) for _, b, c, _ in every}) > 1:
             return ("the ranks hold different numbers of samples ("
-                    + ", ".join(f"rank {r}: {b}" for r, (_, b, _) in enumerate(every))
+                    + ", ".join(f"rank {r}: {b}" for r, (_, b, _, _) in enumerate(every))
                     + "): sample placement keeps B samples on every rank; give every rank the same batch size")
+        if len({f for *_, f in every}) > 1:
+            return ("the ranks would fuse different layers' combines with the sample moves ("
+                    + ", ".join(f"rank {r}: {list(f)}" for r, (*_, f) in enumerate(every))
+                    + "): their graphs differ; compile the same model on every rank")
         return None
+
+    # a cut after a layer whose tokens travel by the all-to-all stages in one chunk may be fused with
+    # its combine (passes.sample_placement.fuse_combines), which "tune" options could change later
+    fusable = frozenset(
+        name for name, lp in ctx.plans.items()
+        if lp.settings is not None and lp.settings.chunkable and lp.settings.chunks == 1 and not lp.tune
+        and not lp.alternatives and opts.ep_backward == "stages")
 
     inputs = [shard.verification_value(ex, seed=i) for i, ex in enumerate(ctx.example_inputs)]
     ctx.placement = sample_placement_pass(ctx.gm, layers, inputs, ctx.found.params, int(opts.mesh.mesh.numel()),
-                                          verify=opts.verify, agree=agree)
+                                          verify=opts.verify, agree=agree, fusable=fusable)
     if ctx.placement.reason is not None:
         return {"cuts": 0, "left_alone": 1}
     sample_exchange.ensure_group(opts.mesh.mesh.flatten().tolist())  # every rank: the ranks agreed to place

@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.ep import runtime
 from moe_compile.lowering import sample_exchange
 from moe_compile.passes.graph_index import example_value, is_inplace
 from moe_compile.passes.graph_params import ParamTable
@@ -65,13 +66,17 @@ _LAYER_META = "hiermoe_sample_layer"
 @dataclass(frozen=True)
 class Cut:
     """One exchange point: after ``after`` (a node name), decided by ``layer``'s routing, moving
-    ``moved`` (value names) of ``sample_bytes`` per sample; ``home``: the cut that returns samples."""
+    ``moved`` (value names) of ``sample_bytes`` per sample; ``home``: the cut that returns samples.
+    ``fused``: the cut is right after the layer's expert op, whose output reaches the samples' new
+    ranks in the layer's own combine (``fuse_combines``), not in the move: ``sample_bytes`` does
+    not count it."""
 
     layer: str
     after: str
     moved: tuple[str, ...]
     sample_bytes: int
     home: bool
+    fused: bool = False
 
 
 @dataclass
@@ -79,6 +84,7 @@ class PlacementResult:
     samples: int = 0  # B
     cuts: list[Cut] = field(default_factory=list)
     returns: list[str] = field(default_factory=list)  # nodes that read samples moved home early
+    fused: set[str] = field(default_factory=set)  # layers whose combine took their output to the new ranks
     reason: str | None = None  # why the graph was left alone (None: rewritten or nothing to do)
     verify_err: float | None = None
 
@@ -198,25 +204,29 @@ def _live_bytes(length: int, live: list[tuple[int, int, int]]) -> list[int]:
     return list(itertools.accumulate(delta))[:length]
 
 
-Agree = Callable[[str | None, int, int], str | None]
+Agree = Callable[[str | None, int, int, tuple[str, ...]], str | None]
 
 
 def sample_placement_pass(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence[object],
-                          params: ParamTable, world: int, verify: bool = True, agree: Agree | None = None
-                          ) -> PlacementResult:
+                          params: ParamTable, world: int, verify: bool = True, agree: Agree | None = None,
+                          fusable: frozenset[str] = frozenset()) -> PlacementResult:
     """Rewrite ``gm`` (module docstring); ``layers`` in graph order. ``agree(reason, B, cuts)``
     (under expert parallelism) turns this rank's verdict into the one every rank takes: the reason
-    to leave the graph alone, or None to rewrite it."""
+    to leave the graph alone, or None to rewrite it (``fused``, the fifth, the cuts fused: the same
+    on every rank, or the graphs would differ). ``fusable``: the layers whose combine can
+    take their samples to their new ranks (token all-to-all stages, one chunk): a cut that places
+    samples after one of them is made right after its expert op (``Cut.fused``), where the rewrite
+    allows it (else where the fewest bytes are live)."""
     res = PlacementResult()
     _fill_example_values(gm, example_inputs)
-    reason, samples, cuts = _trial(gm, layers, example_inputs, params, verify, res)
+    reason, samples, cuts, fused = _trial(gm, layers, example_inputs, params, verify, res, fusable)
     if agree is not None:
-        reason = agree(reason, samples, cuts)
+        reason = agree(reason, samples, cuts, tuple(sorted(fused)))
     if reason is not None:
         res.reason = reason
         return res
     res.samples = samples
-    reason = _rewrite(gm, layers, params, samples, world, res)
+    reason = _rewrite(gm, layers, params, samples, world, res, fused)
     if reason is not None:  # the trial made the same rewrite: it cannot refuse now
         raise AssertionError(f"sample placement refused after its trial passed: {reason}")
     return res
@@ -241,18 +251,30 @@ def _fill_example_values(gm: fx.GraphModule, example_inputs: Sequence[object]) -
 
 
 def _trial(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence[object], params: ParamTable,
-           verify: bool, res: PlacementResult) -> tuple[str | None, int, int]:
-    """(why not, B, cuts): the rewrite made on a copy with every exchange a local derangement, and
-    compared with the graph."""
+           verify: bool, res: PlacementResult, fusable: frozenset[str]) -> tuple[str | None, int, int, frozenset[str]]:
+    """(why not, B, cuts, the layers whose cut is fused): the rewrite made on a copy with every
+    exchange a local derangement, and compared with the graph; with the fusable layers' cuts right
+    after their expert ops first, else (that rewrite refused) with none fused."""
     if len(layers) < 2:
-        return "one MoE layer in this graph: no later all-to-all gains from moving samples", 0, 0
+        return "one MoE layer in this graph: no later all-to-all gains from moving samples", 0, 0, frozenset()
     tokens = layer_tokens(layers[0])
     samples = sample_dimension(tokens) if tokens is not None else None
     if samples is None:
-        return "the tokens are not a [batch, seq, hidden] value flattened: no sample dimension found", 0, 0
+        return ("the tokens are not a [batch, seq, hidden] value flattened: no sample dimension found", 0, 0,
+                frozenset())
     if samples < 2:
         return (f"{samples} sample per rank: the rewrite cannot be verified on one process (a permutation "
-                "of one sample is the identity); run at least 2 samples per rank"), samples, 0
+                "of one sample is the identity); run at least 2 samples per rank"), samples, 0, frozenset()
+    fused = frozenset(lay.name for lay in layers[:-1] if lay.name in fusable)
+    reason, cuts = _trial_rewrite(gm, layers, example_inputs, params, verify, res, samples, fused)
+    if reason is not None and fused:
+        reason, cuts = _trial_rewrite(gm, layers, example_inputs, params, verify, res, samples, frozenset())
+    return reason, samples, len(cuts), frozenset(c.layer for c in cuts if c.fused)
+
+
+def _trial_rewrite(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence[object], params: ParamTable,
+                   verify: bool, res: PlacementResult, samples: int, fused: frozenset[str]
+                   ) -> tuple[str | None, list[Cut]]:
     graph = fx.Graph()
     node_map: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, node_map)  # nodes keep their meta (example values)
@@ -261,20 +283,20 @@ def _trial(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence
     trial_layers = [Layer(lay.name, node_map[lay.op], node_map[lay.topk_idx], lay.top_k, lay.hidden_bytes,
                           lay.input_scaled) for lay in layers]
     probe = PlacementResult(samples=samples)
-    reason = _rewrite(trial, trial_layers, ParamTable(trial, example_inputs), samples, 1, probe)
+    reason = _rewrite(trial, trial_layers, ParamTable(trial, example_inputs), samples, 1, probe, fused)
     if reason is not None:
-        return reason, samples, 0
+        return reason, []
     if probe.returns:
         return (f"samples would go home early, before {', '.join(sorted(set(probe.returns)))}: ops there move or "
                 "mix the sample dimension (e.g. a permute that takes dim 0 elsewhere), so the next layers would "
-                "not run where the samples were placed"), samples, 0
+                "not run where the samples were placed"), []
     if verify:
         err, ok = _verify(gm, trial, example_inputs)
         res.verify_err = err
         if not ok:
             return (f"with the samples permuted the graph computes something else (max rel err {err:.2e}): "
-                    "an op between two MoE layers mixes samples that the analysis took as sample-wise"), samples, 0
-    return None, samples, len(probe.cuts)
+                    "an op between two MoE layers mixes samples that the analysis took as sample-wise"), []
+    return None, probe.cuts
 
 
 def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[object]) -> tuple[float, bool]:
@@ -293,7 +315,7 @@ def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs:
 
 
 def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, samples: int, world: int,
-             res: PlacementResult) -> str | None:
+             res: PlacementResult, fused: frozenset[str] = frozenset()) -> str | None:
     graph = gm.graph
     order = list(graph.nodes)
     pos = {n: i for i, n in enumerate(order)}
@@ -312,6 +334,7 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
     live_bytes = _live_bytes(len(order), live)
     # cuts: (position, layer index, home)
     cuts: list[tuple[int, int, bool]] = []
+    fused_at: set[int] = set()  # layers whose cut is right after their op, fused with their combine
     for i, lay in enumerate(layers):
         lo = pos[lay.op]
         last = i == len(layers) - 1
@@ -326,7 +349,19 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                     hi = q
                     break
                 ahead.add(n)
-        cuts.append((_choose_cut(order, lo, hi, live_bytes), i, last))
+        best = _choose_cut(order, lo, hi, live_bytes)
+        # a fused cut right after the op: its output rides the layer's combine (fuse_combines),
+        # which then sends a moved sample's results inside the node of its experts instead of to
+        # its old rank; taken unless what moves besides the output exceeds the best cut's bytes by
+        # more than half the output's (the combine saved, for a sample half of whose tokens' experts
+        # are where it goes): the residual stream before the layer instead of after it passes, a
+        # shared expert's output beside it (as much again) does not
+        out_bytes = _bytes_per_sample(lay.op, samples)
+        if (lay.name in fused and not last and per_sample.get(lay.op) == 0
+                and live_bytes[lo] - out_bytes <= live_bytes[best] + out_bytes // 2):
+            best = lo
+            fused_at.add(i)
+        cuts.append((best, i, last))
     first_cut, home_cut = cuts[0][0], cuts[-1][0]
     # displaced nodes: sample-wise, after the first cut and up to the home cut, reading the output of
     # a layer that cuts or a displaced value (generation: the last cut before them)
@@ -515,8 +550,10 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                     by_gen.setdefault(max(have), []).append(v)
             for a, vals in sorted(by_gen.items()):
                 where = move(vals, a, g_new, where)
+            fuses = i in fused_at
             res.cuts.append(Cut(lay.name, n.name, tuple(v.name for v in moving),
-                                sum(_bytes_per_sample(v, samples) for v in moving), home))
+                                sum(_bytes_per_sample(v, samples) for v in moving if not (fuses and v is lay.op)),
+                                home, fuses))
     res.returns = returns
     graph.lint()
     gm.recompile()
@@ -548,13 +585,66 @@ def bind(gm: fx.GraphModule, layer_ids: dict[str, int], world: int) -> int:
 
 def register_records(res: PlacementResult, layer_ids: dict[str, int], topology: Any,
                      token_bytes: dict[str, int]) -> None:
-    """The runtime record of every cut that plans (its topology, B, the bytes a sample moves)."""
+    """The runtime record of every cut that plans (its topology, B, the bytes a sample moves, the
+    all-to-alls its placement serves: the next layer's two, and with a fused cut the layer's own
+    combine too)."""
     for cut in res.cuts:
         if cut.home:
             continue
         sample_exchange.register(layer_ids[cut.layer], sample_exchange.PlacementRecord(
             topology=topology, samples=res.samples, sample_bytes=cut.sample_bytes,
-            token_bytes=token_bytes[cut.layer]))
+            token_bytes=token_bytes[cut.layer], exchanges=3.0 if cut.fused else 2.0))
 
 
-__all__ = ["Cut", "Layer", "PlacementResult", "bind", "register_records", "sample_dimension", "sample_placement_pass"]
+def fuse_combines(gm: fx.GraphModule) -> list[int]:
+    """After expert_parallel: each sample move that carries an MoE layer's output straight from its
+    ``ep_combine`` (a fused cut, ``Cut.fused``) takes it out, and the layer combines to the
+    samples' new ranks instead (``hiermoe::ep_combine_to`` with the move's permutation, its
+    dispatch carrying the rows' origin: ``EPLayer.carry_origin``). A sample whose experts are in
+    the node it moves to then gets its layer output from inside that node, not over the slow link
+    to its old rank and again in the move. A combine that something else reads too, or a layer
+    run in chunks (its output a concatenation), keeps the plain combine and the move. Returns
+    the runtime layers whose combines were fused."""
+    graph = gm.graph
+    combine = torch.ops.hiermoe.ep_combine.default
+    fused: list[int] = []
+    for mv in [n for n in graph.nodes if n.target is _MOVE]:
+        xs, perm, samples, layer = mv.args
+        take = [k for k, x in enumerate(xs) if isinstance(x, fx.Node) and x.target is combine and len(x.users) == 1]
+        if not take:
+            continue
+        items = {u.args[1]: u for u in mv.users if u.target is operator.getitem}
+        for k in take:
+            comb = xs[k]
+            partial, route, num_tokens = comb.args
+            dispatch = route.args[0]  # getitem(ep_dispatch(...), 3)
+            layer_id = int(dispatch.args[3])
+            runtime.layer(layer_id).carry_origin = True
+            fused.append(layer_id)
+            with graph.inserting_before(mv):
+                to = graph.call_function(torch.ops.hiermoe.ep_combine_to.default,
+                                         (partial, route, perm, samples, num_tokens))
+                y = graph.call_function(operator.getitem, (to, 0))
+            y.meta = dict(items[k].meta) if k in items else {}
+            if k in items:
+                items[k].replace_all_uses_with(y)
+                graph.erase_node(items[k])
+        keep = [k for k in range(len(xs)) if k not in take]
+        mv.args = ([xs[k] for k in keep], perm, samples, layer)
+        if isinstance(mv.meta.get("example_value"), list):
+            mv.meta["example_value"] = [mv.meta["example_value"][k] for k in keep]
+        for new, k in enumerate(keep):
+            if k in items:
+                items[k].args = (mv, new)
+        for k in take:
+            graph.erase_node(xs[k])
+        if not keep:
+            graph.erase_node(mv)
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused
+
+
+__all__ = ["Cut", "Layer", "PlacementResult", "bind", "fuse_combines", "register_records", "sample_dimension",
+           "sample_placement_pass"]

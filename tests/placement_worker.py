@@ -88,6 +88,7 @@ def case_placement() -> dict[str, Any]:
             "moves": [r.moves for r in records], "moved": [r.moved_samples for r in records],
             "pays": [bool(r.last.pays) if r.last is not None else None for r in records],
             "report": str(Report(graphs=graphs)),
+            "fused": sum(g.counters.get("expert_parallel", {}).get("fused_combines", 0) for g in reports),
         }
     return out
 

@@ -19,9 +19,10 @@ from moe_compile.pipeline import PassContext, _canonicalize, _find
 from moe_compile.samples.tiny_lm import TinyLMConfig, TinyMoELM
 
 
-def _place(model: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[PlacementResult, Any, Any]:
+def _place(model: torch.nn.Module, *args: Any, fuse: bool = False, **kwargs: Any) -> tuple[PlacementResult, Any, Any]:
     """Run find + canonicalize + the placement pass (one process: every exchange a derangement of
-    the local samples) inside a compile; returns the pass's result, eager's and the compiled output."""
+    the local samples) inside a compile; returns the pass's result, eager's and the compiled output.
+    ``fuse``: every layer's combine may carry its output to the new ranks (``fusable``)."""
     results: list[PlacementResult] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -33,7 +34,8 @@ def _place(model: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Placement
         layers = [Layer(r.region.name, r.op_node, r.op_node.args[1], r.region.top_k, 4 * r.region.hidden_size,
                         input_scaled=r.weights.scales == "input")
                   for r in sorted(ctx.canonical.rewritten, key=lambda r: pos[r.op_node])]
-        results.append(sample_placement_pass(gm, layers, example_inputs, ctx.found.params, world=1))
+        results.append(sample_placement_pass(gm, layers, example_inputs, ctx.found.params, world=1,
+                                             fusable=frozenset(lay.name for lay in layers) if fuse else frozenset()))
         return gm.forward
 
     torch._dynamo.reset()
@@ -67,6 +69,32 @@ def test_transformers_models_place_their_residual_stream(model_type: str) -> Non
         assert len(c.moved) == (1 if c.sample_bytes == 8 * 32 * 4 else 2), c
     assert res.cuts[-1].sample_bytes == 8 * 32 * 4
     assert res.returns == []
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_cuts_fused_with_the_combine_move_no_more(model_type: str) -> None:
+    """Where a layer's combine can take its output to the samples' new ranks (``fusable``), its cut
+    is made right after the expert op: the op's output moves (on one process a derangement, which
+    the verification checks like any move) but is not counted in the samples' bytes, and the rest
+    is about what the cut after the residual add moves (the residual stream before the layer
+    instead of after it, the mask; for the second layer a 64 B value more, which dies before the
+    best unfused cut). DeepSeek-V3's shared expert runs beside the routed experts: after the op
+    its output would move too (2x the bytes), so its cuts stay after the add, unfused. The home
+    cut is never fused (the samples' results are best combined where they are placed)."""
+    model = hf_models.build(model_type, num_hidden_layers=3)
+    ids = hf_models.input_ids(batch=3, seq=8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    res, want, got = _place(model, input_ids=ids, attention_mask=mask, labels=ids, fuse=True)
+    assert res.reason is None, res.reason
+    assert res.verify_err is not None and res.verify_err <= 1e-6, res.verify_err
+    fused = model_type == "mixtral"
+    assert [c.fused for c in res.cuts] == [fused, fused, False], res.cuts
+    for c in res.cuts[:2]:
+        assert c.sample_bytes in (8 * 32 * 4, 8 * 32 * 4 + 8 * 8, 8 * 32 * 4 + 2 * 8 * 8), c
+        assert (c.after.startswith("experts") and len(c.moved) in (2, 3)) if fused else len(c.moved) in (1, 2), c
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
 
@@ -148,8 +176,11 @@ def test_placement_equals_eager_and_keeps_tokens_inside_nodes() -> None:
     attention masks with padding and labels with ignored positions: with sample placement the loss
     and logits equal eager's on every rank and the gradients summed over the ranks equal eager's;
     the first cut moved every sample to the other node (8 of 8), after which the second found nothing
-    to gain (it declined: perm = identity); the inter-node dispatch and combine bytes drop to a third
-    (the first layer's all-to-alls still cross), and the samples' own bytes are counted."""
+    to gain (it declined: perm = identity); the inter-node dispatch and combine bytes drop to a sixth:
+    of the first layer's all-to-alls only its dispatch (and the combine-shaped backward of it) still
+    crosses, its combine brings each sample's output to its new rank inside the experts' node
+    (fused cuts, ``ep_combine_to``; a third while the combine went to the old rank and the move
+    carried the output), and the samples' own bytes are counted."""
     results = run_ranks(4, "placement", worker="placement_worker.py", shape=[2, 2], layers=3)
     for rank, res in enumerate(results):
         on, off = res["True"], res["False"]
@@ -158,8 +189,9 @@ def test_placement_equals_eager_and_keeps_tokens_inside_nodes() -> None:
             assert r["logits_err"] < 1e-6, rank
             assert r["grad_err"] < 1e-5, rank
         assert on["moves"] == [1, 0] and on["moved"] == [8, 0] and on["pays"] == [True, False], (rank, on)
-        assert 3 * on["sent"]["dispatch"] == off["sent"]["dispatch"], (rank, on["sent"], off["sent"])
-        assert 3 * on["sent"]["combine"] == off["sent"]["combine"], (rank, on["sent"], off["sent"])
+        assert 6 * on["sent"]["dispatch"] == off["sent"]["dispatch"], (rank, on["sent"], off["sent"])
+        assert 6 * on["sent"]["combine"] == off["sent"]["combine"], (rank, on["sent"], off["sent"])
+        assert on["fused"] == 2 and "its output goes to the new ranks in its combine" in on["report"], (rank, on)
         assert on["sent"]["samples"] > 0 and off["sent"]["samples"] == 0
         # explain's view: the cuts, and the first layer's decision with its predicted inter-node bytes
         assert "sample placement: after" in on["report"] and "samples go home" in on["report"], on["report"]

@@ -169,6 +169,9 @@ class EPLayer:
     gather_exposed_s: float = 0.0
     # its gathered weights are gathered again in backward instead of kept (options['gather_keep_bytes'])
     regathered: bool = False
+    # its combine sends each token's result to its sample's new rank (``ep_combine_to``, sample
+    # placement): the dispatch's first hop carries each row's origin (``hier_a2a.Route.origin_row``)
+    carry_origin: bool = False
     # HybridEP's SR compression of the gathered experts (options['gather_compress']: the ratio;
     # None: off), the shared experts (one per weight tensor) and their all-reduce in flight
     compress_ratio: float | None = None
