@@ -189,7 +189,8 @@ Job = tuple[torch.device, Generator[Any, None, Any], list[Any]]
 # the stages whose collectives are split into start and wait (``passes.overlap``)
 SPLIT_STAGES = ("ep_dispatch", "ep_dispatch_backward", "ep_combine", "ep_combine_backward",
                 "ep_combine_to", "ep_combine_to_backward",  # sample placement's combine
-                "ep_gather", "ep_gather_backward")  # the gathers: lowering.ep_gather
+                "ep_gather", "ep_gather_backward",  # the gathers: lowering.ep_gather
+                "sample_move", "sample_move_backward")  # sample placement's moves: lowering.sample_exchange
 GATHER_STAGES = ("ep_gather",)  # stages that passes.overlap may start layers ahead (prefetch)
 
 

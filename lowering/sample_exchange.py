@@ -30,7 +30,7 @@ the graph computes the same with its samples permuted.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch import Tensor
 from moe_compile.cost import netmoe
 from moe_compile.cost.topology import Topology
 from moe_compile.ep import groups, runtime
+from moe_compile.lowering.ep_stages import Job, collective, stage_ops
 
 
 @dataclass
@@ -230,20 +231,23 @@ def _plan_fake(ticket: Tensor, keys: Tensor | None, world: int, samples: int, la
     return (like.new_empty((n,), dtype=torch.int64), like.new_empty((n,), dtype=torch.int64))
 
 
-def move_impl(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, direction: str = "forward") -> list[Tensor]:
-    if not xs:
-        return []
+def _move_job(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, direction: str = "forward") -> Job:
+    """``out[n] = in[perm[n]]`` for every value of ``xs`` (each [B * rows, ...]): one all-to-all of
+    each sample's rows of every value packed side by side, on the exchanges' own group; a stage
+    (``ep_stages.stage_ops``), so that ``passes.overlap`` runs the layer's local work while it is
+    in flight. With ``layer`` < 0 (the rewrite's verification) or one rank, a local permutation."""
+    device = xs[0].device if xs else perm.device
     world = perm.numel() // samples
     perm_cpu = perm.cpu()
-    if layer < 0 or world == 1:
-        local = perm_cpu.to(xs[0].device)
-        return [x.reshape(samples, -1)[local].reshape(x.shape) for x in xs]
+    if not xs or layer < 0 or world == 1 or torch.equal(perm_cpu, torch.arange(world * samples)):
+        local = perm_cpu.to(device)
+        result = ([x.clone() for x in xs] if layer >= 0 and world > 1
+                  else [x.reshape(samples, -1)[local].reshape(x.shape) for x in xs])
+        return device, _done(result), []
     lay = runtime.resolve(layer)
     comm = lay.comm
     me = comm.position
     mine = slice(me * samples, (me + 1) * samples)
-    if torch.equal(perm_cpu, torch.arange(world * samples)):
-        return [x.clone() for x in xs]
     packed = runtime.as_bytes(xs, samples)  # [B, bytes]: sample b's rows of every value side by side
     group, position_of = _group_of(comm)
     group_index = _inverse(torch.tensor(position_of, dtype=torch.int64))  # [position] -> group rank
@@ -261,18 +265,31 @@ def move_impl(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, dire
     recv_order = torch.argsort(src_group, stable=True)
     recv_split = torch.bincount(src_group, minlength=world).tolist()
     send = packed[send_order.to(packed.device)]
-    recv = torch.empty_like(packed)
-    dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
-    out = torch.empty_like(packed)
-    out[recv_order.to(packed.device)] = recv
-    row_bytes = packed.shape[1]
-    for i, n in enumerate(send_split):
-        level = level_of[position_of[i]]
-        if level >= 0 and n:
-            runtime.record_traffic(lay.layer_id, level, "samples", direction, payload_bytes=n * row_bytes,
-                                   payload_messages=1, meta_bytes=0, meta_messages=0)
-    return [y.reshape(x.shape) for x, y in zip(xs, runtime.from_bytes(out, [(x.dtype, (x.numel() // samples,))
-                                                                           for x in xs]), strict=True)]
+    likes = [(x.dtype, (x.numel() // samples,)) for x in xs]
+    shapes = [x.shape for x in xs]
+
+    def job() -> Generator[Any, None, list[Tensor]]:
+        yield group
+        recv = torch.empty_like(send)
+        with collective(lay, "the exchange that moves its samples (sample placement)"):
+            dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
+        out = torch.empty_like(recv)
+        out[recv_order.to(recv.device)] = recv
+        row_bytes = recv.shape[1]
+        for i, n in enumerate(send_split):
+            level = level_of[position_of[i]]
+            if level >= 0 and n:
+                runtime.record_traffic(lay.layer_id, level, "samples", direction, payload_bytes=n * row_bytes,
+                                       payload_messages=1, meta_bytes=0, meta_messages=0)
+        return [y.reshape(shape) for y, shape in zip(runtime.from_bytes(out, likes), shapes, strict=True)]
+
+    return device, job(), [group]
+
+
+def _done(result: list[Tensor]) -> Generator[Any, None, list[Tensor]]:
+    """A stage's steps with no collective: its result at once."""
+    return result
+    yield  # a generator
 
 
 def _inverse(order: Tensor) -> Tensor:
@@ -281,16 +298,23 @@ def _inverse(order: Tensor) -> Tensor:
     return inv
 
 
-@torch.library.custom_op("hiermoe::sample_move", mutates_args=(),
-                         schema="(Tensor[] xs, Tensor perm, int samples, int layer) -> Tensor[]")
-def sample_move(xs: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
-    """``out[n] = in[perm[n]]`` over the global sample slots (module docstring)."""
-    return move_impl(xs, perm, samples, layer)
-
-
-@sample_move.register_fake
 def _move_fake(xs: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
     return [torch.empty_like(x) for x in xs]
+
+
+sample_move = stage_ops("sample_move", "Tensor[] xs, Tensor perm, int samples, int layer", "Tensor[]", _move_job,
+                        _move_fake)
+sample_move.__doc__ = "``out[n] = in[perm[n]]`` over the global sample slots (module docstring)."
+
+
+def _move_backward_job(grads: list[Tensor], perm: Tensor, samples: int, layer: int) -> Job:
+    """The gradients of ``sample_move``'s outputs moved back: ``sample_move`` by the inverse
+    permutation (counted as backward traffic)."""
+    return _move_job(grads, perm, samples, layer, "backward")
+
+
+stage_ops("sample_move_backward", "Tensor[] grads, Tensor perm, int samples, int layer", "Tensor[]",
+          _move_backward_job, _move_fake)
 
 
 def _move_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -311,20 +335,6 @@ def _move_backward(ctx: Any, grads: list[Tensor | None]) -> tuple[Any, ...]:
     for i, g in zip(pick, moved, strict=True):
         out[i] = g
     return out, None, None, None
-
-
-@torch.library.custom_op("hiermoe::sample_move_backward", mutates_args=(),
-                         schema="(Tensor[] grads, Tensor perm, int samples, int layer) -> Tensor[]")
-def sample_move_backward(grads: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
-    """The gradients of ``sample_move``'s outputs moved back: ``sample_move`` by the inverse
-    permutation (counted as backward traffic)."""
-    with torch.no_grad():
-        return move_impl(grads, perm, samples, layer, "backward")
-
-
-@sample_move_backward.register_fake
-def _move_backward_fake(grads: list[Tensor], perm: Tensor, samples: int, layer: int) -> list[Tensor]:
-    return [torch.empty_like(g) for g in grads]
 
 
 sample_move.register_autograd(_move_backward, setup_context=_move_setup)

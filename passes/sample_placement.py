@@ -596,6 +596,25 @@ def register_records(res: PlacementResult, layer_ids: dict[str, int], topology: 
             token_bytes=token_bytes[cut.layer], exchanges=3.0 if cut.fused else 2.0))
 
 
+def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
+    """Move ``node`` and what it needs of the nodes after ``before`` (the plan of a move, its
+    permutation) to just before ``before``, in their order; False (nothing moved) when ``node``
+    needs ``before`` or something computed from it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    later: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if order[a] >= order[before] and a not in later:
+                if a is before:
+                    return False
+                later.add(a)
+                stack.append(a)
+    for n in sorted(later | {node}, key=order.__getitem__):
+        before.prepend(n)
+    return True
+
+
 def fuse_combines(gm: fx.GraphModule) -> list[int]:
     """After expert_parallel: each sample move that carries an MoE layer's output straight from its
     ``ep_combine`` (a fused cut, ``Cut.fused``) takes it out, and the layer combines to the
@@ -603,8 +622,11 @@ def fuse_combines(gm: fx.GraphModule) -> list[int]:
     dispatch carrying the rows' origin: ``EPLayer.carry_origin``). A sample whose experts are in
     the node it moves to then gets its layer output from inside that node, not over the slow link
     to its old rank and again in the move. A combine that something else reads too, or a layer
-    run in chunks (its output a concatenation), keeps the plain combine and the move. Returns
-    the runtime layers whose combines were fused."""
+    run in chunks (its output a concatenation), keeps the plain combine and the move. What the
+    move still carries (the residual stream, masks) is moved, with the plan that decides it, to
+    before the layer's local expert stage: the move is a stage (``sample_exchange``), so
+    ``passes.overlap`` runs the experts while it is in flight. Returns the runtime layers whose
+    combines were fused."""
     graph = gm.graph
     combine = torch.ops.hiermoe.ep_combine.default
     fused: list[int] = []
@@ -636,10 +658,13 @@ def fuse_combines(gm: fx.GraphModule) -> list[int]:
         for new, k in enumerate(keep):
             if k in items:
                 items[k].args = (mv, new)
+        local = xs[take[0]].args[0].args[0]  # ep_combine(getitem(ep_local_experts(...), 0), ...)
         for k in take:
             graph.erase_node(xs[k])
         if not keep:
             graph.erase_node(mv)
+        else:  # the rest of the samples' values move while the layer's experts compute
+            _hoist(graph, mv, local)
     if fused:
         graph.lint()
         gm.recompile()
