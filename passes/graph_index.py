@@ -85,7 +85,8 @@ def tensor_meta(node: fx.Node) -> torch.Tensor | None:
 def fake_tensor(node: fx.Node) -> torch.Tensor | None:
     """``tensor_meta``, or for a node a pass added without one (a ``stack`` or ``narrow`` of
     weights), its value computed from its inputs' fake values in their fake mode; None where
-    an input has none."""
+    an input has none. Inputs whose fake values another mode made (a pass's fake propagation
+    filled the ones Dynamo's left out: ``sample_placement``) are converted into the first one's."""
     t = tensor_meta(node)
     if t is not None or node.op not in ("call_function", "call_method"):
         return t
@@ -98,6 +99,9 @@ def fake_tensor(node: fx.Node) -> torch.Tensor | None:
     mode = next((v.fake_mode for v in inputs.values() if hasattr(v, "fake_mode")), None)
     if mode is None:
         return None
+    for n, v in inputs.items():
+        if getattr(v, "fake_mode", mode) is not mode:
+            inputs[n] = mode.from_tensor(v)
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: inputs[n])
     with mode:
         out = getattr(args[0], str(node.target))(*args[1:], **kwargs) if node.op == "call_method" \

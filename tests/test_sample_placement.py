@@ -12,6 +12,7 @@ import hf_models
 import pytest
 import torch
 from dist_utils import run_ranks
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moe_compile.options import parse_options
 from moe_compile.passes.sample_placement import Layer, PlacementResult, sample_placement_pass
@@ -97,6 +98,27 @@ def test_cuts_fused_with_the_combine_move_no_more(model_type: str) -> None:
         assert (c.after.startswith("experts") and len(c.moved) in (2, 3)) if fused else len(c.moved) in (1, 2), c
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_read_from_two_fake_modes_gets_a_fake_value() -> None:
+    """The placement pass fills the example values Dynamo's trace left out (the expert op's, the
+    pieces of a tuple) by fake propagation in a mode of its own; a node a later pass adds without
+    one (a model-centric layer's token all-gather reading the tokens and such a piece) then reads
+    fakes of two modes. ``graph_index.fake_tensor`` converts them into one: before, compiling such
+    a layer with sample placement (4 ranks, K = 8: the planner chose model0 for the first layer)
+    failed with "Mixing fake modes NYI"."""
+    from moe_compile.passes.graph_index import fake_tensor
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    total = graph.call_function(torch.add, (a, b))
+    graph.output(total)
+    with FakeTensorMode() as one:
+        a.meta["example_value"] = torch.empty(3, 4)
+    with FakeTensorMode():
+        b.meta["example_value"] = torch.empty(3, 4)
+    got = fake_tensor(total)
+    assert got is not None and got.shape == (3, 4) and got.fake_mode is one
 
 
 def test_the_tiny_lm_permuting_its_samples_into_dim_1_is_followed() -> None:
