@@ -19,8 +19,8 @@ Zipf(1.2) weights over its own ranking of the groups), "uniform" (every token's 
 sample prefers anything); and "trained": moe_compile.samples' tiny LM (grouped GEMM experts, the same
 sizes) trained eagerly for --train-steps AdamW steps on its counting task, each sample counting with
 its own stride, on counting batches (its routing, whatever it learned). Two variants, each a copy of the same model compiled by hiermoe (the links
-fitted at start as bench_e2e does, compute measured; inner compiler aot_eager; expert_gather False:
-the token all-to-all, HD-d with d* per step):
+fitted at start as bench_e2e does, compute measured; inner compiler aot_eager; expert_gather,
+model_centric and replicated_experts False: the token all-to-all, HD-d with d* per step):
 
   HD d*             the planner's all-to-all
   placement + HD d* the same with options["sample_placement"] = True: after each MoE layer but the
@@ -80,8 +80,10 @@ def worker(args: argparse.Namespace) -> None:
                 labels = ids
             models = {}
             for name, place in VARIANTS.items():
+                # token all-to-alls in both variants (no gathers, no model-centric, no replicated
+                # layers: those the placement compares with are HD d*'s)
                 options = {"mesh": mesh, "topology": topology, "inner_compiler": "aot_eager", "expert_gather": False,
-                           "sample_placement": place, "replicated_experts": False}  # unplaced: the all-to-alls
+                           "sample_placement": place, "replicated_experts": False, "model_centric": False}
                 models[name] = torch.compile(copy.deepcopy(base), backend=functools.partial(hiermoe_backend,
                                                                                               options=options))
 
