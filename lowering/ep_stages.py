@@ -551,7 +551,10 @@ def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, 
     from inside the node instead of over the slow link twice (to its old rank, then moved)."""
     lay, d, rt = _route(route, partial.device)
     flat = lay.comm.intra[0]
-    new_slot_of = torch.argsort(perm.cpu())
+    perm_cpu = perm.cpu()
+    if torch.equal(perm_cpu, torch.arange(perm_cpu.numel())):  # no sample moves this step: ep_combine
+        return _plain_combine_to(lay, d, rt, partial, num_tokens)
+    new_slot_of = torch.argsort(perm_cpu)
 
     def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
         t0 = time.perf_counter()
@@ -562,6 +565,21 @@ def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, 
         return y.contiguous(), redirect.pack()
 
     return partial.device, job(), [*(hop.phase.group for hop in reversed(rt.hops[1:])), flat.group]
+
+
+def _plain_combine_to(lay: runtime.EPLayer, d: int, rt: hier_a2a.Route, partial: Tensor, num_tokens: int) -> Job:
+    """``ep_combine_to`` of a step whose placement moves no sample: the plain combine (its last hop
+    in its own group, no redirect over the world, no split sizes exchanged), and an empty redirect,
+    which tells the backward to run the plain combine's."""
+    def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
+        t0 = time.perf_counter()
+        with collective(lay, f"the forward combine all-to-alls ({phase_names(d, lay)})"):
+            y, _ = yield from hier_a2a.combine_steps(partial, rt, "forward")
+        _timed(lay, "forward", t0)
+        assert y.shape[0] == num_tokens, (y.shape, num_tokens)
+        return y.contiguous(), torch.empty((0,), dtype=torch.long)
+
+    return partial.device, job(), [hop.phase.group for hop in reversed(rt.hops)]
 
 
 def _combine_to_fake(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int
@@ -576,6 +594,8 @@ ep_combine_to = stage_ops("ep_combine_to", "Tensor partial, Tensor route, Tensor
 
 def _combine_to_backward_job(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int) -> Job:
     """[R, H]: ``ep_combine_backward`` from the tokens' new ranks (``hier_a2a.redispatch_from_steps``)."""
+    if redirect.numel() == 0:  # the forward combined plainly (no sample moved)
+        return _combine_backward_job(grad_y, route, num_rows)
     lay, d, rt = _route(route, grad_y.device)
     flat = lay.comm.intra[0]
     back = hier_a2a.Redirect.unpack(redirect, grad_y.device)
