@@ -24,6 +24,11 @@ fused ``hiermoe::ep_experts`` re-dispatches ``[x | grad_y]`` (1.5x). The price i
 dispatched rows ([R, H] per layer) kept from forward to backward; ``explain`` reports them per
 layer (``EPLayer.saved_bytes``).
 
+Under sample placement a fused cut's layer ends in ``hiermoe::ep_combine_to(partial, route, perm,
+B, T)`` instead (``passes.sample_placement.fuse_combines``): the combine delivers each token's
+result to the rank its sample moves to (``hier_a2a.combine_to_steps``; a step that moves no sample
+combines plainly), and its backward brings the gradients back from there.
+
 Dtypes: the rows travel in the tokens' dtype, the slot weights as float32 metadata (back in the
 routing weights' dtype on arrival), and the partial sums and ``y`` in promote(tokens, routing
 weights), the dtype ``hiermoe::experts`` returns: under torch.autocast the tokens go out in bf16

@@ -11,7 +11,9 @@ every rank, so shapes stay static). ``keys[slot]`` is the origin slot of the sam
 ``argsort(keys)``); ``perm[new slot] = old slot``: ``sample_move`` makes ``out[n] = in[perm[n]]``
 across ranks, with one ``all_to_all_single`` over the world for all the values of a cut (each
 sample's rows of every value packed as bytes into one row), and its backward moves the gradients
-by the inverse permutation, so backward sends what forward sent, reversed.
+by the inverse permutation, so backward sends what forward sent, reversed. Both are stages
+(``ep_stages.stage_ops``): ``passes.overlap`` splits them into start and wait, so a move runs while
+independent work (a fused cut's local expert stage) computes.
 
 The decision (``sample_plan``): the layer's routing gives, per local sample, the tokens that go
 to each node and each rank, deduplicated as HierMoE's HD-d sends them

@@ -11,6 +11,13 @@ liveness, not by name: the residual stream, attention masks, anything live there
 anything that mixes samples (a loss, a mean over the batch) or leaves the graph reads values that
 were returned first. Each rank keeps B samples, so shapes stay static.
 
+Fused cuts (NetMoE places samples in the layer's second all-to-all): where a layer's combine can
+carry its output to the new ranks (``fusable``: token all-to-all stages in one chunk), its cut is
+right after its expert op; after expert_parallel, ``fuse_combines`` takes the op's output out of
+the move and makes the combine ``hiermoe::ep_combine_to``, and moves the rest (the residual
+stream before the layer, masks) with its plan before the layer's local expert stage, so that it
+travels while the experts compute.
+
 Contract
     needs     the hiermoe::experts nodes canonicalize emitted, with their layer names, before
               expert_parallel (which binds the cuts to its runtime layers: ``bind``); the
@@ -30,7 +37,8 @@ Contract
 Pseudo-code:
     B <- the sample dimension of the first layer's tokens ([B, S, H] flattened to [B*S, H])
     cuts <- after each MoE layer but the last: the point before the next one where the live
-            per-sample bytes are fewest; after the last: the same, returning home
+            per-sample bytes are fewest (a fusable layer: right after its op, unless that moves
+            more than half its output's bytes more); after the last: the same, returning home
     displaced <- closure: sample-wise nodes after a cut reading a displaced value or the layer's output
     for each node in order: convert its per-sample inputs to its generation (displaced: the
             last cut's; else home), insert each cut's plan and move after its point
@@ -210,10 +218,10 @@ Agree = Callable[[str | None, int, int, tuple[str, ...]], str | None]
 def sample_placement_pass(gm: fx.GraphModule, layers: Sequence[Layer], example_inputs: Sequence[object],
                           params: ParamTable, world: int, verify: bool = True, agree: Agree | None = None,
                           fusable: frozenset[str] = frozenset()) -> PlacementResult:
-    """Rewrite ``gm`` (module docstring); ``layers`` in graph order. ``agree(reason, B, cuts)``
+    """Rewrite ``gm`` (module docstring); ``layers`` in graph order. ``agree(reason, B, cuts, fused)``
     (under expert parallelism) turns this rank's verdict into the one every rank takes: the reason
-    to leave the graph alone, or None to rewrite it (``fused``, the fifth, the cuts fused: the same
-    on every rank, or the graphs would differ). ``fusable``: the layers whose combine can
+    to leave the graph alone, or None to rewrite it (its fourth argument: the layers whose cuts
+    are fused, the same on every rank or the graphs would differ). ``fusable``: the layers whose combine can
     take their samples to their new ranks (token all-to-all stages, one chunk): a cut that places
     samples after one of them is made right after its expert op (``Cut.fused``), where the rewrite
     allows it (else where the fewest bytes are live)."""
