@@ -554,11 +554,12 @@ def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, 
     the sample of slot perm[n]; ``hier_a2a.combine_to_steps``), the samples' own move for the
     layer's output fused into its combine: a sample placed where its experts are gets its result
     from inside the node instead of over the slow link twice (to its old rank, then moved)."""
+    perm_cpu = perm.cpu()
+    if torch.equal(perm_cpu, torch.arange(perm_cpu.numel())):  # no sample moves this step: ep_combine's
+        device, steps, groups = _combine_job(partial, route, num_tokens)
+        return device, _no_redirect(steps), groups
     lay, d, rt = _route(route, partial.device)
     flat = lay.comm.intra[0]
-    perm_cpu = perm.cpu()
-    if torch.equal(perm_cpu, torch.arange(perm_cpu.numel())):  # no sample moves this step: ep_combine
-        return _plain_combine_to(lay, d, rt, partial, num_tokens)
     new_slot_of = torch.argsort(perm_cpu)
 
     def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
@@ -572,19 +573,11 @@ def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, 
     return partial.device, job(), [*(hop.phase.group for hop in reversed(rt.hops[1:])), flat.group]
 
 
-def _plain_combine_to(lay: runtime.EPLayer, d: int, rt: hier_a2a.Route, partial: Tensor, num_tokens: int) -> Job:
-    """``ep_combine_to`` of a step whose placement moves no sample: the plain combine (its last hop
-    in its own group, no redirect over the world, no split sizes exchanged), and an empty redirect,
-    which tells the backward to run the plain combine's."""
-    def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
-        t0 = time.perf_counter()
-        with collective(lay, f"the forward combine all-to-alls ({phase_names(d, lay)})"):
-            y, _ = yield from hier_a2a.combine_steps(partial, rt, "forward")
-        _timed(lay, "forward", t0)
-        assert y.shape[0] == num_tokens, (y.shape, num_tokens)
-        return y.contiguous(), torch.empty((0,), dtype=torch.long)
-
-    return partial.device, job(), [hop.phase.group for hop in reversed(rt.hops)]
+def _no_redirect(steps: Generator[Any, None, Tensor]) -> Generator[Any, None, tuple[Tensor, Tensor]]:
+    """``ep_combine``'s steps as ``ep_combine_to``'s of a step that moves no sample: its output and
+    an empty redirect, which tells the backward to run ``ep_combine``'s."""
+    y = yield from steps
+    return y, torch.empty((0,), dtype=torch.long)
 
 
 def _combine_to_fake(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int

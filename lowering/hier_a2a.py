@@ -214,11 +214,13 @@ def redispatch(x_TC: Tensor, route: Route, direction: str) -> Tensor:
     return run_steps(redispatch_steps(x_TC, route, direction))
 
 
-def redispatch_steps(x_TC: Tensor, route: Route, direction: str) -> Steps:
-    """``redispatch`` yielding each hop's process group first (``dispatch_steps``)."""
-    rows = x_TC if route.dedup else x_TC.repeat_interleave(route.top_k, dim=0)
+def redispatch_steps(x_TC: Tensor, route: Route, direction: str, first_hop: int = 0) -> Steps:
+    """``redispatch`` yielding each hop's process group first (``dispatch_steps``). ``first_hop``
+    > 0: ``x_TC`` are already the rows hop ``first_hop`` - 1 delivered here; only the later hops run
+    (``redispatch_from_steps``)."""
+    rows = x_TC if route.dedup or first_hop else x_TC.repeat_interleave(route.top_k, dim=0)
     row_bytes = rows.shape[1] * rows.element_size()
-    for hop in route.hops:
+    for hop in route.hops[first_hop:]:
         yield hop.phase.group
         rows = _a2a(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
         _count(route.layer_id, hop.phase, hop.send_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
@@ -235,13 +237,16 @@ def combine(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | Non
     return run_steps(combine_steps(rows_RC, route, direction, meta_RS))
 
 
-def combine_steps(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | None = None) -> Steps:
-    """``combine`` yielding each hop's process group first, last hop first (``dispatch_steps``)."""
+def combine_steps(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor | None = None,
+                  first_hop: int = 0) -> Steps:
+    """``combine`` yielding each hop's process group first, last hop first (``dispatch_steps``).
+    ``first_hop`` > 0: only hops ``first_hop``.. are reversed, returning the rows hop ``first_hop``
+    - 1 had delivered here, summed ([R, C], in the rows' dtype; ``combine_to_steps``)."""
     out_dtype = rows_RC.dtype
     acc = rows_RC.float()
     meta = meta_RS
     row_bytes = rows_RC.shape[1] * rows_RC.element_size()
-    for hop in reversed(route.hops):
+    for hop in reversed(route.hops[first_hop:]):
         yield hop.phase.group
         meta_bytes = 0
         if meta is None:
@@ -254,7 +259,7 @@ def combine_steps(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor
         summed = acc.new_zeros((hop.num_rows, acc.shape[1])).index_add_(0, hop.src_row_N, back.float())
         _count(route.layer_id, hop.phase, hop.recv_counts, row_bytes, meta_bytes, "combine", direction, count_msg_bytes=0)
         acc = summed
-    if not route.dedup:
+    if not route.dedup and not first_hop:
         acc = acc.view(route.num_tokens, route.top_k, acc.shape[1]).sum(1)
         if meta is not None:
             meta = meta.view(route.num_tokens, route.top_k)
@@ -303,13 +308,8 @@ def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples
     rows' dtype, summed in float32, the ``Redirect``)."""
     assert route.origin_row is not None, "combine_to needs a dispatch that carried its rows' origin"
     out_dtype = rows_RC.dtype
-    acc = rows_RC.float()
     row_bytes = rows_RC.shape[1] * rows_RC.element_size()
-    for hop in reversed(route.hops[1:]):
-        yield hop.phase.group
-        back = _a2a(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)
-        acc = acc.new_zeros((hop.num_rows, acc.shape[1])).index_add_(0, hop.src_row_N, back.float())
-        _count(route.layer_id, hop.phase, hop.recv_counts, row_bytes, 0, "combine", direction, count_msg_bytes=0)
+    acc, _ = yield from combine_steps(rows_RC, route, direction, first_hop=1)
     first = route.hops[0]
     device = acc.device
     num_tokens = route.num_tokens
@@ -319,21 +319,19 @@ def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples
     token = route.origin_row if route.dedup else route.origin_row // route.top_k
     new_slot = new_slot_of.to(device)[src_pos * samples + token // per_sample]
     new_row = (new_slot % samples) * per_sample + token % per_sample
-    group_rank = torch.empty(len(flat.peer_pos), dtype=torch.long)
-    group_rank[torch.tensor(flat.peer_pos, dtype=torch.long)] = torch.arange(len(flat.peer_pos))
-    dest = group_rank.to(device)[new_slot // samples]
+    dest = flat.dest_peer_G.to(device)[new_slot // samples]  # the world phase: every position's group rank
     send_order = torch.argsort(dest, stable=True)
     send_counts_P = torch.bincount(dest, minlength=len(flat.peer_pos))
     yield flat.group
     recv_counts_P = torch.empty_like(send_counts_P)
     dist.all_to_all_single(recv_counts_P, send_counts_P, group=flat.group)
     send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
-    packed = _a2a(_pack(acc[send_order].to(out_dtype), new_row[send_order].to(torch.int32)[:, None]),
+    packed = _a2a(_pack(acc[send_order], new_row[send_order].to(torch.int32)[:, None]),
                   recv_counts, send_counts, flat.group)
     got, recv_row = _unpack(packed, acc.shape[1], out_dtype, torch.int32)
     _count(route.layer_id, flat, send_counts, row_bytes, 4, "combine", direction, count_msg_bytes=8)
     recv_row = recv_row[:, 0].long()
-    out = acc.new_zeros((num_tokens, acc.shape[1])).index_add_(0, recv_row, got.float())
+    out = torch.zeros((num_tokens, acc.shape[1]), dtype=torch.float32, device=device).index_add_(0, recv_row, got.float())
     return out.to(out_dtype), Redirect(send_order, send_counts, recv_counts, recv_row)
 
 
@@ -347,8 +345,4 @@ def redispatch_from_steps(grad_TC: Tensor, route: Route, redirect: Redirect, fla
     _count(route.layer_id, flat, redirect.recv_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
     rows = torch.empty_like(back)
     rows[redirect.send_order] = back
-    for hop in route.hops[1:]:
-        yield hop.phase.group
-        rows = _a2a(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
-        _count(route.layer_id, hop.phase, hop.send_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
-    return rows
+    return (yield from redispatch_steps(rows, route, direction, first_hop=1))
