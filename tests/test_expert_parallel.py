@@ -112,7 +112,7 @@ def test_llama4_input_scaled_experts_over_ranks() -> None:
     """transformers' Llama-4 at K = 2, whose routing weights scale the experts' input (the op gets
     K rows per token), over 2 gloo ranks with the token all-to-alls: loss and summed gradients
     equal eager's, both layers rewritten as input-scaled and run expert parallel."""
-    for rank, r in enumerate(run_ranks(2, "llama4", shape=[2], k=2)):
+    for rank, r in enumerate(run_ranks(2, "llama4", worker="hf_worker.py", shape=[2], k=2)):
         assert abs(r["loss"] - r["loss_ref"]) <= TOL * abs(r["loss_ref"]), (rank, r)
         assert r["grad_err"] < 1e-5, (rank, r)
         assert len(r["layouts"]) == 2 and all("weights scale the input" in lay for lay in r["layouts"]), r
@@ -135,7 +135,7 @@ def test_activation_checkpointed_mixtral_over_ranks() -> None:
     the policy saves grouped matmuls, and this one recomputes everything), and it sends the bytes
     the unsharded plain run sends (measured: kept 36 KB, against 32 KB with plain checkpointing
     and 80 KB without; 59 KB while the local stage kept its pre-activations whatever the policy)."""
-    for rank, r in enumerate(run_ranks(2, "checkpointed", shape=[2], reentrant=False)):
+    for rank, r in enumerate(run_ranks(2, "checkpointed", worker="hf_worker.py", shape=[2], reentrant=False)):
         plain = r["plain"]
         assert plain["inlined"] == 0, (rank, plain)
         for ckpt in (r["checkpointed"], r["sharded"]):
@@ -170,7 +170,7 @@ def test_checkpoint_around_the_experts_alone_over_ranks() -> None:
     but the rows it received; selective, it keeps its pre-activations only where the policy saves
     the grouped matmuls. Loss and summed gradients equal eager checkpointed alike. Before, plain
     checkpointing recomputed nothing of the layer and a selective one left it as written."""
-    for rank, r in enumerate(run_ranks(2, "experts_checkpointed", shape=[2])):
+    for rank, r in enumerate(run_ranks(2, "experts_checkpointed", worker="hf_worker.py", shape=[2])):
         none = r["none"]
         for variant, v in r.items():
             assert len(v["plans"]) == 1 and v["plans"][0].startswith(("hd", "flat", "2dh")), (rank, variant, v)
