@@ -39,6 +39,7 @@ from torch import Tensor
 
 from moe_compile.ep import runtime
 from moe_compile.lowering.ep_stages import Job, check_device, check_version, collective, stage_ops
+from moe_compile.lowering.p2p_a2a import all_to_all_rows, use_recv_first
 
 
 def _domain(lay: runtime.EPLayer) -> tuple[int, list[int]]:
@@ -57,10 +58,12 @@ def _local_rows(w: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
 
 def _exchange(send: Tensor, group: Any) -> Tensor:
     """[peers * n] every peer's ``send`` [n] in group-rank order (on gloo one round of direct sends,
-    ``runtime.exchange_with_all``; else all_gather_into_tensor)."""
+    every receive posted first: ``all_to_all_rows``, where gloo's all-gather runs rounds between
+    neighbours and its all-to-all a pair's two directions one after the other; else
+    all_gather_into_tensor)."""
     peers = dist.get_world_size(group)
-    if dist.get_backend(group) == "gloo":
-        return runtime.exchange_with_all(send, peers, group)[0].reshape(-1)
+    if use_recv_first(group, send.device):
+        return all_to_all_rows(send.reshape(1, -1).expand(peers, -1), None, None, group).reshape(-1)
     recv = send.new_empty(peers * send.numel())
     dist.all_gather_into_tensor(recv, send, group=group)
     return recv
@@ -117,8 +120,7 @@ def reduce_scatter_levels(lay: runtime.EPLayer, have: Tensor, flat: Sequence[tup
         coord = [comm.coords(p)[level] for p in held]
         # the rows of the positions each peer keeps, in group-rank order: equal splits
         send = torch.cat([have[[k for k, c in enumerate(coord) if c == pc]] for pc in peers])
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=phase.group)
+        recv = all_to_all_rows(send, None, None, phase.group)
         _count(lay, phase, send.numel() // len(peers), direction, what)
         mine = comm.coords(comm.position)[level]
         held = [p for p, c in zip(held, coord, strict=True) if c == mine]

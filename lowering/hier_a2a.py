@@ -37,7 +37,7 @@ from torch import Tensor
 
 from moe_compile.ep.comm import Phase
 from moe_compile.ep.runtime import record_traffic
-from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
+from moe_compile.lowering.p2p_a2a import all_to_all_rows
 
 
 @dataclass
@@ -91,17 +91,6 @@ class Route:
             src_at += sent
         origin = packed[src_at: src_at + sum(hops[0].recv_counts)].to(device) if has_origin else None
         return cls(hops, num_tokens, top_k, bool(dedup), layer_id, origin)
-
-
-def _a2a(t: Tensor, recv_counts: list[int], send_counts: list[int], group: dist.ProcessGroup) -> Tensor:
-    """The rows' all-to-all: on gloo with every receive posted before any send (gloo's own runs a
-    pair's two directions one after the other, lowering/p2p_a2a.py), else the library's."""
-    out = t.new_empty((sum(recv_counts), *t.shape[1:]))
-    if use_recv_first(group, t.device):
-        all_to_all_single_recv_first(out, t.contiguous(), recv_counts, send_counts, group=group)
-    else:
-        dist.all_to_all_single(out, t.contiguous(), recv_counts, send_counts, group=group)
-    return out
 
 
 def _pack(rows: Tensor, meta: Tensor) -> Tensor:
@@ -193,7 +182,7 @@ def dispatch_steps(x_TH: Tensor, topk_idx_TK: Tensor, weights_TK: Tensor, expert
         recv_counts_P = torch.empty_like(send_counts_P)
         dist.all_to_all_single(recv_counts_P, send_counts_P, group=phase.group)
         send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
-        packed = _a2a(_pack(rows[src_N], meta_NS2), recv_counts, send_counts, phase.group)
+        packed = all_to_all_rows(_pack(rows[src_N], meta_NS2), recv_counts, send_counts, phase.group)
         new_rows, meta = _unpack(packed, rows.shape[1], rows.dtype, torch.int32)
         _count(layer_id, phase, send_counts, row_bytes, meta_NS2.shape[1] * 4, "dispatch", direction, count_msg_bytes=8)
         hops.append(Hop(phase, src_N, send_counts, recv_counts, rows.shape[0]))
@@ -222,7 +211,7 @@ def redispatch_steps(x_TC: Tensor, route: Route, direction: str, first_hop: int 
     row_bytes = rows.shape[1] * rows.element_size()
     for hop in route.hops[first_hop:]:
         yield hop.phase.group
-        rows = _a2a(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
+        rows = all_to_all_rows(rows[hop.src_row_N], hop.recv_counts, hop.send_counts, hop.phase.group)
         _count(route.layer_id, hop.phase, hop.send_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
     return rows
 
@@ -250,9 +239,9 @@ def combine_steps(rows_RC: Tensor, route: Route, direction: str, meta_RS: Tensor
         yield hop.phase.group
         meta_bytes = 0
         if meta is None:
-            back = _a2a(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)
+            back = all_to_all_rows(acc.to(out_dtype), hop.send_counts, hop.recv_counts, hop.phase.group)
         else:  # the per-slot values travel in the rows' message
-            packed = _a2a(_pack(acc.to(out_dtype), meta), hop.send_counts, hop.recv_counts, hop.phase.group)
+            packed = all_to_all_rows(_pack(acc.to(out_dtype), meta), hop.send_counts, hop.recv_counts, hop.phase.group)
             back, meta_back = _unpack(packed, acc.shape[1], out_dtype, torch.float32)
             meta = meta.new_zeros((hop.num_rows, meta.shape[1])).index_add_(0, hop.src_row_N, meta_back)
             meta_bytes = meta.shape[1] * 4
@@ -326,7 +315,7 @@ def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples
     recv_counts_P = torch.empty_like(send_counts_P)
     dist.all_to_all_single(recv_counts_P, send_counts_P, group=flat.group)
     send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
-    packed = _a2a(_pack(acc[send_order], new_row[send_order].to(torch.int32)[:, None]),
+    packed = all_to_all_rows(_pack(acc[send_order], new_row[send_order].to(torch.int32)[:, None]),
                   recv_counts, send_counts, flat.group)
     got, recv_row = _unpack(packed, acc.shape[1], out_dtype, torch.int32)
     _count(route.layer_id, flat, send_counts, row_bytes, 4, "combine", direction, count_msg_bytes=8)
@@ -341,7 +330,7 @@ def redispatch_from_steps(grad_TC: Tensor, route: Route, redirect: Redirect, fla
     other hops as in ``redispatch``. Returns [R, C] aligned with the rows ``dispatch`` delivered."""
     row_bytes = grad_TC.shape[1] * grad_TC.element_size()
     yield flat.group
-    back = _a2a(grad_TC[redirect.recv_row], redirect.send_counts, redirect.recv_counts, flat.group)
+    back = all_to_all_rows(grad_TC[redirect.recv_row], redirect.send_counts, redirect.recv_counts, flat.group)
     _count(route.layer_id, flat, redirect.recv_counts, row_bytes, 0, "dispatch", direction, count_msg_bytes=0)
     rows = torch.empty_like(back)
     rows[redirect.send_order] = back

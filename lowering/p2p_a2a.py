@@ -9,7 +9,9 @@ payload rate for gloo's all-to-all, 99 % with receives first).  Posting every ``
 all receive-ready notices on the wire before any bulk data, so both directions run at once.
 
 ``all_to_all_single_recv_first`` has ``dist.all_to_all_single``'s contract (synchronous only);
-``use_recv_first(group)`` says whether a group's backend is gloo, where it pays off.  NCCL's own
+``use_recv_first(group)`` says whether a group's backend is gloo, where it pays off;
+``all_to_all_rows`` picks for a group: every exchange of payload rows (the token all-to-alls, the
+expert gathers' all-gather and reduce-scatter, model-centric's, the sample moves) goes through it.  NCCL's own
 all-to-all has no such problem and stays the one to use there.
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_single_recv_first", "use_recv_first"]
+__all__ = ["all_to_all_rows", "all_to_all_single_recv_first", "use_recv_first"]
 
 
 def _splits(sizes: Sequence[int] | None, rows: int, num_ranks: int, what: str) -> list[int]:
@@ -86,3 +88,18 @@ def use_recv_first(group: dist.ProcessGroup | None = None, device: torch.device 
         by_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
         backend = by_device.get(torch.device(device).type, "")
     return backend == "gloo"
+
+
+def all_to_all_rows(t: torch.Tensor, recv_counts: Sequence[int] | None, send_counts: Sequence[int] | None,
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``t``'s rows ([sum(send_counts), ...]; None: equal parts) to the group's ranks, each rank's
+    rows back ([sum(recv_counts), ...]), counts in group-rank order: on gloo with every receive
+    posted before any send (``all_to_all_single_recv_first``), else the library's all-to-all."""
+    rows = sum(recv_counts) if recv_counts is not None else t.shape[0]
+    out = t.new_empty((rows, *t.shape[1:]))
+    if use_recv_first(group, t.device):
+        all_to_all_single_recv_first(out, t.contiguous(), recv_counts, send_counts, group=group)
+    else:
+        dist.all_to_all_single(out, t.contiguous(), None if recv_counts is None else list(recv_counts),
+                               None if send_counts is None else list(send_counts), group=group)
+    return out

@@ -9,7 +9,7 @@ Global slots: rank at mesh position p holds slots p*B .. p*B+B-1 (B samples per 
 every rank, so shapes stay static). ``keys[slot]`` is the origin slot of the sample now in
 ``slot`` (the identity before the first cut; the graph's outputs are moved back by
 ``argsort(keys)``); ``perm[new slot] = old slot``: ``sample_move`` makes ``out[n] = in[perm[n]]``
-across ranks, with one ``all_to_all_single`` over the world for all the values of a cut (each
+across ranks, with one all-to-all (``p2p_a2a.all_to_all_rows``) over the world for all the values of a cut (each
 sample's rows of every value packed as bytes into one row), and its backward moves the gradients
 by the inverse permutation, so backward sends what forward sent, reversed. Both are stages
 (``ep_stages.stage_ops``): ``passes.overlap`` splits them into start and wait, so a move runs while
@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from moe_compile.cost import netmoe
 from moe_compile.cost.topology import Topology
 from moe_compile.ep import groups, runtime
 from moe_compile.lowering.ep_stages import Job, collective, stage_ops
+from moe_compile.lowering.p2p_a2a import all_to_all_rows
 
 
 @dataclass
@@ -56,6 +56,7 @@ class PlacementRecord:
     sample_bytes: int  # bytes of every value that moves with one sample at this cut
     token_bytes: int  # bytes one token sends in a dispatch (hidden row + routing slots)
     exchanges: float = 2.0  # all-to-alls a move serves (the next layer's dispatch and combine)
+    fused: bool = False  # the layer's combine delivers to the new ranks (a redirect all-to-all)
     # the last step's decision
     last: netmoe.Placement | None = None
     # after a step that moved nothing the next min(2 ** (declines - 1), MAX_SKIP) steps skip the
@@ -186,7 +187,7 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
     slot_rank = np.arange(world * samples) // samples
     start = time.perf_counter()
     placed = netmoe.place_samples(traffic, slot_rank, rec.topology, float(rec.token_bytes), float(rec.sample_bytes),
-                                  rec.exchanges)
+                                  rec.exchanges, rec.fused)
     rec.solve_s.append(time.perf_counter() - start)
     rec.last, rec.steps = placed, rec.steps + 1
     if not placed.pays or placed.moved == 0:
@@ -272,9 +273,8 @@ def _move_job(xs: Sequence[Tensor], perm: Tensor, samples: int, layer: int, dire
 
     def job() -> Generator[Any, None, list[Tensor]]:
         yield group
-        recv = torch.empty_like(send)
         with collective(lay, "the exchange that moves its samples (sample placement)"):
-            dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
+            recv = all_to_all_rows(send, recv_split, send_split, group)
         out = torch.empty_like(recv)
         out[recv_order.to(recv.device)] = recv
         row_bytes = recv.shape[1]
