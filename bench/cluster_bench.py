@@ -29,11 +29,12 @@ def cluster_rank(quick: bool, rate: str, efficiency: bool = False
     thread, stdout only on rank 0, the gloo group, the mesh (node=2, gpu=world/2), the links fitted
     at start (``calibrate_local``; ``efficiency``: with the levels' efficiency curves r(n) from
     the same measurements, else alpha-beta only) and the compute rate measured, the lowest over
-    the ranks, so that every rank plans on the same numbers. Returns (rank, world, mesh, level
-    names, topology, a print that only rank 0's does)."""
+    the ranks, and the expert op's rates (``agreed_expert_compute``), so that every rank plans on
+    the same numbers. Returns (rank, world, mesh, level names, topology, a print that only rank
+    0's does)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moe_compile.tools.calibrate import measure_compute
+    from moe_compile.tools.calibrate import agreed_expert_compute, measure_compute
 
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64
@@ -56,11 +57,16 @@ def cluster_rank(quick: bool, rate: str, efficiency: bool = False
     flops, mem_bw = measure_compute(torch.device("cpu"))
     rates = torch.tensor([flops, mem_bw], dtype=torch.float64)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank plans on the same numbers
+    expert = agreed_expert_compute(torch.device("cpu"), world)
+    if isinstance(expert, str):
+        raise RuntimeError(f"measuring the expert op at start: {expert}; run again")
     curves = fitted.efficiency if efficiency else {}  # from the same agreed times as the levels
     topology = Topology(levels=fitted.levels, flops_per_s=(float(rates[0]),), mem_bw_bytes_per_s=(float(rates[1]),),
-                        efficiency=curves, name="the emulated cluster's links, fitted at start; compute measured")
+                        efficiency=curves, name="the emulated cluster's links, fitted at start; compute measured",
+                        expert_flops_per_s=expert[0], expert_row_bytes_per_s=expert[1])
     say(f"rate {rate}: " + ", ".join(f"{lv.name} alpha {lv.alpha_s * 1e6:.0f} us, {lv.bandwidth_gbps:.3g} Gbit/s"
-                                     for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s", flush=True)
+                                     for lv in topology.levels) + f", {rates[0] / 1e9:.1f} GFLOP/s; expert op "
+        f"{expert[0] / 1e9:.1f} GFLOP/s, rows {expert[1] / 1e9:.2f} GB/s", flush=True)
     return rank, world, mesh, names, topology, say
 
 
@@ -96,7 +102,15 @@ def rate_header(run: dict[str, Any]) -> list[str]:
     flops = float(flops[0] if isinstance(flops, list) else flops)
     return [f"## node link {run['rate']}", "", "Topology (fitted at start): " + ", ".join(
         f"{lv['name']}: alpha {lv['alpha_s'] * 1e6:.0f} us, beta {lv['beta_s_per_byte'] * 1e9:.3g} ns/B"
-        for lv in topo["levels"]) + f"; compute {flops / 1e9:.1f} GFLOP/s (measured).", ""]
+        for lv in topo["levels"]) + f"; compute {flops / 1e9:.1f} GFLOP/s (measured)" + _expert_rates(topo) + ".", ""]
+
+
+def _expert_rates(topo: dict[str, Any]) -> str:
+    compute = topo.get("compute", topo)
+    if compute.get("expert_flops_per_s") is None:
+        return ""
+    return (f"; expert op {compute['expert_flops_per_s'] / 1e9:.1f} GFLOP/s on its matmuls, "
+            f"{compute['expert_row_bytes_per_s'] / 1e9:.2f} GB/s on its rows (measured)")
 
 
 def forward_backward(fn: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

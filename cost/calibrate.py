@@ -70,6 +70,43 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tu
     return float(alpha), float(beta), r2
 
 
+def fit_expert_compute(flops: Sequence[float], row_bytes: Sequence[float],
+                       times_s: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares fit of the expert op's time ``t = flops / F + row_bytes / R`` (both rates > 0,
+    ``scipy.optimize.nnls`` on the inverse rates) to runs of the op at shapes that vary its matmul
+    FLOPs and its (token, expert) row bytes independently (``tools.calibrate.measure_expert_compute``).
+    ``F`` is the rate of its matmuls, ``R`` the rate of the work on whole H-wide rows (gather,
+    weighting, scatter-add into the tokens) that a slice of the FFN columns does not shrink
+    (HEXA-MoE's model-centric mode computes S times the rows on F / S columns, Section 4.3).
+
+    Returns ``(F, R, r2)``; a fit that finds no cost for one term (the shapes did not separate them,
+    or the times are noise) is an error naming it."""
+    a = np.asarray(flops, dtype=np.float64)
+    b = np.asarray(row_bytes, dtype=np.float64)
+    t = np.asarray(times_s, dtype=np.float64)
+    if not (a.ndim == 1 and a.shape == b.shape == t.shape and a.size >= 2):
+        raise ValueError("fit_expert_compute: flops, row_bytes and times_s must be equally long 1-d sequences "
+                         "of two or more runs")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b)) and np.all(np.isfinite(t))) or np.any(t <= 0):
+        raise ValueError("fit_expert_compute: FLOPs and bytes must be finite and times positive")
+    design = np.stack([a, b], axis=1)
+    scale = design.max(axis=0)
+    if np.any(scale <= 0) or np.linalg.matrix_rank(design / scale) < 2:
+        raise ValueError("fit_expert_compute needs runs whose FLOPs and row bytes vary independently")
+    from scipy.optimize import nnls  # here, not with the module: see netmoe._balanced_assignment
+
+    coef, _ = nnls(design / scale, t)
+    per_flop, per_byte = coef / scale
+    for value, what in ((per_flop, "matmul FLOPs"), (per_byte, "row bytes")):
+        if value <= 0:
+            raise ValueError(f"fit_expert_compute: the runs show no cost for the {what} (times {t.tolist()}); "
+                             "time larger shapes or more repetitions")
+    residual = t - design @ np.array([per_flop, per_byte])
+    ss_res, ss_tot = float(residual @ residual), float(((t - t.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    return float(1.0 / per_flop), float(1.0 / per_byte), r2
+
+
 def fit_collective(buffer_bytes: Sequence[float], times_s: Sequence[float],
                    group_size: int) -> tuple[float, float, float]:
     """:func:`fit_alpha_beta` against the bytes leaving each rank, ``n * (g-1)/g`` (module docstring):

@@ -30,8 +30,12 @@ Candidates and where their times come from (seconds of one layer's forward on on
 
 Assumptions: the dispatch models give one direction; the combine is its mirror, so dispatch
 strategies count twice their time (the HierMoE ones: the dispatch with the routing slots' bytes
-when ``Workload.slot_bytes`` counts them, the combine without), plus the expert compute at the device's FLOP rate (an
-expert-parallel layer computes T*K (token, expert) pairs per rank on average).  HybridEP's and
+when ``Workload.slot_bytes`` counts them, the combine without), plus the expert compute (an
+expert-parallel layer computes T*K (token, expert) pairs per rank on average): its FLOPs at the
+device's FLOP rate, or, where the topology holds the expert op measured on the device
+(``Topology.expert_compute_s``), its FLOPs at the op's matmul rate plus its rows' bytes (T*K rows of
+H) at the op's row rate; ``model0`` computes S times the rows on F/S columns, the same FLOPs and S
+times the row bytes (``compute_s``'s ``row_share``).  HybridEP's and
 HEXA-MoE's own models already cover the whole layer.  Without routing indices the statistics are
 those of uniform random routing of T tokens.
 
@@ -172,11 +176,16 @@ def replicated_note(topology: Topology, workload: Workload, predicted: Mapping[s
             f"against {predicted['replicated'] * 1e3:.3g} ms here)")
 
 
-def compute_s(topology: Topology | None, workload: Workload) -> float:
-    """Seconds of the layer's expert FFNs on one device (T K tokens' flops at its rate)."""
-    flops = workload.num_tokens * workload.top_k * workload.expert_flops_per_token()
-    rate = topology.device_flops(0) if topology is not None else 1e12
-    return flops / rate
+def compute_s(topology: Topology | None, workload: Workload, row_share: int = 1) -> float:
+    """Seconds of the layer's expert FFNs on one device: the T*K (token, expert) pairs' FLOPs
+    (``Topology.expert_compute_s``: at the device's FLOP rate, or at the measured expert op's
+    rates with the rows' bytes too). ``row_share``: the pairs' FLOPs computed as ``row_share``
+    times the rows on 1/``row_share`` of the FFN columns each (``model0``: S)."""
+    pairs = workload.num_tokens * workload.top_k
+    flops = pairs * workload.expert_flops_per_token()
+    if topology is None:
+        return flops / 1e12
+    return topology.expert_compute_s(flops, row_share * pairs * workload.token_bytes)
 
 
 def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_s: float,
@@ -219,13 +228,20 @@ def _distributed(topology: Topology, workload: Workload, topk_idx: Any, compute_
         predicted[f"gather{j}"] = gather_time_s(topology, workload, stats, j, gather_compress) + compute_at[j]
         params[f"gather{j}"] = {"domain_level": j, "domain_size": math.prod(topology.sizes[j:])}
     # the executable model-centric mode over the whole mesh
-    predicted["model0"] = model_time_s(topology, workload) + compute_s
+    predicted["model0"] = model_time_s(topology, workload) + _model_compute_s(topology, workload)
     params["model0"] = {"ffn_columns": workload.ffn_size // topology.world_size}
     # HEXA-MoE: data- vs model-centric (its model includes the compute)
     hx = hexa.choose_execution(topology, workload)
     predicted["hexa_data_centric"] = float(hx.data_centric_s)
     predicted["hexa_model_centric"] = float(hx.model_centric_s)
     return predicted, params
+
+
+def _model_compute_s(topology: Topology, workload: Workload) -> float:
+    """``model0``'s expert compute: the FLOPs of T*K pairs as S*T*K rows on F/S columns
+    (``compute_s``'s ``row_share``; the same as the other candidates' where the topology has
+    no measured expert op, FLOPs alone)."""
+    return compute_s(topology, workload, row_share=topology.world_size)
 
 
 def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int,

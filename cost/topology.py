@@ -21,6 +21,10 @@ TOML layout (every field named in errors):
     mem_bw_bytes_per_s = 3.35e12
     chunk_overhead_s = 6e-3         # optional: the fixed cost of one more pipeline chunk, per
                                     # direction, measured (cost.pipeline.fit_chunk_overhead)
+    expert_flops_per_s = 3.1e10     # optional, both or neither: the expert op measured on the
+    expert_row_bytes_per_s = 2.7e8  # device (cost.calibrate.fit_expert_compute): the FLOP rate
+                                    # of its matmuls, and the rate of its per-(token, expert) row
+                                    # work (gather, weight, sum into tokens), in row bytes
     [efficiency.all_to_all]         # optional, any collective name
     sizes_bytes = [1024, 1048576]
     values = [0.1, 0.9]
@@ -80,8 +84,20 @@ class Topology:
     # the fixed cost of one more chunk of the expert-parallel pipeline, per direction, measured
     # (cost.pipeline; None: its default OP_OVERHEAD_S)
     chunk_overhead_s: float | None = None
+    # the expert op measured on the device (``expert_compute_s``; None: not measured, the expert
+    # FFNs charged at ``flops_per_s`` alone)
+    expert_flops_per_s: float | None = None
+    expert_row_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
+        pair = (self.expert_flops_per_s, self.expert_row_bytes_per_s)
+        if (pair[0] is None) != (pair[1] is None):
+            raise ValueError("topology: compute.expert_flops_per_s and compute.expert_row_bytes_per_s are one "
+                             f"measurement: give both or neither, got {pair}")
+        if pair[0] is not None and not all(isinstance(v, int | float) and not isinstance(v, bool)
+                                           and math.isfinite(v) and v > 0 for v in pair):
+            raise ValueError(f"topology: compute.expert_flops_per_s and compute.expert_row_bytes_per_s must be "
+                             f"positive finite numbers, got {pair}")
         if self.chunk_overhead_s is not None and not (math.isfinite(self.chunk_overhead_s)
                                                       and self.chunk_overhead_s >= 0):
             raise ValueError(f"topology: compute.chunk_overhead_s must be a finite number of seconds >= 0, "
@@ -119,6 +135,18 @@ class Topology:
 
     def device_mem_bw(self, rank: int) -> float:
         return self.mem_bw_bytes_per_s[rank if len(self.mem_bw_bytes_per_s) > 1 else 0]
+
+    def expert_compute_s(self, flops: float, row_bytes: float, rank: int = 0) -> float:
+        """Seconds the expert op takes on device ``rank`` for ``flops`` of matmuls over (token,
+        expert) rows of ``row_bytes`` in all (rows x H x element bytes): with the op measured
+        (``expert_flops_per_s``, ``expert_row_bytes_per_s``) ``flops / expert_flops_per_s +
+        row_bytes / expert_row_bytes_per_s``, the second term the work on whole H-wide rows
+        (gathering them, weighting them, summing them into their tokens) that does not shrink with
+        the FFN columns a device computes; else ``flops / flops_per_s``. The measured rates are one
+        value for every device (the ranks' median, ``tools.calibrate.measure_expert_compute``)."""
+        if self.expert_flops_per_s is None or self.expert_row_bytes_per_s is None:
+            return flops / self.device_flops(rank)
+        return flops / self.expert_flops_per_s + row_bytes / self.expert_row_bytes_per_s
 
     # construction -------------------------------------------------------------------------
 
@@ -176,7 +204,7 @@ class Topology:
         compute = data.get("compute", {})
         if not isinstance(compute, Mapping):
             raise ValueError("topology: 'compute' must be a table with flops_per_s and mem_bw_bytes_per_s")
-        _check_keys(compute, ("flops_per_s", "mem_bw_bytes_per_s", "chunk_overhead_s"), "compute")
+        _check_keys(compute, ("flops_per_s", "mem_bw_bytes_per_s", "chunk_overhead_s", *_EXPERT_KEYS), "compute")
         overhead = compute.get("chunk_overhead_s")
         if overhead is not None and (not isinstance(overhead, int | float) or isinstance(overhead, bool)):
             raise ValueError(f"topology: compute.chunk_overhead_s must be a number of seconds, got {overhead!r}")
@@ -196,7 +224,8 @@ class Topology:
                    flops_per_s=_floats(compute.get("flops_per_s", 1e12), "compute.flops_per_s"),
                    mem_bw_bytes_per_s=_floats(compute.get("mem_bw_bytes_per_s", 1e11), "compute.mem_bw_bytes_per_s"),
                    efficiency=efficiency, name=str(data.get("name", "")),
-                   chunk_overhead_s=None if overhead is None else float(overhead))
+                   chunk_overhead_s=None if overhead is None else float(overhead),
+                   **{k: _optional_float(compute.get(k), f"compute.{k}") for k in _EXPERT_KEYS})
 
     @classmethod
     def load(cls, path: str | Path) -> Topology:
@@ -215,6 +244,9 @@ class Topology:
                           "mem_bw_bytes_per_s": _one_or_list(self.mem_bw_bytes_per_s)}
         if self.chunk_overhead_s is not None:
             out["compute"]["chunk_overhead_s"] = self.chunk_overhead_s
+        for k in _EXPERT_KEYS:
+            if getattr(self, k) is not None:
+                out["compute"][k] = getattr(self, k)
         if self.efficiency:
             out["efficiency"] = {op: {"sizes_bytes": list(c.sizes_bytes), "values": list(c.values)}
                                  for op, c in self.efficiency.items()}
@@ -225,6 +257,15 @@ class Topology:
 
 
 _LINK_KEYS = ("alpha_s", "beta_s_per_byte", "bandwidth_gbps")
+_EXPERT_KEYS = ("expert_flops_per_s", "expert_row_bytes_per_s")
+
+
+def _optional_float(v: Any, where: str) -> float | None:
+    if v is None:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise ValueError(f"topology: {where} must be a number, got {v!r}")
+    return float(v)
 
 
 def _check_keys(raw: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:

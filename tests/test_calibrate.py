@@ -13,7 +13,13 @@ import pytest
 from dist_utils import run_ranks
 
 from moe_compile.cost import Topology
-from moe_compile.cost.calibrate import efficiency_curve, fit_alpha_beta, fit_collective, message_sizes
+from moe_compile.cost.calibrate import (
+    efficiency_curve,
+    fit_alpha_beta,
+    fit_collective,
+    fit_expert_compute,
+    message_sizes,
+)
 from moe_compile.tools.calibrate import (
     Measurement,
     build_topology,
@@ -32,6 +38,21 @@ def test_fit_recovers_alpha_beta() -> None:
     assert alpha == pytest.approx(4.97e-4, rel=1e-9)
     assert beta == pytest.approx(5.29e-10, rel=1e-9)
     assert r2 == pytest.approx(1.0, abs=1e-12)
+
+
+def test_expert_fit_recovers_both_rates() -> None:
+    """t = flops / F + row_bytes / R over runs that vary the two independently (the probe's
+    (K, F) grid): both rates back exactly; runs whose FLOPs and bytes grow together cannot
+    separate them, and runs with no cost for the rows are an error, not an infinite rate."""
+    flops = np.array([1.0e7, 4.0e7, 8.0e7, 3.2e8])
+    rows = np.array([1.0e6, 4.0e6, 1.0e6, 4.0e6])
+    f_rate, r_rate, r2 = fit_expert_compute(flops, rows, flops / 1.2e11 + rows / 1.6e9)
+    assert f_rate == pytest.approx(1.2e11, rel=1e-9) and r_rate == pytest.approx(1.6e9, rel=1e-9)
+    assert r2 == pytest.approx(1.0, abs=1e-12)
+    with pytest.raises(ValueError, match="vary independently"):
+        fit_expert_compute(flops, flops / 10, flops / 1e11)
+    with pytest.raises(ValueError, match="no cost for the row bytes"):
+        fit_expert_compute(flops, rows, flops / 1e11 - rows * 1e-12)
 
 
 def test_noise_lowers_r2() -> None:
@@ -186,3 +207,7 @@ def test_torchrun_four_gloo_ranks(tmp_path: Path) -> None:
     assert len(topo.efficiency["all_to_all_gpu"].sizes_bytes) == 3
     assert all(f"n={n} " in proc.stdout for n in (1, 2, 4)) and "fixed cost fitted" in proc.stdout
     assert topo.chunk_overhead_s is not None and 0.0 <= topo.chunk_overhead_s <= 0.1
+    # the expert op measured (rates of this CPU, one thread per rank: well inside these bounds)
+    assert "expert op (hiermoe::experts forward" in proc.stdout
+    assert topo.expert_flops_per_s is not None and 1e8 < topo.expert_flops_per_s < 1e13
+    assert topo.expert_row_bytes_per_s is not None and 1e6 < topo.expert_row_bytes_per_s < 1e12

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib.resources import files
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 import moe_compile
 from moe_compile.cost import Level, Topology, Workload, plan
+from moe_compile.cost.workload import SLOT_BYTES
 from moe_compile.cost.planner import (
     compute_s,
     gather_time_s,
@@ -88,6 +90,32 @@ def test_replicated_experts_send_nothing_and_read_every_expert() -> None:
     odd = plan(topo, Workload(num_tokens=64, hidden_size=64, ffn_size=64, num_experts=6, top_k=2, dtype_bytes=4),
                implemented=("hd1", "replicated"))
     assert odd.strategy == "replicated" and "hd1" not in odd.predicted
+
+
+def test_a_measured_expert_op_charges_model_centric_its_rows() -> None:
+    """With the expert op measured (Topology.expert_flops_per_s / expert_row_bytes_per_s), every
+    candidate's expert compute is its FLOPs at the op's matmul rate plus its rows' bytes at the
+    op's row rate: T*K rows of H for the token all-to-alls and replicated, S*T*K rows (on F/S
+    columns, the same FLOPs) for model0. On FLOPs alone model0 ties HD-2 at the placement
+    bench's K = 8 layer (4 ranks, 100 Mbit); with the rows it loses, as measured there (1377
+    against about 600 ms a step, bench/results/placement_cluster.md's note)."""
+    topo = Topology(levels=(Level("node", 2, 0.0, 178e-9), Level("gpu", 2, 1480e-6, 2.32e-9)),
+                    flops_per_s=(58e9,), mem_bw_bytes_per_s=(40e9,))
+    measured = dataclasses.replace(topo, expert_flops_per_s=1.2e11, expert_row_bytes_per_s=1.6e9)
+    work = Workload(num_tokens=256, hidden_size=256, ffn_size=64, num_experts=16, top_k=8, dtype_bytes=4,
+                    slot_bytes=SLOT_BYTES)
+    both = ("hd2", "model0", "replicated")
+    flops_only, rows = plan(topo, work, implemented=both), plan(measured, work, implemented=both)
+    pairs = 256 * 8
+    flops = pairs * 3 * 2 * 256 * 64
+    assert flops_only.predicted["model0"] == pytest.approx(flops_only.predicted["hd2"], rel=0.01)
+    for name, row_share in (("hd2", 1), ("model0", 4), ("replicated", 1)):
+        extra = rows.predicted[name] - flops_only.predicted[name]
+        assert extra == pytest.approx(flops / 1.2e11 + row_share * pairs * 256 * 4 / 1.6e9 - flops / 58e9,
+                                      rel=1e-9), name
+    assert rows.predicted["model0"] > rows.predicted["hd2"]
+    picked = plan(measured, work, implemented=("hd2", "model0"))
+    assert picked.strategy == "hd2"
 
 
 def test_replicated_runs_only_where_the_options_let_every_expert_stay() -> None:

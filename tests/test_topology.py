@@ -132,6 +132,11 @@ GOOD_LEVEL = 'name = "node"\nsize = 2\nalpha_s = 5e-6\nbeta_s_per_byte = 2.5e-11
     (f'[[levels]]\n{GOOD_LEVEL}[compute]\nflops_per_s = [1e12, 1e12, 1e12]\n', "compute.flops_per_s"),
     (f'[[levels]]\n{GOOD_LEVEL}[compute]\nchunk_overhead_s = -1e-3\n', "compute.chunk_overhead_s"),
     (f'[[levels]]\n{GOOD_LEVEL}[compute]\nchunk_overhead_s = "2 ms"\n', "compute.chunk_overhead_s"),
+    (f'[[levels]]\n{GOOD_LEVEL}[compute]\nexpert_flops_per_s = 1e11\n', "give both or neither"),
+    (f'[[levels]]\n{GOOD_LEVEL}[compute]\nexpert_flops_per_s = 1e11\nexpert_row_bytes_per_s = 0\n',
+     "compute.expert_flops_per_s and compute.expert_row_bytes_per_s must be positive"),
+    (f'[[levels]]\n{GOOD_LEVEL}[compute]\nexpert_flops_per_s = "fast"\nexpert_row_bytes_per_s = 1e9\n',
+     "compute.expert_flops_per_s must be a number"),
     ('name = "x"\n', "'levels'"),
     ('[[levels]\nname = "node"\n', "not valid TOML"),
 ])
@@ -160,3 +165,19 @@ def test_chunk_overhead_round_trips_and_is_optional(tmp_path: Path) -> None:
     calibrated.save(path)
     assert "chunk_overhead_s = 0.0061" in path.read_text()
     assert Topology.load(path) == calibrated
+
+
+def test_measured_expert_op_round_trips_and_charges_its_rows(tmp_path: Path) -> None:
+    """compute.expert_flops_per_s / expert_row_bytes_per_s (the expert op measured by
+    moe-calibrate or the probe) are written and read back, and expert_compute_s charges the
+    matmul FLOPs at the first and the rows' bytes at the second; without them, FLOPs alone at
+    flops_per_s."""
+    path = tmp_path / "t.toml"
+    path.write_text(f"[[levels]]\n{GOOD_LEVEL}[compute]\nflops_per_s = 2e11\n")
+    plain = Topology.load(path)
+    assert plain.expert_compute_s(4e9, 1e9) == pytest.approx(4e9 / 2e11, rel=1e-12)
+    measured = dataclasses.replace(plain, expert_flops_per_s=1e11, expert_row_bytes_per_s=2e9)
+    measured.save(path)
+    assert "expert_row_bytes_per_s = 2000000000.0" in path.read_text()
+    assert Topology.load(path) == measured
+    assert measured.expert_compute_s(4e9, 1e9) == pytest.approx(4e9 / 1e11 + 1e9 / 2e9, rel=1e-12)

@@ -36,6 +36,14 @@ r(n) = n * (g-1)/g * beta_level / t(n) over the buffer size n, named ``<collecti
 MoNTA's inter-node r1) and ``all_gather`` (fastest level, MoNTA's intra-node r2).  Rank 0 prints a
 table of every fit and writes the file.
 
+The expert op itself (``measure_expert_compute``): ``hiermoe::experts`` forward timed at shapes
+that vary its (token, expert) rows and its FFN columns independently, fitted to a matmul FLOP rate
+and a row rate (``cost.calibrate.fit_expert_compute``), the ranks' median written as
+``compute.expert_flops_per_s`` / ``compute.expert_row_bytes_per_s``: the planner's expert compute
+(``Topology.expert_compute_s``; without them it charges FLOPs at ``flops_per_s`` alone, which
+prices a rank computing S times the rows on F / S columns, model-centric, like one computing its
+own rows on all F).
+
 ``--chunk-overhead`` also measures what one more chunk of the expert-parallel pipeline costs
 beyond the pipeline model's transfer and compute terms (``measure_chunk_overhead``): a probe MoE
 layer compiled with hiermoe on the mesh just fitted, its forward + backward timed in 1, 2 and 4
@@ -68,7 +76,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moe_compile.cost.calibrate import efficiency_curve, fit_collective, link_fraction, message_sizes
+from moe_compile.cost.calibrate import (
+    efficiency_curve,
+    fit_collective,
+    fit_expert_compute,
+    link_fraction,
+    message_sizes,
+)
 from moe_compile.cost.pipeline import fit_chunk_overhead
 from moe_compile.cost.planner import layer_times
 from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
@@ -284,6 +298,49 @@ def measure_compute(device: torch.device) -> tuple[float, float]:
     return flops, mem_bw
 
 
+# measure_expert_compute's runs of hiermoe::experts: (hidden, experts, tokens) and the (top_k,
+# ffn) pairs that vary its (token, expert) rows and its FFN columns independently
+EXPERT_PROBE = {"cpu": (256, 8, 1024, ((1, 16), (4, 16), (1, 128), (4, 128))),
+                "cuda": (2048, 8, 16384, ((1, 128), (4, 128), (1, 1024), (4, 1024)))}
+
+
+def measure_expert_compute(device: torch.device, reps: int = 5) -> tuple[float, float, float]:
+    """The expert op's own rates on ``device``: ``hiermoe::experts`` forward (SwiGLU; fp32 on CPU,
+    bf16 on CUDA, as ``measure_compute``) timed, best of ``reps``, at the ``EXPERT_PROBE`` shapes,
+    whose (token, expert) rows T*K and FFN columns F vary independently, and fitted to
+    ``t = flops / F_rate + row_bytes / R_rate`` (``cost.calibrate.fit_expert_compute``): returns
+    ``(F_rate FLOP/s, R_rate row bytes/s, r2)``, what ``Topology.expert_compute_s`` charges. The
+    row term is why a rank computing F / S columns of S times the rows (model-centric) is slower
+    than the FLOPs say: bench/results/gather.md's model0 rows."""
+    from moe_compile.lowering import experts as _registers_the_op  # noqa: F401
+
+    hidden, num_experts, tokens, runs = EXPERT_PROBE["cuda" if device.type == "cuda" else "cpu"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    flops, row_bytes, times = [], [], []
+    for top_k, ffn in runs:
+        idx = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k].to(device)
+        weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
+        w_up, w_gate = (torch.randn(num_experts, ffn, hidden, generator=gen).to(device, dtype) * 0.05 for _ in range(2))
+        w_down = torch.randn(num_experts, hidden, ffn, generator=gen).to(device, dtype) * 0.05
+
+        args = (x, idx, weights, w_up, w_gate, w_down, None, None, None, "silu")
+        with torch.no_grad():
+            torch.ops.hiermoe.experts(*args)
+            _sync(device)
+            best = math.inf
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                torch.ops.hiermoe.experts(*args)
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+        flops.append(2 * 3 * tokens * top_k * hidden * ffn)
+        row_bytes.append(tokens * top_k * hidden * x.element_size())
+        times.append(best)
+    return fit_expert_compute(flops, row_bytes, times)
+
+
 # the probe layer measure_chunk_overhead times, per rank: fp32, SwiGLU experts
 CHUNK_PROBE = {"hidden_size": 256, "ffn_size": 256, "experts_per_rank": 2, "top_k": 2, "tokens": 512}
 CHUNK_COUNTS = (1, 2, 4)
@@ -380,6 +437,24 @@ def _compute_values(local: float, device: torch.device, world_size: int) -> list
     return values if max(values) > 1.2 * min(values) else [mid]
 
 
+def agreed_expert_compute(device: torch.device, world_size: int) -> tuple[float, float] | str:
+    """``measure_expert_compute`` on every rank, agreed: the ranks' median rates
+    ``(expert_flops_per_s, expert_row_bytes_per_s)``, or, where a rank's fit failed (its runs
+    showed no cost for one term: noise), why (every rank gets the same answer)."""
+    try:
+        flops, row_bw, _ = measure_expert_compute(device)
+        why = ""
+    except ValueError as e:
+        flops, row_bw, why = math.nan, math.nan, str(e)
+    t = torch.tensor([flops, row_bw], dtype=torch.float64, device=device)
+    gathered = torch.empty(2 * world_size, dtype=torch.float64, device=device)
+    _all_gather(gathered, t)
+    pairs = gathered.view(world_size, 2)
+    if bool(pairs.isnan().any()):
+        return why or "another rank's fit of the expert op failed"
+    return float(pairs[:, 0].median()), float(pairs[:, 1].median())
+
+
 def fit_measurements(measurements: Sequence[Measurement]) -> list[Fit]:
     fits = []
     for m in measurements:
@@ -429,7 +504,9 @@ def probe(mesh: Any) -> Topology:
     ``PROBE_STEPS`` buffer sizes in ``PROBE_BYTES``, each run's time the slowest rank's, and fitted
     to HierMoE Eq. 1 (``fit_collective``, non-negative least squares); matmul rate and copy
     bandwidth as ``measure_compute``. Every rank gets the same numbers (max-reduced and gathered
-    times, the same fit), so every rank plans alike. A level whose fit finds no growth with size
+    times, the same fit), so every rank plans alike; the expert op's rates as
+    ``agreed_expert_compute`` (where a rank's fit fails, none are kept and the topology's name
+    says why). A level whose fit finds no growth with size
     (beta = 0: start-up dominates at these sizes) gets alpha = 0 and beta = its largest run's time
     per byte sent, an upper estimate. No efficiency curves: calibrate (``moe-calibrate``, this
     module's command line) for those and for accurate alpha/beta.
@@ -461,10 +538,14 @@ def probe(mesh: Any) -> Topology:
         levels.append(Level(name, size, alpha, beta))
     flops, mem_bw = measure_compute(device)
     flops_values, mem_values = _compute_values(flops, device, world), _compute_values(mem_bw, device, world)
+    expert = agreed_expert_compute(device, world)
     took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's, so the name is the same everywhere
+    rates = expert if isinstance(expert, tuple) else (None, None)
+    unmeasured = "" if isinstance(expert, tuple) else f"; expert op not measured, FLOPs alone charged: {expert}"
     topo = Topology(levels=tuple(levels), flops_per_s=tuple(flops_values), mem_bw_bytes_per_s=tuple(mem_values),
-                    name=f"measured at the first compile in {float(took):.2f} s ({a2a} all-to-all)")
+                    name=f"measured at the first compile in {float(took):.2f} s ({a2a} all-to-all){unmeasured}",
+                    expert_flops_per_s=rates[0], expert_row_bytes_per_s=rates[1])
     _probed[key] = topo
     return topo
 
@@ -546,6 +627,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _stdout_console().print(fit_table(fits))
                 err.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
             return 1
+        expert = agreed_expert_compute(device, world_size)
+        if isinstance(expert, str):
+            if rank == 0:
+                err.print(f"error: measuring the expert op: {expert}", markup=False, highlight=False, soft_wrap=True)
+            return 1
+        topo = dataclasses.replace(topo, expert_flops_per_s=expert[0], expert_row_bytes_per_s=expert[1])
         chunk_note = ""
         if args.chunk_overhead:
             overhead, per_n = measure_chunk_overhead(mesh, topo, device, args.reps, args.warmup)
@@ -557,6 +644,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             console = _stdout_console()
             console.print(fit_table(fits))
             console.print(f"all-to-all timed: {a2a} ({_A2A_WHAT[a2a]})", markup=False, highlight=False)
+            console.print(f"expert op (hiermoe::experts forward, measure_expert_compute): matmuls "
+                          f"{expert[0] / 1e9:.3g} GFLOP/s, (token, expert) rows {expert[1] / 1e9:.3g} GB/s",
+                          markup=False, highlight=False)
             if chunk_note:
                 console.print(chunk_note, markup=False, highlight=False)
             for f in fits:
