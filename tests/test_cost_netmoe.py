@@ -83,6 +83,32 @@ def test_sample_affine_routing_moves_samples_to_their_experts() -> None:
     assert p.moved == 4 and p.time_after_s < p.time_before_s and p.pays
 
 
+def test_a_move_pays_the_start_ups_of_the_all_to_alls_it_adds() -> None:
+    """A move costs its bytes and the start-ups of the all-to-alls it adds: its own, one message to
+    every other rank ((R - per_node) inter-node and per_node - 1 intra-node alphas), and, where the
+    layer's combine delivers to the new ranks, the redirect's world all-to-all in place of the
+    combine's inter-node hop. A placement that saves less than those start-ups declines."""
+    expert_rank = np.repeat(np.arange(4), 2)
+    counts = np.zeros((8, 8))
+    home = np.array([0, 1, 2, 3, 0, 1, 2, 3])
+    for s, r in enumerate(home):
+        counts[s, 2 * r] = counts[s, 2 * r + 1] = 1  # one token a sample: little to save
+    rank_S = np.array([2, 3, 0, 1, 0, 1, 2, 3])
+    traffic = traffic_from_counts(counts, expert_rank, 4, 2)
+    free = Topology(levels=(Level("node", 2, 0.0, 8 / 0.4e9), Level("local", 2, 0.0, 8 / 8e9)))
+    plain = place_samples(traffic, rank_S, free, token_bytes=4096.0, sample_bytes=4096.0)
+    assert plain.moved == 4 and plain.pays  # without start-ups the bytes alone pay
+    t = Topology(levels=(Level("node", 2, 1e-3, 8 / 0.4e9), Level("local", 2, 1e-4, 8 / 8e9)))
+    unfused = place_samples(traffic, rank_S, t, token_bytes=4096.0, sample_bytes=4096.0)
+    fused = place_samples(traffic, rank_S, t, token_bytes=4096.0, sample_bytes=4096.0, fused=True)
+    world = 2 * 1e-3 + 1 * 1e-4
+    assert unfused.rank_of_sample == plain.rank_of_sample
+    assert unfused.move_s == pytest.approx(plain.move_s + world, rel=1e-12)
+    assert fused.move_s == pytest.approx(plain.move_s + world + (world - 1e-3), rel=1e-12)
+    saved = 2 * (unfused.time_before_s - unfused.time_after_s)
+    assert plain.move_s < saved < unfused.move_s and not unfused.pays and not fused.pays
+
+
 def test_uniform_routing_declines() -> None:
     """Every sample spreads its tokens evenly over all experts: no placement sends fewer bytes, and
     moving the samples would only cost, so nothing moves (or the model says it does not pay)."""
