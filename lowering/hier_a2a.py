@@ -316,7 +316,7 @@ def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples
     dist.all_to_all_single(recv_counts_P, send_counts_P, group=flat.group)
     send_counts, recv_counts = send_counts_P.tolist(), recv_counts_P.tolist()
     packed = all_to_all_rows(_pack(acc[send_order], new_row[send_order].to(torch.int32)[:, None]),
-                  recv_counts, send_counts, flat.group)
+                             recv_counts, send_counts, flat.group)
     got, recv_row = _unpack(packed, acc.shape[1], out_dtype, torch.int32)
     _count(route.layer_id, flat, send_counts, row_bytes, 4, "combine", direction, count_msg_bytes=8)
     recv_row = recv_row[:, 0].long()

@@ -10,9 +10,9 @@ all receive-ready notices on the wire before any bulk data, so both directions r
 
 ``all_to_all_single_recv_first`` has ``dist.all_to_all_single``'s contract (synchronous only);
 ``use_recv_first(group)`` says whether a group's backend is gloo, where it pays off;
-``all_to_all_rows`` picks for a group: every exchange of payload rows (the token all-to-alls, the
-expert gathers' all-gather and reduce-scatter, model-centric's, the sample moves) goes through it.  NCCL's own
-all-to-all has no such problem and stays the one to use there.
+``all_to_all_rows`` picks for a group, and every exchange of payload rows goes through it (the
+token all-to-alls, the expert gathers' and model-centric's all-gathers and reduce-scatters, the
+sample moves).  NCCL's own all-to-all has no such problem and stays the one to use there.
 """
 
 from __future__ import annotations
