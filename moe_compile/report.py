@@ -89,7 +89,7 @@ def _placement_summary(lay: runtime.EPLayer) -> dict[str, Any] | None:
             "sample_bytes": rec.sample_bytes, "bytes_per_level": lay.last_step_bytes(samples=True),
             "solve_ms": 1e3 * max(rec.solve_s, default=0.0),
             "last": None if last is None else {
-                "pays": last.pays, "moved": last.moved, "move_s": last.move_s,
+                "pays": last.pays, "moved": last.moved, "move_s": last.move_s, "exchanges": last.exchanges,
                 "time_before_s": last.time_before_s, "time_after_s": last.time_after_s,
                 "inter_before": last.before.inter_max, "inter_after": last.after.inter_max,
                 "intra_before": last.before.intra_max, "intra_after": last.after.intra_max}}
@@ -297,8 +297,9 @@ class Report:
                     table.add_row(escape(r.name), "0", "not run yet", "-", "-", "-", "-")
                     continue
                 outcome = (f"moved {last['moved']} samples" if last["pays"] and last["moved"] else
-                           f"stayed (saving {1e3 * (last['time_before_s'] - last['time_after_s']):.3g} ms x2 <= "
-                           f"move {1e3 * last['move_s']:.3g} ms)")
+                           f"stayed (saving {1e3 * (last['time_before_s'] - last['time_after_s']):.3g} ms "
+                           f"x{last['exchanges']:g} <= move {1e3 * last['move_s']:.3g} ms, its all-to-alls' "
+                           "start-ups included)")
                 table.add_row(escape(r.name), f"{sp['moves']} of {sp['steps']}"
                               + (f" ({sp['skipped']} skipped after declines)" if sp["skipped"] else ""), outcome,
                               f"{_bytes(int(last['inter_before']))} -> {_bytes(int(last['inter_after']))}",

@@ -439,19 +439,21 @@ def _compute_values(local: float, device: torch.device, world_size: int) -> list
 
 def agreed_expert_compute(device: torch.device, world_size: int) -> tuple[float, float] | str:
     """``measure_expert_compute`` on every rank, agreed: the ranks' median rates
-    ``(expert_flops_per_s, expert_row_bytes_per_s)``, or, where a rank's fit failed (its runs
-    showed no cost for one term: noise), why (every rank gets the same answer)."""
+    ``(expert_flops_per_s, expert_row_bytes_per_s)``, or, where some rank's fit failed (its runs
+    showed no cost for one term: noise on a busy device), a sentence saying which ranks (the same
+    on every rank)."""
     try:
         flops, row_bw, _ = measure_expert_compute(device)
-        why = ""
-    except ValueError as e:
-        flops, row_bw, why = math.nan, math.nan, str(e)
+    except ValueError:
+        flops, row_bw = math.nan, math.nan
     t = torch.tensor([flops, row_bw], dtype=torch.float64, device=device)
     gathered = torch.empty(2 * world_size, dtype=torch.float64, device=device)
     _all_gather(gathered, t)
     pairs = gathered.view(world_size, 2)
-    if bool(pairs.isnan().any()):
-        return why or "another rank's fit of the expert op failed"
+    failed = pairs.isnan().any(dim=1).nonzero().flatten().tolist()
+    if failed:
+        return (f"the fit of hiermoe::experts' times found no cost for its matmuls or its rows on rank(s) "
+                f"{failed} (noise: time it again, or give a topology file from moe-calibrate)")
     return float(pairs[:, 0].median()), float(pairs[:, 1].median())
 
 
