@@ -217,9 +217,13 @@ def signature(rows: Sequence[Tensor], scalars: Sequence[float], error: str | Non
 def exchange(send: Tensor, peer: int, recv_bytes: int) -> Tensor:
     """Send ``send`` (uint8) to ``peer`` while receiving up to ``recv_bytes`` bytes from it (gloo
     accepts a message shorter than the buffer, and aborts the process on a longer one: a caller
-    never sends more than the peer's bound)."""
+    never sends more than the peer's bound). The receive is posted before the send: on gloo a send
+    posted first can write its whole message before the peer's receive-ready notice comes back
+    behind it, and the pair's two directions then run one after the other (lowering/p2p_a2a.py)."""
     recv = torch.empty(recv_bytes, dtype=torch.uint8)
-    for req in (dist.isend(send, peer), dist.irecv(recv, peer)):
+    reqs = [dist.irecv(recv, peer)]
+    reqs.append(dist.isend(send, peer))
+    for req in reqs:
         assert req is not None  # None only for a rank outside the group; the world holds every rank
         req.wait()
     return recv
