@@ -13,7 +13,6 @@ import torch
 
 import moe_compile
 from moe_compile.cost import Level, Topology, Workload, plan
-from moe_compile.cost.workload import SLOT_BYTES
 from moe_compile.cost.planner import (
     compute_s,
     gather_time_s,
@@ -22,6 +21,7 @@ from moe_compile.cost.planner import (
     uniform_routing,
 )
 from moe_compile.cost.routing import hd_statistics
+from moe_compile.cost.workload import SLOT_BYTES
 from moe_compile.lowering.strategies import executable
 from moe_compile.samples import TinyLMConfig, TinyMoELM
 from moe_compile.tools import plan as moe_plan
