@@ -25,6 +25,7 @@ from moe_compile.backend import collect_reports  # noqa: E402
 from moe_compile.cost.topology import Topology  # noqa: E402
 from moe_compile.ep import runtime  # noqa: E402
 from moe_compile.passes import plan as plan_mod  # noqa: E402
+from moe_compile.tools import calibrate  # noqa: E402
 from moe_compile.samples import SAMPLES  # noqa: E402
 
 
@@ -78,7 +79,8 @@ def case_probe() -> dict[str, Any]:
             "predicted": [r.parallel["predicted_s"] for r in report.regions],
             "plans": [r.plan for r in report.regions], "gathers": [r.parallel["gather"] for r in report.regions],
             "loss": float(loss), "loss_ref": float(loss_ref), "grad_err": summed_grad_err(model, ref),
-            "replicated": replicated}
+            "replicated": replicated,
+            "expert_rates": [(t.expert_flops_per_s, t.expert_row_bytes_per_s) for t in calibrate._probed.values()]}
 
 
 def case_plan() -> dict[str, Any]:

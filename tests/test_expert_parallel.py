@@ -243,7 +243,8 @@ def test_mesh_alone_probes_the_links() -> None:
     plan can split over 4 ranks. With replicated_experts False, d* is predicted from
     the probed topology for a layer that runs a token all-to-all (on loopback the probe may also
     make an expert gather win: then its domain is reported), the loss and summed gradients equal
-    eager's, and explain says the topology was probed and how to calibrate it."""
+    eager's, and explain says the topology was probed and how to calibrate it. The probe measures
+    the expert op's rates too, the same on every rank."""
     results = run_ranks(4, "probe", worker="plan_worker.py", shape=[2, 2])
     for rank, r in enumerate(results):
         rep = r["replicated"]
@@ -259,8 +260,11 @@ def test_mesh_alone_probes_the_links() -> None:
     first = results[0]["topology"]
     assert len(first) == 1 and first[0].startswith("probed: "), first
     assert "socket x2" in first[0] and "gpu x2" in first[0], first  # the mesh levels (make_mesh)
+    rates = results[0]["expert_rates"]  # the expert op measured by the probe, agreed
+    assert len(rates) == 1 and all(v is not None and v > 0 for v in rates[0]), rates
     for rank, r in enumerate(results):
         assert r["topology"] == first, (rank, r["topology"], first)  # the same numbers on every rank
+        assert r["expert_rates"] == rates, (rank, r["expert_rates"], rates)
         assert "moe_compile.tools.calibrate" in r["text"] and "probed" in r["text"], r["text"]
         assert r["plans"] == results[0]["plans"], (rank, r["plans"])  # planned alike on every rank
         assert len(r["predicted"]) == 2, r["predicted"]

@@ -304,41 +304,42 @@ EXPERT_PROBE = {"cpu": (256, 8, 1024, ((1, 16), (4, 16), (1, 128), (4, 128))),
                 "cuda": (2048, 8, 16384, ((1, 128), (4, 128), (1, 1024), (4, 1024)))}
 
 
-def measure_expert_compute(device: torch.device, reps: int = 5) -> tuple[float, float, float]:
+def measure_expert_compute(device: torch.device, reps: int = 7) -> tuple[float, float, float]:
     """The expert op's own rates on ``device``: ``hiermoe::experts`` forward (SwiGLU; fp32 on CPU,
-    bf16 on CUDA, as ``measure_compute``) timed, best of ``reps``, at the ``EXPERT_PROBE`` shapes,
-    whose (token, expert) rows T*K and FFN columns F vary independently, and fitted to
-    ``t = flops / F_rate + row_bytes / R_rate`` (``cost.calibrate.fit_expert_compute``): returns
-    ``(F_rate FLOP/s, R_rate row bytes/s, r2)``, what ``Topology.expert_compute_s`` charges. The
-    row term is why a rank computing F / S columns of S times the rows (model-centric) is slower
-    than the FLOPs say: bench/results/gather.md's model0 rows."""
+    bf16 on CUDA, as ``measure_compute``) timed at the ``EXPERT_PROBE`` shapes, whose (token,
+    expert) rows T*K and FFN columns F vary independently, each shape's best of ``reps`` runs taken
+    in turn with the others' (so that a busy moment of a shared device falls on every shape alike),
+    and fitted to ``t = flops / F_rate + row_bytes / R_rate`` (``cost.calibrate.fit_expert_compute``):
+    returns ``(F_rate FLOP/s, R_rate row bytes/s, r2)``, what ``Topology.expert_compute_s`` charges.
+    The row term is why a rank computing F / S columns of S times the rows (model-centric) is
+    slower than the FLOPs say: bench/results/gather.md's model0 rows. Raises ValueError where the
+    fit finds no cost for one term (noise)."""
     from moe_compile.lowering import experts as _registers_the_op  # noqa: F401
 
     hidden, num_experts, tokens, runs = EXPERT_PROBE["cuda" if device.type == "cuda" else "cpu"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
-    flops, row_bytes, times = [], [], []
+    calls, flops, row_bytes = [], [], []
     for top_k, ffn in runs:
         idx = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k].to(device)
         weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
         w_up, w_gate = (torch.randn(num_experts, ffn, hidden, generator=gen).to(device, dtype) * 0.05 for _ in range(2))
         w_down = torch.randn(num_experts, hidden, ffn, generator=gen).to(device, dtype) * 0.05
-
-        args = (x, idx, weights, w_up, w_gate, w_down, None, None, None, "silu")
-        with torch.no_grad():
-            torch.ops.hiermoe.experts(*args)
-            _sync(device)
-            best = math.inf
-            for _ in range(reps):
+        calls.append((x, idx, weights, w_up, w_gate, w_down, None, None, None, "silu"))
+        flops.append(2 * 3 * tokens * top_k * hidden * ffn)
+        row_bytes.append(tokens * top_k * hidden * x.element_size())
+    best = [math.inf] * len(calls)
+    with torch.no_grad():
+        for rep in range(reps + 1):  # the first round warms up
+            for i, args in enumerate(calls):
+                _sync(device)
                 t0 = time.perf_counter()
                 torch.ops.hiermoe.experts(*args)
                 _sync(device)
-                best = min(best, time.perf_counter() - t0)
-        flops.append(2 * 3 * tokens * top_k * hidden * ffn)
-        row_bytes.append(tokens * top_k * hidden * x.element_size())
-        times.append(best)
-    return fit_expert_compute(flops, row_bytes, times)
+                if rep:
+                    best[i] = min(best[i], time.perf_counter() - t0)
+    return fit_expert_compute(flops, row_bytes, best)
 
 
 # the probe layer measure_chunk_overhead times, per rank: fp32, SwiGLU experts
@@ -437,24 +438,25 @@ def _compute_values(local: float, device: torch.device, world_size: int) -> list
     return values if max(values) > 1.2 * min(values) else [mid]
 
 
-def agreed_expert_compute(device: torch.device, world_size: int) -> tuple[float, float] | str:
+def agreed_expert_compute(device: torch.device, world_size: int, attempts: int = 3) -> tuple[float, float] | str:
     """``measure_expert_compute`` on every rank, agreed: the ranks' median rates
-    ``(expert_flops_per_s, expert_row_bytes_per_s)``, or, where some rank's fit failed (its runs
-    showed no cost for one term: noise on a busy device), a sentence saying which ranks (the same
-    on every rank)."""
-    try:
-        flops, row_bw, _ = measure_expert_compute(device)
-    except ValueError:
-        flops, row_bw = math.nan, math.nan
-    t = torch.tensor([flops, row_bw], dtype=torch.float64, device=device)
-    gathered = torch.empty(2 * world_size, dtype=torch.float64, device=device)
-    _all_gather(gathered, t)
-    pairs = gathered.view(world_size, 2)
-    failed = pairs.isnan().any(dim=1).nonzero().flatten().tolist()
-    if failed:
-        return (f"the fit of hiermoe::experts' times found no cost for its matmuls or its rows on rank(s) "
-                f"{failed} (noise: time it again, or give a topology file from moe-calibrate)")
-    return float(pairs[:, 0].median()), float(pairs[:, 1].median())
+    ``(expert_flops_per_s, expert_row_bytes_per_s)``; where some rank's fit failed (its runs
+    showed no cost for one term: noise on a busy device) every rank measures again, up to
+    ``attempts`` times, then a sentence saying which ranks (the same on every rank)."""
+    for _ in range(attempts):  # every rank measures again where any rank's fit failed
+        try:
+            flops, row_bw, _ = measure_expert_compute(device)
+        except ValueError:
+            flops, row_bw = math.nan, math.nan
+        t = torch.tensor([flops, row_bw], dtype=torch.float64, device=device)
+        gathered = torch.empty(2 * world_size, dtype=torch.float64, device=device)
+        _all_gather(gathered, t)
+        pairs = gathered.view(world_size, 2)
+        failed = pairs.isnan().any(dim=1).nonzero().flatten().tolist()
+        if not failed:
+            return float(pairs[:, 0].median()), float(pairs[:, 1].median())
+    return (f"the fit of hiermoe::experts' times found no cost for its matmuls or its rows on rank(s) {failed}, "
+            f"{attempts} times (noise: give a topology file from moe-calibrate)")
 
 
 def fit_measurements(measurements: Sequence[Measurement]) -> list[Fit]:
