@@ -25,8 +25,8 @@ from moe_compile.backend import collect_reports  # noqa: E402
 from moe_compile.cost.topology import Topology  # noqa: E402
 from moe_compile.ep import runtime  # noqa: E402
 from moe_compile.passes import plan as plan_mod  # noqa: E402
-from moe_compile.tools import calibrate  # noqa: E402
 from moe_compile.samples import SAMPLES  # noqa: E402
+from moe_compile.tools import calibrate  # noqa: E402
 
 
 def case_probe() -> dict[str, Any]:
