@@ -88,6 +88,7 @@ from moe_compile.cost.planner import layer_times
 from moe_compile.cost.topology import EfficiencyCurve, Level, Topology
 from moe_compile.cost.workload import SLOT_BYTES, Workload
 from moe_compile.ep.runtime import counters, reset_counters
+from moe_compile.lowering.experts import experts as experts_op
 from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
 
 _ELEMENT = torch.float32  # the payload's dtype; only its byte count matters
@@ -314,8 +315,6 @@ def measure_expert_compute(device: torch.device, reps: int = 7) -> tuple[float, 
     The row term is why a rank computing F / S columns of S times the rows (model-centric) is
     slower than the FLOPs say: bench/results/gather.md's model0 rows. Raises ValueError where the
     fit finds no cost for one term (noise)."""
-    from moe_compile.lowering import experts as _registers_the_op  # noqa: F401
-
     hidden, num_experts, tokens, runs = EXPERT_PROBE["cuda" if device.type == "cuda" else "cpu"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -335,7 +334,7 @@ def measure_expert_compute(device: torch.device, reps: int = 7) -> tuple[float, 
             for i, args in enumerate(calls):
                 _sync(device)
                 t0 = time.perf_counter()
-                torch.ops.hiermoe.experts(*args)
+                experts_op(*args)
                 _sync(device)
                 if rep:
                     best[i] = min(best[i], time.perf_counter() - t0)
