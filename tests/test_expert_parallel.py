@@ -590,8 +590,9 @@ def test_sharded_experts_train_with_the_strategy_measured() -> None:
             chosen = re.search(r"runs (\w+)", part).group(1)
             baseline = next(iter(times))  # the planner's pick comes first
             assert len(times) >= 2 and plan.startswith(chosen), (plan, p)
-            best = min(times, key=times.__getitem__)
-            assert chosen == (best if times[best] <= 0.97 * times[baseline] else baseline), p
+            fastest = min(times.values())
+            best = {k for k, v in times.items() if v == fastest}  # ties at the printed 0.1 ms: any of them
+            assert chosen in (best if fastest <= 0.97 * times[baseline] else {baseline}), p
         for a, b in zip(r["losses"]["compiled"], r["losses"]["eager"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, r["losses"])
         assert r["weight_err"] < 1e-4, rank
