@@ -55,7 +55,6 @@ class PlacementRecord:
     samples: int  # B: samples per rank
     sample_bytes: int  # bytes of every value that moves with one sample at this cut
     token_bytes: int  # bytes one token sends in a dispatch (hidden row + routing slots)
-    exchanges: float = 2.0  # all-to-alls a move serves (the next layer's dispatch and combine)
     fused: bool = False  # the layer's combine delivers to the new ranks (a redirect all-to-all)
     # the last step's decision
     last: netmoe.Placement | None = None
@@ -69,6 +68,12 @@ class PlacementRecord:
     moves: int = 0  # steps whose placement moved samples
     moved_samples: int = 0  # samples moved, summed over steps (every rank's)
     solve_s: list[float] = field(default_factory=list)
+
+    @property
+    def exchanges(self) -> float:
+        """All-to-alls a move serves: the next layer's dispatch and combine, and a fused cut's
+        layer's own combine too."""
+        return 3.0 if self.fused else 2.0
 
 
 _records: dict[int, PlacementRecord] = {}

@@ -601,7 +601,7 @@ def register_records(res: PlacementResult, layer_ids: dict[str, int], topology: 
             continue
         sample_exchange.register(layer_ids[cut.layer], sample_exchange.PlacementRecord(
             topology=topology, samples=res.samples, sample_bytes=cut.sample_bytes,
-            token_bytes=token_bytes[cut.layer], exchanges=3.0 if cut.fused else 2.0, fused=cut.fused))
+            token_bytes=token_bytes[cut.layer], fused=cut.fused))
 
 
 def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
