@@ -30,7 +30,9 @@ Variants; one training step is zero_grad, forward + loss, backward, gradient ave
   hiermoe gatherj    options {"expert_gather": name of level j}: each mesh block at level j all-gathers
                its ranks' experts (j = 0: the whole mesh, HEXA's data-centric mode), tokens cross the levels
                above; gradients reduce-scattered to the owners; "no prefetch" with gather_prefetch 0,
-               "regather" with gather_keep_bytes 0 (gathered again in backward, none kept)
+               "regather" with gather_keep_bytes 0 (gathered again in backward, none kept),
+               "prefetchn" with gather_prefetch n (a gather may start n layers ahead; the default "auto" starts
+               every kept layer's at the step's start)
   HF EP        transformers' own, as its docs set it up: DistributedConfig(fsdp_size=G, ep_size=G,
                ep_implementation="all_to_all") applied by ``maybe_distribute_model`` (AllToAllEP for
                the experts, FSDP2 for the rest; EP needs fsdp_size * tp_size to be a multiple of ep_size)
@@ -136,6 +138,8 @@ def variants(num_levels: int, model: str) -> list[Variant]:
             for j in range(num_levels)]
     out += [Variant(f"hiermoe gather{j} regather", "hiermoe", (("expert_gather", j), ("gather_keep_bytes", 0)))
             for j in range(num_levels)]
+    out += [Variant(f"hiermoe gather{j} prefetch{n}", "hiermoe", (("expert_gather", j), ("gather_prefetch", n)))
+            for j in range(num_levels) for n in (1, 2)]
     if model == "hf_mixtral":
         out += [Variant("HF EP", "hf_ep"), Variant("HF EP+DDP", "hf_ep_ddp")]
     return out + [Variant("eager DDP", "eager")]

@@ -166,7 +166,7 @@ def _overlap(opts: Options, report: GraphReport) -> OverlapPass | None:
         if opts.dump_dir:
             dump_scheduled(opts.dump_dir, report, code)
 
-    return OverlapPass(done, opts.gather_prefetch)
+    return OverlapPass(done, None if opts.gather_prefetch == "auto" else opts.gather_prefetch)
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: list[object], opts: Options,

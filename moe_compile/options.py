@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from moe_compile.cost.topology import Topology
 from moe_compile.ep.setup import check_mesh
@@ -104,7 +104,10 @@ class Options:
         (``shard_experts``) to save their memory: then the layer runs expert-parallel.
     gather_prefetch: with a mesh, how many layers ahead a layer's expert gather may start
         (``passes.overlap``): it runs during the layers before it, and the weights of this
-        many further layers are in memory at once (default 1; 0 = where the layer starts).
+        many further layers are in memory at once (0 = where the layer starts). "auto"
+        (default): a layer that keeps its gathered weights for backward (``gather_keep_bytes``)
+        at the graph's start, after the gathers before it (the forward's peak does not rise:
+        those weights are held at its end anyway), one gathered again in backward 1 ahead.
     gather_keep_bytes: with a mesh, the most bytes of gathered expert weights a rank keeps from
         forward to backward (the last layers first); the other layers free theirs after their
         forward and gather them again in backward (default None: keep all; 0: keep none).
@@ -139,7 +142,7 @@ class Options:
     tune_strategy: bool = False
     expert_swap: SwapOptions | None = None
     expert_gather: str | bool | int = "auto"
-    gather_prefetch: int = 1
+    gather_prefetch: int | Literal["auto"] = "auto"
     gather_keep_bytes: int | None = None
     gather_compress: float | None = None
     sample_placement: bool = False
@@ -243,8 +246,8 @@ def parse_options(raw: Mapping[str, object] | None) -> Options:
                              f"compression, lossy), got {ratio!r}")
     if "gather_prefetch" in kw:
         ahead = kw["gather_prefetch"]
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ValueError(f"option 'gather_prefetch' must be an int >= 0 (layers ahead), got {ahead!r}")
+        if ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
+            raise ValueError(f"option 'gather_prefetch' must be 'auto' or an int >= 0 (layers ahead), got {ahead!r}")
     if "sample_placement" in kw and not isinstance(kw["sample_placement"], bool):
         raise ValueError(f"option 'sample_placement' must be True or False, got {kw['sample_placement']!r}")
     if kw.get("mesh") is None and (dim is not None or kw.get("dedup") is not None or "ep_backward" in kw

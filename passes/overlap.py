@@ -13,7 +13,9 @@ Contract:
               so that the compiler keeps every buffer the stage reads alive until it is done),
               moves each start up to where its arguments are ready (an expert gather, whose
               arguments are the graph's weights, at most ``prefetch`` layers ahead: not above
-              the wait of the gather ``prefetch`` gathers before it; 0: it stays), then moves before each wait
+              the wait of the gather ``prefetch`` gathers before it; 0: it stays; None, "auto":
+              a gather whose weights are kept for backward as far up as its arguments allow, one
+              gathered again in backward one layer ahead), then moves before each wait
               every later node that neither depends on it (or on a later stage) nor comes after
               a node with side effects (a mutation, a seeded random op, anything not a plain
               operator or a read of a module constant): on the caller's thread it runs while the worker's lanes
@@ -45,6 +47,7 @@ Pseudo-code::
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +57,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.ep import runtime
 from moe_compile.lowering.ep_stages import COLLECTIVE_OPS, GATHER_STAGES, SPLIT_STAGES
 
 
@@ -105,8 +109,9 @@ def _fake_ticket(n: fx.Node) -> Any:
     return None
 
 
-def split_stages(graph: fx.Graph, prefetch: int = 1) -> Split:
-    """The module docstring's steps on ``graph`` (in place); ``prefetch``: options['gather_prefetch']."""
+def split_stages(graph: fx.Graph, prefetch: int | None = 1) -> Split:
+    """The module docstring's steps on ``graph`` (in place); ``prefetch``: options['gather_prefetch']
+    (None for "auto": ``gather_ahead``)."""
     targets = _stage_targets()
     gather_waits = {getattr(torch.ops.hiermoe, f"{s}_wait").default for s in GATHER_STAGES}
     waits: list[fx.Node] = []
@@ -143,15 +148,16 @@ def split_stages(graph: fx.Graph, prefetch: int = 1) -> Split:
         start = arg
         inputs = set(start.all_input_nodes)
         is_gather = wait.target in gather_waits
+        ahead = gather_ahead(start, prefetch) if is_gather else 0
         if is_gather:
-            stops = {previous_gather, gathers[-prefetch] if prefetch and len(gathers) >= prefetch else None}
+            stops = {previous_gather, gathers[-ahead] if 0 < ahead <= len(gathers) else None}
             gathers.append(wait)
         else:
             stops = {previous}
-        if is_gather and prefetch:  # what it reads of the weights (views, a stack) comes along
+        if is_gather and ahead:  # what it reads of the weights (views, a stack) comes along
             for a in _pure_ancestors(start):
                 _hoist(a, set(a.all_input_nodes), stops, seeded=True)
-        if not (is_gather and not prefetch):
+        if not (is_gather and not ahead):
             _hoist(start, inputs, stops, seeded=is_gather)
         previous = start
         if is_gather:
@@ -201,6 +207,29 @@ def split_stages(graph: fx.Graph, prefetch: int = 1) -> Split:
     starts = [f"{w.args[0].name} after {w.args[0].prev.name}" for w in waits  # type: ignore[union-attr]
               if w.target in gather_waits and w not in joined]
     return Split(kept, moved, starts)
+
+
+def gather_ahead(start: fx.Node, prefetch: int | None) -> int:
+    """How many gathers ahead the expert gather ``start`` (``ep_gather_start(weights, layer, ...)``)
+    may start: ``prefetch`` where given; for None ("auto") unbounded (``sys.maxsize``) where the
+    layer keeps its gathered weights for backward (``gather_keep_bytes``), 1 where it frees them
+    after its forward and gathers them again in backward (and in backward itself).
+
+    Why unbounded costs no memory where the weights are kept: they are held from the gather to the
+    end of the forward either way, and everything alive when the gather starts early is alive at
+    the forward's end too, so the forward's peak (its end) does not rise. Why it pays: the gathers
+    of a step run one after another on one lane per mesh level (``moe_compile.ep.worker``), so the
+    slow link is busy from the graph's start on, instead of idling from the moment one layer's
+    gather is done until that layer runs. This is HybridEP's asynchronous communicator (Section
+    IV-B, Fig. 10): every MoE layer's experts go to its send queue, one layer after another, at the
+    step's start, and each layer takes them from the receive queue when it runs. A layer gathered
+    again in backward (the only gathers a backward graph has) would hold its weights longer for
+    every layer ahead: one."""
+    if prefetch is not None:
+        return prefetch
+    layer = start.args[1]
+    assert isinstance(layer, int), f"{start}: the gather's layer is not a constant: {layer!r}"
+    return 1 if runtime.layer(layer).regathered else sys.maxsize
 
 
 def _hoist(n: fx.Node, inputs: set[fx.Node], stops: set[fx.Node | None], seeded: bool = False) -> None:
@@ -259,7 +288,7 @@ class OverlapPass(CustomGraphPass):
     """``split_stages`` as Inductor's ``post_grad_custom_post_pass``. ``done(split, code)`` is
     called for every graph with stages."""
 
-    def __init__(self, done: Callable[[Split, str], None] | None = None, prefetch: int = 1) -> None:
+    def __init__(self, done: Callable[[Split, str], None] | None = None, prefetch: int | None = 1) -> None:
         self.done, self.prefetch = done, prefetch
 
     def __call__(self, graph: fx.Graph) -> None:

@@ -116,7 +116,7 @@ def case_prefetch() -> dict[str, Any]:
     mesh = make_mesh(PARAMS["shape"])
     out: dict[str, Any] = {}
     # (prefetch, gather_keep_bytes): one layer's 144 KiB of gathered experts kept, the others regathered
-    for ahead, keep in [*((a, None) for a in PARAMS["prefetch"]), (1, 147456)]:
+    for ahead, keep in [*((a, None) for a in PARAMS["prefetch"]), (1, 147456), ("auto", 147456)]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = TinyMoELM(TinyLMConfig(moe_kind="grouped_gemm", num_experts=8, num_layers=3))

@@ -81,7 +81,7 @@ def test_unknown_option_lists_valid_ones() -> None:
         ({"expert_gather": True}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),
         ({"expert_gather": 0}, r"'expert_gather' must be 'auto', False or the name of a mesh level"),
         ({"expert_gather": "node", "dimension": 2}, r"give one of them"),
-        ({"gather_prefetch": -1}, r"'gather_prefetch' must be an int >= 0"),
+        ({"gather_prefetch": -1}, r"'gather_prefetch' must be 'auto' or an int >= 0"),
         ({"expert_gather": False}, r"they need options\['mesh'\]"),
         ({"tune_dimension": -1}, r"'tune_dimension' must be an int >= 0"),
         ({"tune_dimension": True}, r"'tune_dimension' must be an int >= 0"),

@@ -122,16 +122,20 @@ def test_planner_moves_experts_on_a_slow_link_with_small_experts() -> None:
 @pytest.mark.ranks
 def test_gather_prefetch_starts_layers_ahead() -> None:
     """gather_prefetch = n: layer l+n's gather starts before layer l's experts run (right after
-    layer l+n-1's gather was waited for, not earlier); 0: each gather where its layer is. With
-    gather_keep_bytes one layer's worth, the last layer keeps its gathered weights and the two
-    before gather theirs again in backward (tagged for the partitioner's recompute). The
-    results are those of eager whatever the schedule. HF Mixtral too, whose layers read
-    constants (its key/value cache) that the gathers start above."""
-    results = run_ranks(4, "prefetch", worker="gather_worker.py", shape=[2, 2], prefetch=[0, 2])
+    layer l+n-1's gather was waited for, not earlier); 0: each gather where its layer is; "auto"
+    (the default): every layer that keeps its gathered weights for backward at the graph's start,
+    in layer order. With gather_keep_bytes one layer's worth, the last layer keeps its gathered
+    weights and the two before gather theirs again in backward (tagged for the partitioner's
+    recompute); under "auto" those two start one layer ahead and the kept one right after the
+    gather before it. The results are those of eager whatever the schedule. HF Mixtral too, whose
+    layers read constants (its key/value cache) that the gathers start above."""
+    results = run_ranks(4, "prefetch", worker="gather_worker.py", shape=[2, 2], prefetch=[0, 2, "auto"])
     g, w, x = "ep_gather_start", "ep_gather_wait", "experts"
     expected = {"0": [g, w, x, g, w, x, g, w, x],
                 "1": [g, w, g, x, w, g, x, w, x],
-                "2": [g, g, w, g, x, w, x, w, x]}
+                "2": [g, g, w, g, x, w, x, w, x],
+                "auto": [g, g, g, w, x, w, x, w, x],
+                "auto keep 147456": [g, w, g, g, x, w, x, w, x]}
     expected["1 keep 147456"] = expected["1"]
     for rank, res in enumerate(results):
         hf = res.pop("hf_mixtral")
