@@ -386,12 +386,87 @@ def outline_selective(gm: fx.GraphModule, original: set[fx.Node], regions: dict[
         if len(ids) == 1 and None not in ids and not any(SELECTIVE in a.meta for a in node.all_input_nodes):
             node.meta[SELECTIVE] = ids.pop()
     for sid, sel in regions.items():
+        written = written_matmuls(n for n in original if n.meta.get(SELECTIVE) == sid and getattr(n, "_erased", False))
+        if written and "_checkpoint_context_fn" in sel.body_meta:
+            meta = {**sel.body_meta, "_checkpoint_context_fn": asking_as_written(sel.body_meta["_checkpoint_context_fn"],
+                                                                                 written)}
+            sel = Selective(sel.call, meta, sel.kwargs)
         for piece in _pieces(gm, sid):
             made += _outline(gm, piece, sel)
     if made:
         gm.graph.lint()
         gm.recompile()
     return made
+
+
+# the ops AOTAutograd traces (and a selective checkpoint's policy is asked about) for the matmuls a
+# layer may be written with in the Dynamo graph; matmul and linear become mm, addmm or bmm by shape
+_MM = torch.ops.aten.mm.default
+_ATEN_MATMULS: dict[Any, tuple[Any, ...]] = {
+    torch._grouped_mm: (torch.ops.aten._grouped_mm.default,),
+    torch.bmm: (torch.ops.aten.bmm.default,), "bmm": (torch.ops.aten.bmm.default,),
+    torch.baddbmm: (torch.ops.aten.baddbmm.default,),
+    torch.mm: (_MM,), "mm": (_MM,), torch.addmm: (torch.ops.aten.addmm.default,),
+    torch.matmul: (_MM, torch.ops.aten.bmm.default), operator.matmul: (_MM, torch.ops.aten.bmm.default),
+    "matmul": (_MM, torch.ops.aten.bmm.default), torch.einsum: (torch.ops.aten.bmm.default,),
+    torch._C._nn.linear: (_MM, torch.ops.aten.addmm.default),
+    torch.nn.functional.linear: (_MM, torch.ops.aten.addmm.default),
+}
+# the expert op's matmuls (its lowerings' forward ops): what the policy is asked about instead
+_EXPERT_MATMULS = ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default", "hiermoe.grouped_linear.default",
+                   "hiermoe.grouped_linear_gate_up.default")
+_SAVING = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+
+
+def written_matmuls(replaced: Iterable[fx.Node]) -> tuple[Any, ...]:
+    """The matmul ops AOTAutograd would have asked a selective checkpoint's policy about for the
+    ``replaced`` nodes (a rewritten layer's expert computation as the model wrote it), in a fixed
+    order: aten's for torch's matmuls, and a library's own custom op where its name says it is a
+    matmul (``mm``, ``matmul``, ``linear``: it stays one op under AOTAutograd)."""
+    ops: dict[Any, None] = {}
+    for n in replaced:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        target = n.target.default if isinstance(n.target, torch._ops.OpOverloadPacket) else n.target
+        if isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "hiermoe") and any(
+                w in target._opname for w in ("mm", "matmul", "linear")):
+            ops[target] = None  # a library's matmul op (transformers' grouped_mm_fallback on CPU)
+        for op in _ATEN_MATMULS.get(n.target, ()):
+            ops[op] = None
+    return tuple(sorted(ops, key=str))
+
+
+def asking_as_written(context_fn: Any, written: tuple[Any, ...]) -> Any:
+    """``context_fn`` whose policy, asked about one of the expert op's matmuls (``_EXPERT_MATMULS``),
+    answers as it answers for the matmuls the layer was written with (``written``, asked without
+    arguments, as ``policy_saves`` asks): saved where it saves any of them, else its answer for the
+    first. A policy written for the model (torchtitan's saves ``aten.mm``, others name
+    ``aten._grouped_mm``) so decides for the rewritten experts what it decided for the model's. Where
+    it cannot be asked so (it reads the op's arguments and raises), it is asked about the expert
+    op's matmul itself, with its arguments. A ``context_fn`` whose forward mode has no ``policy_fn``
+    (not torch's ``create_selective_checkpoint_contexts``) is returned as it is."""
+    expert = {op for name in _EXPERT_MATMULS if (op := _op(name)) is not None}
+
+    def wrapped() -> Any:
+        modes = context_fn()
+        forward = modes[0]
+        policy = getattr(forward, "policy_fn", None)
+        if not callable(policy):
+            return modes
+
+        def ask(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            if op in expert:
+                try:
+                    answers = [policy(ctx, w) for w in written]
+                except Exception:  # noqa: BLE001 (a policy that reads the arguments: asked as traced)
+                    return policy(ctx, op, *args, **kwargs)
+                return next((a for a in answers if a in _SAVING), answers[0])
+            return policy(ctx, op, *args, **kwargs)
+
+        forward.policy_fn = ask
+        return modes
+
+    return wrapped
 
 
 def _pieces(gm: fx.GraphModule, sid: int) -> list[list[fx.Node]]:

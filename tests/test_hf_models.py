@@ -108,8 +108,8 @@ def test_hiermoe_experts_implementation_gradients_match() -> None:
 
 
 def _checkpointed_step(backend: str | None, checkpointing: str | None) -> dict[str, object]:
-    """One forward + backward of a 2-layer Mixtral (``checkpointing``: None, "reentrant", "plain" or
-    "selective", the last with a context_fn), eager or compiled (a warm-up call first, so that the
+    """One forward + backward of a 2-layer Mixtral (``checkpointing``: None, "reentrant", "plain",
+    "selective" or "selective saving grouped matmuls", the last two with a context_fn), eager or compiled (a warm-up call first, so that the
     measured call does not count what compiling saves): its loss, gradients, the layers hiermoe
     rewrote and the reasons for the others, and the bytes of activations autograd kept for
     backward (the saved tensors that are not parameters)."""
@@ -127,6 +127,11 @@ def _checkpointed_step(backend: str | None, checkpointing: str | None) -> dict[s
         if checkpointing == "selective":
             kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
                                                      lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+        elif checkpointing == "selective saving grouped matmuls":  # a policy written for the model's own ops:
+            # torch's grouped matmul, and the op transformers runs its grouped_mm experts on where
+            # torch._grouped_mm has no kernel (CPU)
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, [
+                torch.ops.aten._grouped_mm.default, torch.ops.transformers.grouped_mm_fallback.default])
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     fn = model if backend is None else torch.compile(
         model, backend=backend, **({"options": {"inner_compiler": "aot_eager"}} if backend == "hiermoe" else {}))
@@ -178,3 +183,24 @@ def test_selective_activation_checkpointing_is_rewritten_under_its_policy() -> N
         assert torch.allclose(g, ref, rtol=1e-5, atol=1e-7)
     aot = _checkpointed_step("aot_eager", "selective")
     assert ours["kept"] <= 1.25 * aot["kept"], (ours["kept"], aot["kept"])
+
+
+def test_a_policy_naming_the_models_matmuls_decides_for_the_expert_op() -> None:
+    """A selective checkpoint's policy is written for the ops the model runs: here it saves the
+    Mixtral experts' grouped matmuls (``aten._grouped_mm``, on CPU transformers'
+    ``grouped_mm_fallback``), whose outputs plain torch.compile keeps.
+    The rewritten layer's matmuls are the expert op's (``hiermoe.grouped_mm``), which the policy
+    does not name; it is asked about them as about the matmuls they replaced, so they are kept as
+    well: hiermoe keeps more than under a recompute-everything policy and about what torch.compile
+    keeps under this one. Before, it kept what the recompute-everything policy keeps (the expert
+    matmuls recomputed in backward, against the policy)."""
+    eager = _checkpointed_step(None, "selective saving grouped matmuls")
+    ours = _checkpointed_step("hiermoe", "selective saving grouped matmuls")
+    recompute = _checkpointed_step("hiermoe", "selective")
+    aot = _checkpointed_step("aot_eager", "selective saving grouped matmuls")
+    assert ours["rewritten"] == 2, ours["reasons"]
+    assert torch.allclose(ours["loss"], eager["loss"], rtol=1e-6)
+    for g, ref in zip(ours["grads"], eager["grads"], strict=True):
+        assert torch.allclose(g, ref, rtol=1e-5, atol=1e-7)
+    assert ours["kept"] > recompute["kept"], (ours["kept"], recompute["kept"])
+    assert 0.75 * aot["kept"] <= ours["kept"] <= 1.25 * aot["kept"], (ours["kept"], aot["kept"])
