@@ -32,8 +32,10 @@ Contract
               reports the reason as a layer left alone. A layer partly inside an opened selective
               call (``straddles``) is left alone too.
     guarantees the graph computes what it computed; the partitioner sees the same tags, and a
-              selective checkpoint's policy is asked about the ops of the rewritten layer (the
-              expert op's grouped matmuls) as it was about those they replaced; never about an
+              selective checkpoint's policy is asked about the ops of the rewritten layer, about
+              the expert op's matmuls as about the matmuls the layer was written with
+              (``asking_as_written``: what it saved of the model's experts it saves of the
+              expert op's); never about an
               exchange between ranks (the expert-parallel stages, gathers, sample moves), which
               stays outside the calls it is closed into, so backward never runs one again.
 
@@ -71,6 +73,8 @@ Pseudo-code::
             outside; body.meta <- the original body's (context_fn); insert hop(body, *inputs)
             after S's last node, getitems for its outputs; move the outside nodes between that
             read S after them; erase S
+        (the context_fn's policy, asked about an expert-op matmul, answers for the sid's
+        replaced matmuls: written_matmuls / asking_as_written)
 """
 
 from __future__ import annotations

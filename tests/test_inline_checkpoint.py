@@ -15,10 +15,21 @@ from typing import Any
 import pytest
 import torch
 from compile_utils import SAVE_GROUPED, ExpertsCheckpointed, selective_policy
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from moe_compile.backend import collect_reports
-from moe_compile.passes.inline_checkpoint import Selective, inline_checkpoints, policy_saves
+from moe_compile.passes.inline_checkpoint import (
+    Selective,
+    asking_as_written,
+    inline_checkpoints,
+    policy_saves,
+    written_matmuls,
+)
 from moe_compile.samples import SAMPLES
 from moe_compile.samples.grouped_gemm import GroupedGemmMoE
 
@@ -210,6 +221,41 @@ def test_a_selective_checkpoints_policy_is_asked_about_the_grouped_matmuls() -> 
         functools.partial(create_selective_checkpoint_contexts, reads_args))))
     assert "does not come from" in str(policy_saves(selective(
         lambda: (contextlib.nullcontext(), contextlib.nullcontext()))))
+
+
+def test_the_policy_answers_for_the_expert_ops_matmuls_as_for_the_written_ones() -> None:
+    """The matmuls a layer was written with (Dynamo's targets) are named as AOTAutograd names them
+    to a policy; asked about the expert op's matmul, the wrapped policy answers as for those
+    (saved where it saves one of them), other ops as before; a policy that reads the arguments is
+    asked about the expert op's matmul itself; a context_fn that is not torch's stays as it is."""
+    aten, ctx = torch.ops.aten, SelectiveCheckpointContext(is_recompute=False)
+    g = torch.fx.Graph()
+    x, w, idx = (g.placeholder(n) for n in ("x", "w", "idx"))
+    nodes = [g.call_function(torch.nn.functional.linear, (x, w)), g.call_function(torch._grouped_mm, (x, w)),
+             g.call_function(torch.sort, (idx,)), g.call_method("bmm", (x, w))]
+    assert written_matmuls(nodes[2:3]) == ()
+    assert written_matmuls(nodes[:1]) == (aten.addmm.default, aten.mm.default)
+    assert written_matmuls(nodes) == (aten._grouped_mm.default, aten.addmm.default, aten.bmm.default, aten.mm.default)
+    expert_mm = torch.ops.hiermoe.grouped_mm.default
+    saving_grouped = functools.partial(create_selective_checkpoint_contexts, [aten._grouped_mm.default])
+    forward, _ = asking_as_written(saving_grouped, (aten._grouped_mm.default,))()
+    assert forward.policy_fn(ctx, expert_mm) == CheckpointPolicy.MUST_SAVE
+    assert forward.policy_fn(ctx, aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    forward, _ = asking_as_written(saving_grouped, (aten.addmm.default, aten.mm.default))()  # Linear experts
+    assert forward.policy_fn(ctx, expert_mm) == CheckpointPolicy.PREFER_RECOMPUTE
+    saving_mm = functools.partial(create_selective_checkpoint_contexts, [aten.mm.default])
+    forward, _ = asking_as_written(saving_mm, (aten.addmm.default, aten.mm.default))()
+    assert forward.policy_fn(ctx, expert_mm) == CheckpointPolicy.MUST_SAVE
+
+    def reads_args(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if args[0].ndim == 2 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, _ = asking_as_written(functools.partial(create_selective_checkpoint_contexts, reads_args),
+                                   (aten._grouped_mm.default,))()
+    assert forward.policy_fn(ctx, expert_mm, torch.ones(2, 2)) == CheckpointPolicy.MUST_SAVE
+    assert forward.policy_fn(ctx, expert_mm, torch.ones(2, 2, 2)) == CheckpointPolicy.PREFER_RECOMPUTE
+    modes = (contextlib.nullcontext(), contextlib.nullcontext())
+    assert asking_as_written(lambda: modes, (aten.mm.default,))() is modes
 
 
 @pytest.mark.parametrize("selective", [False, True])
