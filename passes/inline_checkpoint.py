@@ -257,9 +257,10 @@ def mark_local_stage(stage: fx.Node, op: fx.Node, layer: str) -> None:
     stage.meta[LOCAL_STAGE] = {"layer": layer, "ac_graph_id": region_of(op), "selective": op.meta.get(SELECTIVE)}
 
 
-def policy_saves(sel: Selective) -> bool | str:
+def policy_saves(sel: Selective, written: tuple[Any, ...] = ()) -> bool | str:
     """Whether the policy of selective checkpoint ``sel`` saves the outputs of the gate and up
-    projections' grouped matmuls (``_GATE_UP_OPS``: any of them MUST_SAVE or PREFER_SAVE), asked
+    projections' grouped matmuls (``_GATE_UP_OPS``, and ``written``: the matmuls the layer was
+    written with, ``written_matmuls``; any of them MUST_SAVE or PREFER_SAVE), asked
     as AOTAutograd asks it (a fresh ``context_fn()``, its forward mode's ``policy_fn``, a context
     that is not a recompute), without arguments; or why it cannot be asked."""
     context_fn = sel.body_meta.get("_checkpoint_context_fn")
@@ -272,7 +273,7 @@ def policy_saves(sel: Selective) -> bool | str:
     policy = getattr(forward_mode, "policy_fn", None)
     if not callable(policy):
         return "its context_fn does not come from torch.utils.checkpoint.create_selective_checkpoint_contexts"
-    ops = [op for name in _GATE_UP_OPS if (op := _op(name)) is not None]
+    ops = [op for name in _GATE_UP_OPS if (op := _op(name)) is not None] + [w for w in written if str(w) not in _GATE_UP_OPS]
     try:
         answers = [policy(SelectiveCheckpointContext(is_recompute=False), op) for op in ops]
     except Exception as e:  # noqa: BLE001 (a policy that reads the op's arguments)
@@ -313,7 +314,7 @@ def checkpoint_local_stages(gm: fx.GraphModule, original: set[fx.Node], regions:
             continue
         sid = selective.pop()
         if sid not in answers:
-            answers[sid] = policy_saves(regions[sid])
+            answers[sid] = policy_saves(regions[sid], written_matmuls(_replaced(original, sid)))
         saves = answers[sid]
         node.update_kwarg("keep", saves is not False)
         notes[mark["layer"]] = ("recomputes its pre-activations (the policy recomputes the grouped matmuls)"
@@ -390,7 +391,7 @@ def outline_selective(gm: fx.GraphModule, original: set[fx.Node], regions: dict[
         if len(ids) == 1 and None not in ids and not any(SELECTIVE in a.meta for a in node.all_input_nodes):
             node.meta[SELECTIVE] = ids.pop()
     for sid, sel in regions.items():
-        written = written_matmuls(n for n in original if n.meta.get(SELECTIVE) == sid and getattr(n, "_erased", False))
+        written = written_matmuls(_replaced(original, sid))
         if written and "_checkpoint_context_fn" in sel.body_meta:
             meta = {**sel.body_meta, "_checkpoint_context_fn": asking_as_written(sel.body_meta["_checkpoint_context_fn"],
                                                                                  written)}
@@ -420,6 +421,12 @@ _ATEN_MATMULS: dict[Any, tuple[Any, ...]] = {
 _EXPERT_MATMULS = ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default", "hiermoe.grouped_linear.default",
                    "hiermoe.grouped_linear_gate_up.default")
 _SAVING = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+
+
+def _replaced(original: set[fx.Node], sid: int) -> list[fx.Node]:
+    """The nodes of opened selective checkpoint ``sid`` that the rewrite erased (what the expert op
+    replaced)."""
+    return [n for n in original if n.meta.get(SELECTIVE) == sid and getattr(n, "_erased", False)]
 
 
 def written_matmuls(replaced: Iterable[fx.Node]) -> tuple[Any, ...]:

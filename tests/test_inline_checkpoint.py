@@ -205,7 +205,8 @@ def test_mesh_of_one_rank_runs_the_layers_in_its_selective_checkpoints_replicate
 def test_a_selective_checkpoints_policy_is_asked_about_the_grouped_matmuls() -> None:
     """What an expert-parallel local expert stage keeps under a selective checkpoint (it stays
     outside the checkpoint, test_expert_parallel.py) is the policy's answer about the gate and up
-    projections' grouped matmuls, torch's or the expert op's; a policy that cannot be asked so (it
+    projections' grouped matmuls, torch's or the expert op's, or the matmuls the layer was written
+    with; a policy that cannot be asked so (it
     reads the op's arguments, or the context_fn is not torch's) is named, and the stage keeps them."""
     def selective(context_fn: Any) -> Selective:
         return Selective("call", {"_checkpoint_context_fn": context_fn}, {})
@@ -217,6 +218,10 @@ def test_a_selective_checkpoints_policy_is_asked_about_the_grouped_matmuls() -> 
     assert policy_saves(selective(selective_policy([], SAVE_GROUPED))) is True
     torch_ops = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten._grouped_mm.default])
     assert policy_saves(selective(torch_ops)) is True
+    # a policy naming the matmuls the layer was written with (Linear experts: mm / addmm)
+    saving_mm = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    assert policy_saves(selective(saving_mm)) is False
+    assert policy_saves(selective(saving_mm), (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)) is True
     assert "its policy raised IndexError" in str(policy_saves(selective(
         functools.partial(create_selective_checkpoint_contexts, reads_args))))
     assert "does not come from" in str(policy_saves(selective(
