@@ -449,13 +449,14 @@ def written_matmuls(replaced: Iterable[fx.Node]) -> tuple[Any, ...]:
 
 def asking_as_written(context_fn: Any, written: tuple[Any, ...]) -> Any:
     """``context_fn`` whose policy, asked about one of the expert op's matmuls (``_EXPERT_MATMULS``),
-    answers as it answers for the matmuls the layer was written with (``written``, asked without
-    arguments, as ``policy_saves`` asks): saved where it saves any of them, else its answer for the
-    first. A policy written for the model (torchtitan's saves ``aten.mm``, others name
-    ``aten._grouped_mm``) so decides for the rewritten experts what it decided for the model's. Where
-    it cannot be asked so (it reads the op's arguments and raises), it is asked about the expert
-    op's matmul itself, with its arguments. A ``context_fn`` whose forward mode has no ``policy_fn``
-    (not torch's ``create_selective_checkpoint_contexts``) is returned as it is."""
+    saves its output where it saves that op (named as such, with its arguments) or any of the
+    matmuls the layer was written with (``written``, asked without arguments, as ``policy_saves``
+    asks); else its answer for the op. A policy written for the model (torchtitan's saves
+    ``aten.mm``, others name ``aten._grouped_mm``) so saves of the rewritten experts what it saved of
+    the model's, and one naming the expert op's matmuls still saves them. Where the written matmuls
+    cannot be asked about (the policy reads the op's arguments and raises), its answer for the op
+    stands. A ``context_fn`` whose forward mode has no ``policy_fn`` (not torch's
+    ``create_selective_checkpoint_contexts``) is returned as it is."""
     expert = {op for name in _EXPERT_MATMULS if (op := _op(name)) is not None}
 
     def wrapped() -> Any:
@@ -466,13 +467,14 @@ def asking_as_written(context_fn: Any, written: tuple[Any, ...]) -> Any:
             return modes
 
         def ask(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            if op in expert:
-                try:
-                    answers = [policy(ctx, w) for w in written]
-                except Exception:  # noqa: BLE001 (a policy that reads the arguments: asked as traced)
-                    return policy(ctx, op, *args, **kwargs)
-                return next((a for a in answers if a in _SAVING), answers[0])
-            return policy(ctx, op, *args, **kwargs)
+            answer = policy(ctx, op, *args, **kwargs)
+            if op not in expert or answer in _SAVING:
+                return answer
+            try:
+                written_answers = [policy(ctx, w) for w in written]
+            except Exception:  # noqa: BLE001 (a policy that reads the arguments: its answer as traced)
+                return answer
+            return next((a for a in written_answers if a in _SAVING), answer)
 
         forward.policy_fn = ask
         return modes

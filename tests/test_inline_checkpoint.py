@@ -230,9 +230,9 @@ def test_a_selective_checkpoints_policy_is_asked_about_the_grouped_matmuls() -> 
 
 def test_the_policy_answers_for_the_expert_ops_matmuls_as_for_the_written_ones() -> None:
     """The matmuls a layer was written with (Dynamo's targets) are named as AOTAutograd names them
-    to a policy; asked about the expert op's matmul, the wrapped policy answers as for those
-    (saved where it saves one of them), other ops as before; a policy that reads the arguments is
-    asked about the expert op's matmul itself; a context_fn that is not torch's stays as it is."""
+    to a policy; asked about the expert op's matmul, the wrapped policy saves it where it saves
+    that op or one of those, other ops as before; for a policy that reads the arguments its answer
+    for the op stands; a context_fn that is not torch's stays as it is."""
     aten, ctx = torch.ops.aten, SelectiveCheckpointContext(is_recompute=False)
     g = torch.fx.Graph()
     x, w, idx = (g.placeholder(n) for n in ("x", "w", "idx"))
@@ -250,6 +250,9 @@ def test_the_policy_answers_for_the_expert_ops_matmuls_as_for_the_written_ones()
     assert forward.policy_fn(ctx, expert_mm) == CheckpointPolicy.PREFER_RECOMPUTE
     saving_mm = functools.partial(create_selective_checkpoint_contexts, [aten.mm.default])
     forward, _ = asking_as_written(saving_mm, (aten.addmm.default, aten.mm.default))()
+    assert forward.policy_fn(ctx, expert_mm) == CheckpointPolicy.MUST_SAVE
+    saving_expert_op = functools.partial(create_selective_checkpoint_contexts, [expert_mm])  # named as such
+    forward, _ = asking_as_written(saving_expert_op, (aten._grouped_mm.default,))()
     assert forward.policy_fn(ctx, expert_mm) == CheckpointPolicy.MUST_SAVE
 
     def reads_args(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
