@@ -23,13 +23,8 @@ from torch.utils.checkpoint import (
 )
 
 from moe_compile.backend import collect_reports
-from moe_compile.passes.inline_checkpoint import (
-    Selective,
-    asking_as_written,
-    inline_checkpoints,
-    policy_saves,
-    written_matmuls,
-)
+from moe_compile.passes.checkpoint_policy import asking_as_written, policy_saves, written_matmuls
+from moe_compile.passes.inline_checkpoint import inline_checkpoints
 from moe_compile.samples import SAMPLES
 from moe_compile.samples.grouped_gemm import GroupedGemmMoE
 
@@ -208,24 +203,22 @@ def test_a_selective_checkpoints_policy_is_asked_about_the_grouped_matmuls() -> 
     projections' grouped matmuls, torch's or the expert op's, or the matmuls the layer was written
     with; a policy that cannot be asked so (it
     reads the op's arguments, or the context_fn is not torch's) is named, and the stage keeps them."""
-    def selective(context_fn: Any) -> Selective:
-        return Selective("call", {"_checkpoint_context_fn": context_fn}, {})
-
     def reads_args(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if args[0].ndim == 2 else CheckpointPolicy.PREFER_RECOMPUTE
 
-    assert policy_saves(selective(selective_policy([], ()))) is False
-    assert policy_saves(selective(selective_policy([], SAVE_GROUPED))) is True
+    assert policy_saves(selective_policy([], ())) is False
+    assert policy_saves(selective_policy([], SAVE_GROUPED)) is True
     torch_ops = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten._grouped_mm.default])
-    assert policy_saves(selective(torch_ops)) is True
+    assert policy_saves(torch_ops) is True
     # a policy naming the matmuls the layer was written with (Linear experts: mm / addmm)
     saving_mm = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
-    assert policy_saves(selective(saving_mm)) is False
-    assert policy_saves(selective(saving_mm), (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)) is True
-    assert "its policy raised IndexError" in str(policy_saves(selective(
-        functools.partial(create_selective_checkpoint_contexts, reads_args))))
-    assert "does not come from" in str(policy_saves(selective(
-        lambda: (contextlib.nullcontext(), contextlib.nullcontext()))))
+    assert policy_saves(saving_mm) is False
+    assert policy_saves(saving_mm, (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)) is True
+    assert "its policy raised IndexError" in str(policy_saves(
+        functools.partial(create_selective_checkpoint_contexts, reads_args)))
+    assert "does not come from" in str(policy_saves(
+        lambda: (contextlib.nullcontext(), contextlib.nullcontext())))
+    assert policy_saves(None) == "the checkpoint has no context_fn"
 
 
 def test_the_policy_answers_for_the_expert_ops_matmuls_as_for_the_written_ones() -> None:
