@@ -22,7 +22,7 @@ the exchanges the placement serves with the time to move the samples: their byte
 of the all-to-alls a move adds (the same model: alpha per peer message): the move's own, one
 message to every other rank of the world, and where the layer's combine delivers to the new ranks
 (``fused``) its redirect, a world all-to-all in place of the combine's inter-node hop (the
-runtime's ``hier_a2a.combine_to_steps``). A step that moves nothing runs none of them.
+runtime's ``hier_a2a.combine_to_steps``), one per chunk where the layer runs in chunks. A step that moves nothing runs none of them.
 
 Shapes: S samples, E experts, R ranks, N nodes (R = N * ranks_per_node); counts_SE[s, e] = tokens of
 sample s routed to expert e (a token with K experts counts K times, once per copy sent); or
@@ -154,14 +154,15 @@ def _balanced_assignment(cost_SC: np.ndarray, per_column: int) -> np.ndarray:
 
 
 def place_samples(traffic: SampleTraffic, rank_S: np.ndarray, topo: Topology, token_bytes: float,
-                  sample_bytes: float, exchanges: float = 2.0, fused: bool = False) -> Placement:
+                  sample_bytes: float, exchanges: float = 2.0, fused: bool = False, chunks: int = 1) -> Placement:
     """NetMoE's two-stage placement of S samples (now on ranks ``rank_S``, S / R on each) for the
     routing's ``traffic`` on ``topo`` (two levels: nodes, ranks per node); ``token_bytes`` one unit
     of traffic (a token's hidden vector and its routing slots), ``sample_bytes`` everything that moves with a sample (its residual stream, masks,
     labels); ``exchanges``: how many all-to-alls with this routing the placement serves (2: this
     layer's combine and the next layer's dispatch, whose tokens leave from where the sample lives),
     against one move; ``fused``: the layer's combine redirects its rows to the new ranks (one more
-    world all-to-all's start-ups in the move's cost, module docstring). Raises ValueError where the
+    world all-to-all's start-ups in the move's cost, module docstring; ``chunks`` of them where
+    the layer runs in chunks, each chunk's combine redirecting its own rows). Raises ValueError where the
     samples cannot be spread evenly."""
     num_nodes, per_node, a_inter, b_inter, a_intra, b_intra = _two_levels(topo)
     num_ranks = num_nodes * per_node
@@ -202,7 +203,7 @@ def place_samples(traffic: SampleTraffic, rank_S: np.ndarray, topo: Topology, to
     out_inter = np.bincount(rank_S[cross], minlength=num_ranks).max(initial=0) * sample_bytes
     out_intra = np.bincount(rank_S[moved & ~cross], minlength=num_ranks).max(initial=0) * sample_bytes
     world_start = (num_ranks - per_node) * a_inter + (per_node - 1) * a_intra  # one message to every other rank
-    starts = world_start + (world_start - (num_nodes - 1) * a_inter if fused else 0.0)
+    starts = world_start + (chunks * (world_start - (num_nodes - 1) * a_inter) if fused else 0.0)
     move_s = out_inter * b_inter + out_intra * b_intra + starts
     return Placement(tuple(int(r) for r in new_rank_S), before, after, a2a_time(before), a2a_time(after),
                      exchanges, float(move_s), int(moved.sum()), solve_s)

@@ -25,7 +25,7 @@ dispatched rows ([R, H] per layer) kept from forward to backward; ``explain`` re
 layer (``EPLayer.saved_bytes``).
 
 Under sample placement a fused cut's layer ends in ``hiermoe::ep_combine_to(partial, route, perm,
-B, T)`` instead (``passes.sample_placement.fuse_combines``): the combine delivers each token's
+B, T, offset, T)`` instead (``passes.sample_placement.fuse_combines``): the combine delivers each token's
 result to the rank its sample moves to (``hier_a2a.combine_to_steps``; a step that moves no sample
 combines plainly), and its backward brings the gradients back from there.
 
@@ -548,16 +548,23 @@ ep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 # -- combine to the samples' new ranks ------------------------------------------------------------
 
-def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int) -> Job:
+def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int, offset: int,
+                    out_tokens: int) -> Job:
     """([T, H], the redirect packed): ``ep_combine`` whose results reach each token's sample at the
     rank the sample placement moves it to (``perm``: ``hiermoe::sample_plan``'s, out slot n holds
     the sample of slot perm[n]; ``hier_a2a.combine_to_steps``), the samples' own move for the
     layer's output fused into its combine: a sample placed where its experts are gets its result
-    from inside the node instead of over the slow link twice (to its old rank, then moved)."""
+    from inside the node instead of over the slow link twice (to its old rank, then moved).
+
+    A layer run in chunks combines each chunk so: the chunk's ``num_tokens`` tokens are rows
+    ``offset`` .. ``offset + num_tokens`` of the rank's ``out_tokens``, and the result is a whole
+    [out_tokens, H] holding the rows this chunk delivered (zero elsewhere), summed with the other
+    chunks' by the graph (``passes.sample_placement.fuse_combines``). Unchunked: offset 0,
+    out_tokens = num_tokens."""
     perm_cpu = perm.cpu()
     if torch.equal(perm_cpu, torch.arange(perm_cpu.numel())):  # no sample moves this step: ep_combine's
         device, steps, groups = _combine_job(partial, route, num_tokens)
-        return device, _no_redirect(steps), groups
+        return device, _no_redirect(steps, offset, out_tokens), groups
     lay, d, rt = _route(route, partial.device)
     flat = lay.comm.intra[0]
     new_slot_of = torch.argsort(perm_cpu)
@@ -565,35 +572,44 @@ def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, 
     def job() -> Generator[Any, None, tuple[Tensor, Tensor]]:
         t0 = time.perf_counter()
         with collective(lay, f"the forward combine all-to-alls to the samples' new ranks ({phase_names(d, lay)})"):
-            y, redirect = yield from hier_a2a.combine_to_steps(partial, rt, new_slot_of, samples, flat, "forward")
+            y, redirect = yield from hier_a2a.combine_to_steps(partial, rt, new_slot_of, samples, flat, "forward",
+                                                               offset, out_tokens)
         _timed(lay, "forward", t0)
-        assert y.shape[0] == num_tokens, (y.shape, num_tokens)
+        assert y.shape[0] == out_tokens, (y.shape, out_tokens)
         return y.contiguous(), redirect.pack()
 
     return partial.device, job(), [*(hop.phase.group for hop in reversed(rt.hops[1:])), flat.group]
 
 
-def _no_redirect(steps: Generator[Any, None, Tensor]) -> Generator[Any, None, tuple[Tensor, Tensor]]:
-    """``ep_combine``'s steps as ``ep_combine_to``'s of a step that moves no sample: its output and
-    an empty redirect, which tells the backward to run ``ep_combine``'s."""
+def _no_redirect(steps: Generator[Any, None, Tensor], offset: int, out_tokens: int
+                 ) -> Generator[Any, None, tuple[Tensor, Tensor]]:
+    """``ep_combine``'s steps as ``ep_combine_to``'s of a step that moves no sample: its output (at
+    rows ``offset`` .. of ``out_tokens`` for a chunk) and an empty redirect, which tells the
+    backward to run ``ep_combine``'s."""
     y = yield from steps
+    if offset != 0 or y.shape[0] != out_tokens:
+        whole = y.new_zeros((out_tokens, y.shape[1]))
+        whole[offset: offset + y.shape[0]] = y
+        y = whole
     return y, torch.empty((0,), dtype=torch.long)
 
 
-def _combine_to_fake(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int
-                     ) -> tuple[Tensor, Tensor]:
-    return (partial.new_empty((num_tokens, partial.shape[1])),
+def _combine_to_fake(partial: Tensor, route: Tensor, perm: Tensor, samples: int, num_tokens: int, offset: int,
+                     out_tokens: int) -> tuple[Tensor, Tensor]:
+    return (partial.new_empty((out_tokens, partial.shape[1])),
             torch.empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.long, device="cpu"))
 
 
-ep_combine_to = stage_ops("ep_combine_to", "Tensor partial, Tensor route, Tensor perm, int samples, SymInt num_tokens",
-                          "(Tensor, Tensor)", _combine_to_job, _combine_to_fake)
+ep_combine_to = stage_ops("ep_combine_to", "Tensor partial, Tensor route, Tensor perm, int samples, SymInt num_tokens, "
+                          "SymInt offset, SymInt out_tokens", "(Tensor, Tensor)", _combine_to_job, _combine_to_fake)
 
 
-def _combine_to_backward_job(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int) -> Job:
-    """[R, H]: ``ep_combine_backward`` from the tokens' new ranks (``hier_a2a.redispatch_from_steps``)."""
+def _combine_to_backward_job(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int, offset: int,
+                             num_tokens: int) -> Job:
+    """[R, H]: ``ep_combine_backward`` from the tokens' new ranks (``hier_a2a.redispatch_from_steps``);
+    ``grad_y`` is the whole [T, H] (a chunk's tokens: rows ``offset`` .. ``offset + num_tokens``)."""
     if redirect.numel() == 0:  # the forward combined plainly (no sample moved)
-        return _combine_backward_job(grad_y, route, num_rows)
+        return _combine_backward_job(grad_y.narrow(0, offset, num_tokens), route, num_rows)
     lay, d, rt = _route(route, grad_y.device)
     flat = lay.comm.intra[0]
     back = hier_a2a.Redirect.unpack(redirect, grad_y.device)
@@ -609,24 +625,27 @@ def _combine_to_backward_job(grad_y: Tensor, route: Tensor, redirect: Tensor, nu
     return grad_y.device, job(), [flat.group, *(hop.phase.group for hop in rt.hops[1:])]
 
 
-def _combine_to_backward_fake(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int) -> Tensor:
+def _combine_to_backward_fake(grad_y: Tensor, route: Tensor, redirect: Tensor, num_rows: int, offset: int,
+                              num_tokens: int) -> Tensor:
     return grad_y.new_empty((num_rows, grad_y.shape[1]))
 
 
-stage_ops("ep_combine_to_backward", "Tensor grad_y, Tensor route, Tensor redirect, SymInt num_rows", "Tensor",
-          _combine_to_backward_job, _combine_to_backward_fake)
+stage_ops("ep_combine_to_backward", "Tensor grad_y, Tensor route, Tensor redirect, SymInt num_rows, SymInt offset, "
+          "SymInt num_tokens", "Tensor", _combine_to_backward_job, _combine_to_backward_fake)
 
 
 def _combine_to_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    partial, route, *_ = inputs
+    partial, route, _perm, _samples, num_tokens, offset, _out = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(route, output[1])
     ctx.num_rows = partial.shape[0]
+    ctx.offset, ctx.num_tokens = offset, num_tokens
 
 
 def _combine_to_backward(ctx: Any, grad_y: Tensor, _g_redirect: Any) -> tuple[Tensor | None, ...]:
     route, redirect = ctx.saved_tensors
-    return torch.ops.hiermoe.ep_combine_to_backward(grad_y, route, redirect, ctx.num_rows), None, None, None, None
+    grad = torch.ops.hiermoe.ep_combine_to_backward(grad_y, route, redirect, ctx.num_rows, ctx.offset, ctx.num_tokens)
+    return grad, None, None, None, None, None, None
 
 
 ep_combine_to.register_autograd(_combine_to_backward, setup_context=_combine_to_setup)

@@ -283,7 +283,7 @@ class Redirect:
 
 
 def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples: int, flat: Phase,
-                     direction: str) -> Steps:
+                     direction: str, offset: int = 0, out_tokens: int | None = None) -> Steps:
     """``combine`` whose results reach each token's sample at its new rank instead of its origin
     (NetMoE's placement applied in the combine all-to-all, papers/netmoe-notes-zh.md Sec. 4: "the
     second AlltoAll" places the samples). Every hop but the first is reversed as in ``combine``
@@ -293,19 +293,22 @@ def combine_to_steps(rows_RC: Tensor, route: Route, new_slot_of: Tensor, samples
 
     Slots: rank at mesh position p holds samples p*B .. p*B+B-1 (B = ``samples``), each T / B
     consecutive tokens (rows for the expert op's K rows per token where its routing weights scale
-    its input); ``new_slot_of[slot]`` is the slot the sample moves to. Returns ([T, C] in the
-    rows' dtype, summed in float32, the ``Redirect``)."""
+    its input); ``new_slot_of[slot]`` is the slot the sample moves to. A layer run in chunks
+    (``strategies.common.emit_stages``) combines each chunk so: its tokens are rows ``offset`` ..
+    ``offset`` + route.num_tokens of the rank's ``out_tokens`` (T), and each chunk's result is a
+    whole [T, C] holding the rows it delivered (the chunks' results summed make the layer's).
+    Returns ([T, C] in the rows' dtype, summed in float32, the ``Redirect``)."""
     assert route.origin_row is not None, "combine_to needs a dispatch that carried its rows' origin"
     out_dtype = rows_RC.dtype
     row_bytes = rows_RC.shape[1] * rows_RC.element_size()
     acc, _ = yield from combine_steps(rows_RC, route, direction, first_hop=1)
     first = route.hops[0]
     device = acc.device
-    num_tokens = route.num_tokens
+    num_tokens = route.num_tokens if out_tokens is None else out_tokens
     per_sample = num_tokens // samples
     src_pos = torch.tensor(first.phase.peer_pos, dtype=torch.long, device=device).repeat_interleave(
         torch.tensor(first.recv_counts, dtype=torch.long, device=device))
-    token = route.origin_row if route.dedup else route.origin_row // route.top_k
+    token = offset + (route.origin_row if route.dedup else route.origin_row // route.top_k)
     new_slot = new_slot_of.to(device)[src_pos * samples + token // per_sample]
     new_row = (new_slot % samples) * per_sample + token % per_sample
     dest = flat.dest_peer_G.to(device)[new_slot // samples]  # the world phase: every position's group rank

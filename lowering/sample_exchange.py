@@ -56,6 +56,7 @@ class PlacementRecord:
     sample_bytes: int  # bytes of every value that moves with one sample at this cut
     token_bytes: int  # bytes one token sends in a dispatch (hidden row + routing slots)
     fused: bool = False  # the layer's combine delivers to the new ranks (a redirect all-to-all)
+    chunks: int = 1  # the chunks the layer's tokens run in: a fused cut redirects each chunk's rows
     # the last step's decision
     last: netmoe.Placement | None = None
     # after a step that moved nothing the next min(2 ** (declines - 1), MAX_SKIP) steps skip the
@@ -192,7 +193,7 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
     slot_rank = np.arange(world * samples) // samples
     start = time.perf_counter()
     placed = netmoe.place_samples(traffic, slot_rank, rec.topology, float(rec.token_bytes), float(rec.sample_bytes),
-                                  rec.exchanges, rec.fused)
+                                  rec.exchanges, rec.fused, rec.chunks)
     rec.solve_s.append(time.perf_counter() - start)
     rec.last, rec.steps = placed, rec.steps + 1
     if not placed.pays or placed.moved == 0:

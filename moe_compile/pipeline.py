@@ -343,7 +343,8 @@ def _expert_parallel(ctx: PassContext) -> dict[str, int]:
         out["fused_combines"] = len(fused)
         register_records(ctx.placement, ctx.ep_layers, ctx.topology, {
             r.region.name: r.region.hidden_size * getattr(torch, r.region.dtype).itemsize + r.region.top_k * SLOT_BYTES
-            for r in ctx.canonical.rewritten})
+            for r in ctx.canonical.rewritten}, {
+            name: lp.settings.chunks for name, lp in ctx.plans.items() if lp.settings is not None})
     return out
 
 
@@ -386,12 +387,12 @@ def _sample_placement(ctx: PassContext) -> dict[str, int]:
                     + "): their graphs differ; compile the same model on every rank")
         return None
 
-    # a cut after a layer whose tokens travel by the all-to-all stages in one chunk may be fused with
-    # its combine (passes.sample_placement.fuse_combines), which "tune" options could change later
+    # a cut after a layer whose tokens travel by the all-to-all stages (in any number of chunks) may be
+    # fused with its combine (passes.sample_placement.fuse_combines); tune_strategy's candidates
+    # could still make it a gather, which has no combine to fuse
     fusable = frozenset(
         name for name, lp in ctx.plans.items()
-        if lp.settings is not None and lp.settings.chunkable and lp.settings.chunks == 1 and not lp.tune
-        and not lp.alternatives and opts.ep_backward == "stages")
+        if lp.settings is not None and lp.settings.chunkable and not lp.alternatives and opts.ep_backward == "stages")
 
     inputs = [shard.verification_value(ex, seed=i) for i, ex in enumerate(ctx.example_inputs)]
     ctx.placement = sample_placement_pass(ctx.gm, layers, inputs, ctx.found.params, int(opts.mesh.mesh.numel()),

@@ -12,7 +12,7 @@ anything that mixes samples (a loss, a mean over the batch) or leaves the graph 
 were returned first. Each rank keeps B samples, so shapes stay static.
 
 Fused cuts (NetMoE places samples in the layer's second all-to-all): where a layer's combine can
-carry its output to the new ranks (``fusable``: token all-to-all stages in one chunk), its cut is
+carry its output to the new ranks (``fusable``: token all-to-all stages, in one chunk or several), its cut is
 right after its expert op; after expert_parallel, ``fuse_combines`` takes the op's output out of
 the move and makes the combine ``hiermoe::ep_combine_to``, and moves the rest (the residual
 stream before the layer, masks) with its plan before the layer's local expert stage, so that it
@@ -222,7 +222,7 @@ def sample_placement_pass(gm: fx.GraphModule, layers: Sequence[Layer], example_i
     (under expert parallelism) turns this rank's verdict into the one every rank takes: the reason
     to leave the graph alone, or None to rewrite it (its fourth argument: the layers whose cuts
     are fused, the same on every rank or the graphs would differ). ``fusable``: the layers whose combine can
-    take their samples to their new ranks (token all-to-all stages, one chunk): a cut that places
+    take their samples to their new ranks (token all-to-all stages, chunked or not): a cut that places
     samples after one of them is made right after its expert op (``Cut.fused``), where the rewrite
     allows it (else where the fewest bytes are live)."""
     res = PlacementResult()
@@ -592,16 +592,18 @@ def bind(gm: fx.GraphModule, layer_ids: dict[str, int], world: int) -> int:
 
 
 def register_records(res: PlacementResult, layer_ids: dict[str, int], topology: Any,
-                     token_bytes: dict[str, int]) -> None:
+                     token_bytes: dict[str, int], chunks: dict[str, int]) -> None:
     """The runtime record of every cut that plans (its topology, B, the bytes a sample moves, the
-    all-to-alls its placement serves: the next layer's two, and with a fused cut the layer's own
-    combine too)."""
+    all-to-alls its placement serves: the next layer's two, and with a cut fused into the layer's
+    combine (``res.fused``, ``fuse_combines``) that combine too, redirected in each of the layer's
+    ``chunks``)."""
     for cut in res.cuts:
         if cut.home:
             continue
+        fused = cut.fused and cut.layer in res.fused
         sample_exchange.register(layer_ids[cut.layer], sample_exchange.PlacementRecord(
             topology=topology, samples=res.samples, sample_bytes=cut.sample_bytes,
-            token_bytes=token_bytes[cut.layer], fused=cut.fused))
+            token_bytes=token_bytes[cut.layer], fused=fused, chunks=chunks.get(cut.layer, 1) if fused else 1))
 
 
 def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
@@ -623,38 +625,86 @@ def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
     return True
 
 
+def _hoist_before(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
+    """``node`` comes before ``before``: already, or hoisted there (``_hoist``); False where it cannot."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order[node] < order[before] or _hoist(graph, node, before)
+
+
+def _size_here(graph: fx.Graph, num_tokens: Any) -> Any:
+    """A chunk's token count (its combine's ``sym_size(x_chunk, 0)``) taken again at the insertion
+    point: the chunks are split before the first dispatch, their sizes read just before each combine."""
+    if isinstance(num_tokens, fx.Node) and num_tokens.target is torch.ops.aten.sym_size.int:
+        return graph.call_function(torch.ops.aten.sym_size.int, num_tokens.args)
+    return num_tokens
+
+
+def _combines(x: Any) -> list[fx.Node] | None:
+    """The ``ep_combine`` nodes whose results make ``x`` and nothing else: [x] for a layer's
+    combine, its chunks' in order for a layer run in chunks (``x`` = torch.cat of them,
+    ``strategies.common.emit_stages``); None when ``x`` is neither or something else reads them."""
+    combine = torch.ops.hiermoe.ep_combine.default
+    if not isinstance(x, fx.Node) or len(x.users) != 1:
+        return None
+    if x.target is combine:
+        return [x]
+    if x.target is torch.cat and len(x.args) == 1 and isinstance(x.args[0], (list, tuple)):
+        parts = list(x.args[0])
+        if parts and all(isinstance(c, fx.Node) and c.target is combine and len(c.users) == 1 for c in parts):
+            return parts  # type: ignore[return-value]
+    return None
+
+
 def fuse_combines(gm: fx.GraphModule) -> list[int]:
     """After expert_parallel: each sample move that carries an MoE layer's output straight from its
     ``ep_combine`` (a fused cut, ``Cut.fused``) takes it out, and the layer combines to the
     samples' new ranks instead (``hiermoe::ep_combine_to`` with the move's permutation, its
     dispatch carrying the rows' origin: ``EPLayer.carry_origin``). A sample whose experts are in
     the node it moves to then gets its layer output from inside that node, not over the slow link
-    to its old rank and again in the move. A combine that something else reads too, or a layer
-    run in chunks (its output a concatenation), keeps the plain combine and the move. What the
-    move still carries (the residual stream, masks) is moved, with the plan that decides it, to
-    before the layer's local expert stage: the move is a stage (``sample_exchange``), so
-    ``passes.overlap`` runs the experts while it is in flight. Returns the runtime layers whose
-    combines were fused."""
+    to its old rank and again in the move. A layer run in chunks (its output the concatenation of
+    the chunks' combines) combines every chunk to the new ranks, each into the rank's whole [T, H]
+    at the chunk's rows (``ep_combine_to``'s offset), and the graph sums them; the move's plan is
+    then waited for before the first chunk's combine. A combine that something else reads too keeps
+    the plain combine and the move. What the move still carries (the residual stream, masks) is
+    moved, with the plan that decides it, to before the layer's local expert stage: the move is a
+    stage (``sample_exchange``), so ``passes.overlap`` runs the experts while it is in flight.
+    Returns the runtime layers whose combines were fused."""
     graph = gm.graph
-    combine = torch.ops.hiermoe.ep_combine.default
     fused: list[int] = []
     for mv in [n for n in graph.nodes if n.target is _MOVE]:
         xs, perm, samples, layer = mv.args
-        take = [k for k, x in enumerate(xs) if isinstance(x, fx.Node) and x.target is combine and len(x.users) == 1]
+        found = {k: cs for k, x in enumerate(xs) if (cs := _combines(x)) is not None}
+        # the plan must be known before the first chunk combines (unchunked: it is, at the cut)
+        take = [k for k, combs in found.items()
+                if not isinstance(perm, fx.Node) or _hoist_before(graph, perm, combs[0])]
         if not take:
             continue
         items = {u.args[1]: u for u in mv.users if u.target is operator.getitem}
+        partial: Any = found[take[0]][0].args[0]  # ep_combine(getitem(ep_local_experts(...), 0), ...)
+        local = partial.args[0]
         for k in take:
-            comb = xs[k]
-            partial, route, num_tokens = comb.args
-            dispatch = route.args[0]  # getitem(ep_dispatch(...), 3)
+            combs = found[k]
+            route: Any = combs[0].args[1]  # getitem(ep_dispatch(...), 3)
+            dispatch = route.args[0]
             layer_id = int(dispatch.args[3])
             runtime.layer(layer_id).carry_origin = True
             fused.append(layer_id)
-            with graph.inserting_before(mv):
-                to = graph.call_function(torch.ops.hiermoe.ep_combine_to.default,
-                                         (partial, route, perm, samples, num_tokens))
-                y = graph.call_function(operator.getitem, (to, 0))
+            with graph.inserting_before(combs[0]):  # every chunk's token count, the rank's total, the offsets
+                sizes = [_size_here(graph, c.args[2]) for c in combs]
+                offsets: list[Any] = [0]
+                for n in sizes:
+                    offsets.append(n if offsets[-1] == 0 else graph.call_function(operator.add, (offsets[-1], n)))
+            outs = []
+            for c, offset in zip(combs, offsets):
+                partial, route, num_tokens = c.args
+                with graph.inserting_before(c):
+                    to = graph.call_function(torch.ops.hiermoe.ep_combine_to.default,
+                                             (partial, route, perm, samples, num_tokens, offset, offsets[-1]))
+                    outs.append(graph.call_function(operator.getitem, (to, 0)))
+            y = outs[0]
+            with graph.inserting_before(xs[k]):
+                for part in outs[1:]:  # the chunks' rows are apart: their sum is the layer's output
+                    y = graph.call_function(torch.add, (y, part))
             y.meta = dict(items[k].meta) if k in items else {}
             if k in items:
                 items[k].replace_all_uses_with(y)
@@ -666,9 +716,11 @@ def fuse_combines(gm: fx.GraphModule) -> list[int]:
         for new, k in enumerate(keep):
             if k in items:
                 items[k].args = (mv, new)
-        local = xs[take[0]].args[0].args[0]  # ep_combine(getitem(ep_local_experts(...), 0), ...)
         for k in take:
             graph.erase_node(xs[k])
+            if xs[k] not in found[k]:  # a concatenation: its chunks' combines too
+                for c in found[k]:
+                    graph.erase_node(c)
         if not keep:
             graph.erase_node(mv)
         else:  # the rest of the samples' values move while the layer's experts compute

@@ -57,7 +57,7 @@ def case_placement() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = make_mesh(PARAMS["shape"])
     slow = mesh.mesh_dim_names[0]
-    topology = topology_for(mesh, node_gbps=0.1, inner_gbps=10.0)
+    topology = topology_for(mesh, node_gbps=PARAMS.get("node_gbps", 0.1), inner_gbps=10.0)
     out: dict[str, Any] = {}
     for place in PARAMS.get("variants", [True, False]):
         torch._dynamo.reset()
@@ -68,7 +68,8 @@ def case_placement() -> dict[str, Any]:
         inner = PARAMS.get("inner_compiler", "aot_eager") if place else "eager"
         opts = {"mesh": mesh, "topology": topology, "inner_compiler": inner,
                 "expert_gather": False, "sample_placement": place,
-                "replicated_experts": False}  # the experts are on every rank: else, unplaced, they run replicated
+                "replicated_experts": False,  # the experts are on every rank: else, unplaced, they run replicated
+                "pipeline": PARAMS.get("pipeline", "auto")}
         compiled = torch.compile(model, backend="hiermoe", options=opts)
         ids, mask, labels = batch(rank, world, PARAMS.get("samples", 2), 8)
         with collect_reports() as reports:

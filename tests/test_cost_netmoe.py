@@ -105,6 +105,9 @@ def test_a_move_pays_the_start_ups_of_the_all_to_alls_it_adds() -> None:
     assert unfused.rank_of_sample == plain.rank_of_sample
     assert unfused.move_s == pytest.approx(plain.move_s + world, rel=1e-12)
     assert fused.move_s == pytest.approx(plain.move_s + world + (world - 1e-3), rel=1e-12)
+    # a layer run in 3 chunks redirects each chunk's rows: 3 world all-to-alls for its one inter-node hop each
+    chunked = place_samples(traffic, rank_S, t, token_bytes=4096.0, sample_bytes=4096.0, fused=True, chunks=3)
+    assert chunked.move_s == pytest.approx(plain.move_s + world + 3 * (world - 1e-3), rel=1e-12)
     saved = 2 * (unfused.time_before_s - unfused.time_after_s)
     assert plain.move_s < saved < unfused.move_s and not unfused.pays and not fused.pays
 
