@@ -57,7 +57,7 @@ VARIANTS = {"HD d*": False, "placement + HD d*": True}
 def worker(args: argparse.Namespace) -> None:
     from cluster_bench import cluster_rank
 
-    from moe_compile.backend import hiermoe_backend
+    from moe_compile.backend import collect_reports, hiermoe_backend
     from moe_compile.ep import runtime
     from moe_compile.lowering import sample_exchange
     from moe_compile.samples.sample_affine import affine_mixtral, rank_token_ids
@@ -93,7 +93,15 @@ def worker(args: argparse.Namespace) -> None:
                 loss.backward()
                 return float(loss.detach())
 
-            losses = {name: step(m) for name, m in models.items()}  # compiles; the check
+            losses, layout = {}, {}
+            for name, m in models.items():  # compiles; the check
+                with collect_reports() as reports:
+                    losses[name] = step(m)
+                # each layer's chunks (the plan's "n chunks"), and the combines fused with the placement
+                layout[name] = {"chunks": [int(p.split(" chunks")[0].rsplit(" ", 1)[-1]) if " chunks" in p else 1
+                                           for g in reports for p in (r.plan for r in g.regions)],
+                                "fused": sum(g.counters.get("expert_parallel", {}).get("fused_combines", 0)
+                                             for g in reports)}
             ref = losses["HD d*"]
             if abs(losses["placement + HD d*"] - ref) > 1e-5 * abs(ref):
                 raise RuntimeError(f"{routing} K={k}: the losses differ: {losses}")
@@ -131,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
                 f"{n} {med[n] * 1e3:.0f} ms, {sent[n]['tokens'] / 1024:.0f} KiB tokens + "
                 f"{sent[n]['samples'] / 1024:.0f} KiB samples across nodes" for n in models), flush=True)
             results.append({"routing": routing, "top_k": k, "groups": groups, "loss": losses, "sent": sent, "times_s": times,
-                            "median_s": med})
+                            "median_s": med, "layout": layout})
             del models
     if rank == 0:
         Path(os.environ["PLACEMENT_OUT"]).write_text(json.dumps({"rate": args.rate, "topology": topology.to_dict(),
@@ -187,8 +195,9 @@ def report(payload: dict[str, Any]) -> str:
     for run in payload["runs"]:
         lines += rate_header(run)
         lines.append("| routing | K | G | HD d* ms | placement ms | speedup | inter-node tokens KiB: HD d* -> placement "
-                     "(ratio) | + samples KiB | all inter-node bytes ratio | cuts moved | samples moved | solve ms |")
-        lines.append("|" + "---|" * 12)
+                     "(ratio) | + samples KiB | all inter-node bytes ratio | cuts moved | samples moved | solve ms | "
+                     "layers' chunks (fused combines) |")
+        lines.append("|" + "---|" * 13)
         for c in run["configs"]:
             med, sent = c["median_s"], c["sent"]
             base, place = sent["HD d*"], sent["placement + HD d*"]
@@ -199,9 +208,16 @@ def report(payload: dict[str, Any]) -> str:
                 f"{med['HD d*'] * 1e3:.0f} | {med['placement + HD d*'] * 1e3:.0f} | "
                 f"{med['HD d*'] / med['placement + HD d*']:.2f}x | {base['tokens'] / 1024:.0f} -> "
                 f"{place['tokens'] / 1024:.0f} ({tok_ratio:.2f}x) | {place['samples'] / 1024:.0f} | {all_ratio:.2f}x | "
-                f"{place['moves']} of {place['cuts']} | {place['moved_samples']} | {place['solve_ms']:.2f} |")
+                f"{place['moves']} of {place['cuts']} | {place['moved_samples']} | {place['solve_ms']:.2f} | "
+                f"{_layout(c.get('layout', {}).get('placement + HD d*'))} |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _layout(lay: dict[str, Any] | None) -> str:
+    """'1,2,2,2 (2)': the placement variant's chunks per layer and how many combines were fused
+    with the sample moves ('-' in results from before it was recorded)."""
+    return "-" if lay is None else f"{','.join(map(str, lay['chunks']))} ({lay['fused']})"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
