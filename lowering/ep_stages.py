@@ -25,7 +25,7 @@ dispatched rows ([R, H] per layer) kept from forward to backward; ``explain`` re
 layer (``EPLayer.saved_bytes``).
 
 Under sample placement a fused cut's layer ends in ``hiermoe::ep_combine_to(partial, route, perm,
-B, T, offset, T)`` instead (``passes.sample_placement.fuse_combines``): the combine delivers each token's
+B, T, offset, T)`` instead (``passes.sample_binding.fuse_combines``): the combine delivers each token's
 result to the rank its sample moves to (``hier_a2a.combine_to_steps``; a step that moves no sample
 combines plainly), and its backward brings the gradients back from there.
 
@@ -559,7 +559,7 @@ def _combine_to_job(partial: Tensor, route: Tensor, perm: Tensor, samples: int, 
     A layer run in chunks combines each chunk so: the chunk's ``num_tokens`` tokens are rows
     ``offset`` .. ``offset + num_tokens`` of the rank's ``out_tokens``, and the result is a whole
     [out_tokens, H] holding the rows this chunk delivered (zero elsewhere), summed with the other
-    chunks' by the graph (``passes.sample_placement.fuse_combines``). Unchunked: offset 0,
+    chunks' by the graph (``passes.sample_binding.fuse_combines``). Unchunked: offset 0,
     out_tokens = num_tokens."""
     perm_cpu = perm.cpu()
     if torch.equal(perm_cpu, torch.arange(perm_cpu.numel())):  # no sample moves this step: ep_combine's

@@ -55,14 +55,9 @@ from moe_compile.passes.inline_checkpoint import (
 from moe_compile.passes.lower_kernels import lower_kernels_pass
 from moe_compile.passes.plan import LayerPlan, plan_layer, plan_pass
 from moe_compile.passes.regions import Skip
+from moe_compile.passes.sample_binding import bind, fuse_combines, register_records
 from moe_compile.passes.sample_placement import Layer as PlacementLayer
-from moe_compile.passes.sample_placement import (
-    PlacementResult,
-    bind,
-    fuse_combines,
-    register_records,
-    sample_placement_pass,
-)
+from moe_compile.passes.sample_placement import PlacementResult, sample_placement_pass
 from moe_compile.passes.verify import ambient_autocast
 from moe_compile.tools import calibrate
 
@@ -388,7 +383,7 @@ def _sample_placement(ctx: PassContext) -> dict[str, int]:
         return None
 
     # a cut after a layer whose tokens travel by the all-to-all stages (in any number of chunks) may be
-    # fused with its combine (passes.sample_placement.fuse_combines); tune_strategy's candidates
+    # fused with its combine (passes.sample_binding.fuse_combines); tune_strategy's candidates
     # could still make it a gather, which has no combine to fuse
     fusable = frozenset(
         name for name, lp in ctx.plans.items()

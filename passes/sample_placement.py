@@ -13,14 +13,15 @@ were returned first. Each rank keeps B samples, so shapes stay static.
 
 Fused cuts (NetMoE places samples in the layer's second all-to-all): where a layer's combine can
 carry its output to the new ranks (``fusable``: token all-to-all stages, in one chunk or several), its cut is
-right after its expert op; after expert_parallel, ``fuse_combines`` takes the op's output out of
-the move and makes the combine ``hiermoe::ep_combine_to``, and moves the rest (the residual
-stream before the layer, masks) with its plan before the layer's local expert stage, so that it
-travels while the experts compute.
+right after its expert op; after expert_parallel, ``passes.sample_binding.fuse_combines`` takes
+the op's output out of the move and makes the combine ``hiermoe::ep_combine_to``, and moves the
+rest (the residual stream before the layer, masks) with its plan before the layer's local expert
+stage, so that it travels while the experts compute.
 
 Contract
     needs     the hiermoe::experts nodes canonicalize emitted, with their layer names, before
-              expert_parallel (which binds the cuts to its runtime layers: ``bind``); the
+              expert_parallel (which binds the cuts to its runtime layers:
+              ``passes.sample_binding.bind``); the
               compile's example inputs (verification); world size and a two-level topology.
     does      per cut (after MoE layer i, decided by layer i's routing at run time):
                   perm, keys = hiermoe::sample_plan(topk_idx_i, keys_prev, W, B, layer)
@@ -58,17 +59,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
-from moe_compile.ep import runtime
-from moe_compile.lowering import sample_exchange
 from moe_compile.passes.graph_index import example_value, is_inplace
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.sample_axis import NOT_TENSOR, RESHAPES, Axes, op_name, out_axis, sample_wise
 from moe_compile.passes.verify import _passes, _rel_err
 
-_PLAN = torch.ops.hiermoe.sample_plan.default
-_START = torch.ops.hiermoe.sample_plan_start.default
-_MOVE = torch.ops.hiermoe.sample_move.default
-_LAYER_META = "hiermoe_sample_layer"
+PLAN_OP = torch.ops.hiermoe.sample_plan.default
+START_OP = torch.ops.hiermoe.sample_plan_start.default
+MOVE_OP = torch.ops.hiermoe.sample_move.default
+LAYER_META = "hiermoe_sample_layer"
 
 
 @dataclass(frozen=True)
@@ -453,9 +452,9 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
         """Emit the move of ``values`` (generation a) to generation b after ``where``; returns the last node."""
         perm, anchor = perm_between(a, b, where)
         with graph.inserting_after(anchor):
-            mv = graph.call_function(_MOVE, ([versions[v][a] for v in values], perm, samples, -1))
+            mv = graph.call_function(MOVE_OP, ([versions[v][a] for v in values], perm, samples, -1))
         mv.meta["example_value"] = [example_value(v) for v in values]
-        mv.meta[_LAYER_META] = layer_name(max(a, b))
+        mv.meta[LAYER_META] = layer_name(max(a, b))
         last = mv
         for k, v in enumerate(values):
             with graph.inserting_after(last):
@@ -508,9 +507,9 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                 home_gen[n] = target
         if n in plan_of_topk:  # the plan's exchange starts with the layer's routing
             with graph.inserting_after(n):
-                ticket = graph.call_function(_START, (n, world, samples, -1))
+                ticket = graph.call_function(START_OP, (n, world, samples, -1))
             ticket.meta["example_value"] = fake_ints(1)
-            ticket.meta[_LAYER_META] = plan_of_topk[n]
+            ticket.meta[LAYER_META] = plan_of_topk[n]
             tickets[plan_of_topk[n]] = ticket
         if p in cut_at:
             i, home = cut_at[p]
@@ -538,9 +537,9 @@ def _rewrite(gm: fx.GraphModule, layers: Sequence[Layer], params: ParamTable, sa
                 if home_gen.get(lay.topk_idx, 0) != g_prev:
                     return f"the routing of {lay.name} is not where its samples are when it is computed"
                 with graph.inserting_after(where):
-                    plan = graph.call_function(_PLAN, (tickets[lay.name], keys[g_prev], world, samples, -1))
+                    plan = graph.call_function(PLAN_OP, (tickets[lay.name], keys[g_prev], world, samples, -1))
                 plan.meta["example_value"] = (fake_ints(world * samples), fake_ints(world * samples))
-                plan.meta[_LAYER_META] = lay.name
+                plan.meta[LAYER_META] = lay.name
                 with graph.inserting_after(plan):
                     perm = graph.call_function(operator.getitem, (plan, 0))
                 perm.meta["example_value"] = fake_ints(world * samples)
@@ -572,164 +571,5 @@ class _Unsupported(Exception):
     pass
 
 
-def bind(gm: fx.GraphModule, layer_ids: dict[str, int], world: int) -> int:
-    """Point the sample exchanges at the runtime layers expert_parallel registered (by layer name)."""
-    bound = 0
-    for n in gm.graph.nodes:
-        name = n.meta.get(_LAYER_META)
-        if name is None:
-            continue
-        lid = layer_ids[name]
-        if n.target is _PLAN:
-            n.args = (n.args[0], n.args[1], world, n.args[3], lid)
-        elif n.target is _START:
-            n.args = (n.args[0], world, n.args[2], lid)
-        else:
-            n.args = (*n.args[:3], lid)
-        bound += 1
-    gm.recompile()
-    return bound
-
-
-def register_records(res: PlacementResult, layer_ids: dict[str, int], topology: Any,
-                     token_bytes: dict[str, int], chunks: dict[str, int]) -> None:
-    """The runtime record of every cut that plans (its topology, B, the bytes a sample moves, the
-    all-to-alls its placement serves: the next layer's two, and with a cut fused into the layer's
-    combine (``res.fused``, ``fuse_combines``) that combine too, redirected in each of the layer's
-    ``chunks``)."""
-    for cut in res.cuts:
-        if cut.home:
-            continue
-        fused = cut.fused and cut.layer in res.fused
-        sample_exchange.register(layer_ids[cut.layer], sample_exchange.PlacementRecord(
-            topology=topology, samples=res.samples, sample_bytes=cut.sample_bytes,
-            token_bytes=token_bytes[cut.layer], fused=fused, chunks=chunks.get(cut.layer, 1) if fused else 1))
-
-
-def _hoist(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
-    """Move ``node`` and what it needs of the nodes after ``before`` (the plan of a move, its
-    permutation) to just before ``before``, in their order; False (nothing moved) when ``node``
-    needs ``before`` or something computed from it."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    later: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if order[a] >= order[before] and a not in later:
-                if a is before:
-                    return False
-                later.add(a)
-                stack.append(a)
-    for n in sorted(later | {node}, key=order.__getitem__):
-        before.prepend(n)
-    return True
-
-
-def _hoist_before(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
-    """``node`` comes before ``before``: already, or hoisted there (``_hoist``); False where it cannot."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order[node] < order[before] or _hoist(graph, node, before)
-
-
-def _size_here(graph: fx.Graph, num_tokens: Any) -> Any:
-    """A chunk's token count (its combine's ``sym_size(x_chunk, 0)``) taken again at the insertion
-    point: the chunks are split before the first dispatch, their sizes read just before each combine."""
-    if isinstance(num_tokens, fx.Node) and num_tokens.target is torch.ops.aten.sym_size.int:
-        return graph.call_function(torch.ops.aten.sym_size.int, num_tokens.args)
-    return num_tokens
-
-
-def _combines(x: Any) -> list[fx.Node] | None:
-    """The ``ep_combine`` nodes whose results make ``x`` and nothing else: [x] for a layer's
-    combine, its chunks' in order for a layer run in chunks (``x`` = torch.cat of them,
-    ``strategies.common.emit_stages``); None when ``x`` is neither or something else reads them."""
-    combine = torch.ops.hiermoe.ep_combine.default
-    if not isinstance(x, fx.Node) or len(x.users) != 1:
-        return None
-    if x.target is combine:
-        return [x]
-    if x.target is torch.cat and len(x.args) == 1 and isinstance(x.args[0], (list, tuple)):
-        parts = list(x.args[0])
-        if parts and all(isinstance(c, fx.Node) and c.target is combine and len(c.users) == 1 for c in parts):
-            return parts  # type: ignore[return-value]
-    return None
-
-
-def fuse_combines(gm: fx.GraphModule) -> list[int]:
-    """After expert_parallel: each sample move that carries an MoE layer's output straight from its
-    ``ep_combine`` (a fused cut, ``Cut.fused``) takes it out, and the layer combines to the
-    samples' new ranks instead (``hiermoe::ep_combine_to`` with the move's permutation, its
-    dispatch carrying the rows' origin: ``EPLayer.carry_origin``). A sample whose experts are in
-    the node it moves to then gets its layer output from inside that node, not over the slow link
-    to its old rank and again in the move. A layer run in chunks (its output the concatenation of
-    the chunks' combines) combines every chunk to the new ranks, each into the rank's whole [T, H]
-    at the chunk's rows (``ep_combine_to``'s offset), and the graph sums them; the move's plan is
-    then waited for before the first chunk's combine. A combine that something else reads too keeps
-    the plain combine and the move. What the move still carries (the residual stream, masks) is
-    moved, with the plan that decides it, to before the layer's local expert stage: the move is a
-    stage (``sample_exchange``), so ``passes.overlap`` runs the experts while it is in flight.
-    Returns the runtime layers whose combines were fused."""
-    graph = gm.graph
-    fused: list[int] = []
-    for mv in [n for n in graph.nodes if n.target is _MOVE]:
-        xs, perm, samples, layer = mv.args
-        found = {k: cs for k, x in enumerate(xs) if (cs := _combines(x)) is not None}
-        # the plan must be known before the first chunk combines (unchunked: it is, at the cut)
-        take = [k for k, combs in found.items()
-                if not isinstance(perm, fx.Node) or _hoist_before(graph, perm, combs[0])]
-        if not take:
-            continue
-        items = {u.args[1]: u for u in mv.users if u.target is operator.getitem}
-        partial: Any = found[take[0]][0].args[0]  # ep_combine(getitem(ep_local_experts(...), 0), ...)
-        local = partial.args[0]
-        for k in take:
-            combs = found[k]
-            route: Any = combs[0].args[1]  # getitem(ep_dispatch(...), 3)
-            dispatch = route.args[0]
-            layer_id = int(dispatch.args[3])
-            runtime.layer(layer_id).carry_origin = True
-            fused.append(layer_id)
-            with graph.inserting_before(combs[0]):  # every chunk's token count, the rank's total, the offsets
-                sizes = [_size_here(graph, c.args[2]) for c in combs]
-                offsets: list[Any] = [0]
-                for n in sizes:
-                    offsets.append(n if offsets[-1] == 0 else graph.call_function(operator.add, (offsets[-1], n)))
-            outs = []
-            for c, offset in zip(combs, offsets):
-                partial, route, num_tokens = c.args
-                with graph.inserting_before(c):
-                    to = graph.call_function(torch.ops.hiermoe.ep_combine_to.default,
-                                             (partial, route, perm, samples, num_tokens, offset, offsets[-1]))
-                    outs.append(graph.call_function(operator.getitem, (to, 0)))
-            y = outs[0]
-            with graph.inserting_before(xs[k]):
-                for part in outs[1:]:  # the chunks' rows are apart: their sum is the layer's output
-                    y = graph.call_function(torch.add, (y, part))
-            y.meta = dict(items[k].meta) if k in items else {}
-            if k in items:
-                items[k].replace_all_uses_with(y)
-                graph.erase_node(items[k])
-        keep = [k for k in range(len(xs)) if k not in take]
-        mv.args = ([xs[k] for k in keep], perm, samples, layer)
-        if isinstance(mv.meta.get("example_value"), list):
-            mv.meta["example_value"] = [mv.meta["example_value"][k] for k in keep]
-        for new, k in enumerate(keep):
-            if k in items:
-                items[k].args = (mv, new)
-        for k in take:
-            graph.erase_node(xs[k])
-            if xs[k] not in found[k]:  # a concatenation: its chunks' combines too
-                for c in found[k]:
-                    graph.erase_node(c)
-        if not keep:
-            graph.erase_node(mv)
-        else:  # the rest of the samples' values move while the layer's experts compute
-            _hoist(graph, mv, local)
-    if fused:
-        graph.lint()
-        gm.recompile()
-    return fused
-
-
-__all__ = ["Cut", "Layer", "PlacementResult", "bind", "fuse_combines", "register_records", "sample_dimension",
+__all__ = ["LAYER_META", "MOVE_OP", "PLAN_OP", "START_OP", "Cut", "Layer", "PlacementResult", "sample_dimension",
            "sample_placement_pass"]
