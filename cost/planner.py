@@ -252,12 +252,20 @@ def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int
     earlier work: the prefetch is not credited) plus the tokens' dispatch (with the routing
     slots' bytes) and combine over Inter-level-1..``level`` (HierMoE Eq. 3's first ``level``
     summands of HD-(level+1), ``phase_times_s``). ``compress``: the SR compression ratio r, each
-    expert entry kept with probability 1/r travelling with its int32 index (``lowering.ep_gather``)."""
+    expert entry kept with probability 1/r travelling with its int32 index (``lowering.ep_gather``).
+
+    Plus the gather's copies on the rank (``Topology.copy_s``): its experts' bytes packed into one
+    message and its own chunk copied into the received block, and the domain's S chunks unpacked
+    into the gathered weights, (2 + S) times a rank's expert bytes. Measured on the emulated
+    cluster (medium experts, 1-2 Gbit) they were most of gather1's exposed forward wait, 16-24 ms
+    against 3-5 ms on the wire, and the planner that left them out picked gather1 where it ran
+    4-34 % behind the token all-to-all."""
     sizes = tuple(1 if i < level else s for i, s in enumerate(topology.sizes))
     part = hybridep.DomainPartition.of(topology, sizes)
     ratio = 1.0 if compress is None else compress * workload.dtype_bytes / (workload.dtype_bytes + 4)
     streams = hybridep.StreamSizes.from_workload(workload, topology.world_size, compression_ratio=ratio)
     ag = hybridep.partition_time_s(topology, part, streams).ag_s
+    ag += topology.copy_s((2 + math.prod(topology.sizes[level:])) * streams.expert_bytes)
     if level == 0:
         return float(ag)
     tokens = 0.0

@@ -136,6 +136,16 @@ class Topology:
     def device_mem_bw(self, rank: int) -> float:
         return self.mem_bw_bytes_per_s[rank if len(self.mem_bw_bytes_per_s) > 1 else 0]
 
+    def copy_s(self, num_bytes: float, rank: int = 0) -> float:
+        """Seconds device ``rank`` takes to copy ``num_bytes`` in its memory (packing a message,
+        unpacking what arrived): at the expert op's measured row rate where calibration measured
+        it (``expert_row_bytes_per_s``: whole rows moved under the ranks' own contention, what a
+        copy of gathered weights meets on a shared CPU), else a read and a write at
+        ``mem_bw_bytes_per_s``."""
+        if self.expert_row_bytes_per_s is not None:
+            return num_bytes / self.expert_row_bytes_per_s
+        return 2.0 * num_bytes / self.device_mem_bw(rank)
+
     def expert_compute_s(self, flops: float, row_bytes: float, rank: int = 0) -> float:
         """Seconds the expert op takes on device ``rank`` for ``flops`` of matmuls over (token,
         expert) rows of ``row_bytes`` in all (rows x H x element bytes): with the op measured

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from moe_compile.ep import runtime
 from moe_compile.lowering.ep_stages import Job, check_device, check_version, collective, stage_ops
-from moe_compile.lowering.p2p_a2a import all_to_all_rows, use_recv_first
+from moe_compile.lowering.p2p_a2a import all_gather_recv_first, all_to_all_rows, use_recv_first
 
 
 def _domain(lay: runtime.EPLayer) -> tuple[int, list[int]]:
@@ -58,13 +58,11 @@ def _local_rows(w: Tensor, lay: runtime.EPLayer, by_expert: bool) -> Tensor:
 
 def _exchange(send: Tensor, group: Any) -> Tensor:
     """[peers * n] every peer's ``send`` [n] in group-rank order (on gloo one round of direct sends,
-    every receive posted first: ``all_to_all_rows``, where gloo's all-gather runs rounds between
-    neighbours and its all-to-all a pair's two directions one after the other; else
-    all_gather_into_tensor)."""
-    peers = dist.get_world_size(group)
+    every receive posted first, the one buffer sent to every peer: ``all_gather_recv_first``,
+    where gloo's all-gather runs rounds between neighbours; else all_gather_into_tensor)."""
     if use_recv_first(group, send.device):
-        return all_to_all_rows(send.reshape(1, -1).expand(peers, -1), None, None, group).reshape(-1)
-    recv = send.new_empty(peers * send.numel())
+        return all_gather_recv_first(send, group)
+    recv = send.new_empty(dist.get_world_size(group) * send.numel())
     dist.all_gather_into_tensor(recv, send, group=group)
     return recv
 
@@ -96,7 +94,9 @@ def all_gather_levels(lay: runtime.EPLayer, have: Tensor, j: int, what: str = "g
             c = comm.coords(peer)[level]
             positions += [_with_coord(comm, p, level, c) for p in held]
         order = np.argsort(positions, kind="stable")
-        have = recv.reshape(-1, have.shape[1])[torch.from_numpy(order).to(recv.device)]
+        have = recv.reshape(-1, have.shape[1])
+        if (order != np.arange(len(order))).any():  # not in position order already: one copy to sort
+            have = have[torch.from_numpy(order).to(recv.device)]
         held = [positions[i] for i in order]
     first = comm.position - comm.position % math.prod(comm.sizes[j:])
     assert held == list(range(first, first + len(held))), (held, first)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_rows", "all_to_all_single_recv_first", "use_recv_first"]
+__all__ = ["all_gather_recv_first", "all_to_all_rows", "all_to_all_single_recv_first", "use_recv_first"]
 
 
 def _splits(sizes: Sequence[int] | None, rows: int, num_ranks: int, what: str) -> list[int]:
@@ -78,6 +78,27 @@ def all_to_all_single_recv_first(output: torch.Tensor, input: torch.Tensor,
         req.wait()
     if recv is not output:
         output.copy_(recv)
+
+
+def all_gather_recv_first(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[peers * n]: every group rank's ``send`` ([n], the same n everywhere) in group-rank order,
+    from ``irecv``/``isend`` with every receive posted first (as ``all_to_all_single_recv_first``:
+    gloo's all-gather runs rounds between neighbours). The one buffer is sent to every peer as it
+    is: no [peers, n] copy of it is made, as an all-to-all of it repeated would."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    num_ranks, me = len(ranks), ranks.index(dist.get_rank())
+    send = send.contiguous().reshape(-1)
+    recv = send.new_empty((num_ranks, send.numel()))
+    if send.numel() == 0:
+        return recv.reshape(-1)
+    reqs = [dist.irecv(recv[(me - step) % num_ranks], src=ranks[(me - step) % num_ranks], group=group)
+            for step in range(1, num_ranks)]
+    reqs += [dist.isend(send, dst=ranks[(me + step) % num_ranks], group=group) for step in range(1, num_ranks)]
+    recv[me].copy_(send)
+    for req in reqs:
+        assert req is not None  # None only on ranks outside the group
+        req.wait()
+    return recv.reshape(-1)
 
 
 def use_recv_first(group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> bool:

@@ -4,6 +4,7 @@ mesh block, on 4 real gloo ranks (2 x 2 mesh), against the eager model; the plan
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -78,7 +79,10 @@ def test_gather_prediction_is_hybridep_all_gather_plus_inter_level_tokens(inter_
     """gather0's communication is HybridEP's all-gather term with every level a domain (HEXA's
     data-centric mode: the same number); gather1's is the all-gather inside the node plus the
     inter-node phase of HD-2 both ways, which is HD-2's time less its intra-node phase. With SR
-    compression the all-gather's bytes shrink by the ratio, less the indices that travel along."""
+    compression the all-gather's bytes shrink by the ratio, less the indices that travel along.
+    Each adds the rank's copies, (2 + domain size) times its experts' bytes (packed, its own chunk
+    placed, the domain's unpacked): a read and a write at the memory rate, or at the expert op's
+    measured row rate where the topology has it (HEXA's data-centric time does not count them)."""
     from moe_compile.cost import hexa, hybridep
     from moe_compile.cost.hiermoe import phase_times_s
     from moe_compile.cost.routing import hd_statistics
@@ -89,16 +93,22 @@ def test_gather_prediction_is_hybridep_all_gather_plus_inter_level_tokens(inter_
     stats = hd_statistics(planner.uniform_routing(work), work.num_experts, topo.sizes, copies=True)
     piece = work.num_experts // topo.world_size * work.expert_bytes
     expected_ag = (2 - 1) * (1e-4 + piece * 8 / (inter_gbps * 1e9)) + (4 - 1) * (2e-5 + 2 * piece * 8 / 100e9)
-    assert planner.gather_time_s(topo, work, stats, 0) == pytest.approx(expected_ag, rel=1e-9)
+    copies = (2 + 8) * piece * 2 / 1e11
+    assert planner.gather_time_s(topo, work, stats, 0) == pytest.approx(expected_ag + copies, rel=1e-9)
     assert hexa.data_centric_time_s(topo, work) == pytest.approx(
         expected_ag + planner.compute_s(topo, work), rel=1e-6)
+    measured = replace(topo, expert_flops_per_s=1e11, expert_row_bytes_per_s=2e9)
+    assert planner.gather_time_s(measured, work, stats, 0) == pytest.approx(expected_ag + (2 + 8) * piece / 2e9,
+                                                                            rel=1e-9)
     # SR compression r = 8 on bf16: an entry kept with probability 1/8 travels with its int32 index
     sr = piece / (8 * 2 / (2 + 4))
     expected_sr = (2 - 1) * (1e-4 + sr * 8 / (inter_gbps * 1e9)) + (4 - 1) * (2e-5 + 2 * sr * 8 / 100e9)
-    assert planner.gather_time_s(topo, work, stats, 0, 8.0) == pytest.approx(expected_sr, rel=1e-9)
+    assert planner.gather_time_s(topo, work, stats, 0, 8.0) == pytest.approx(expected_sr + (2 + 8) * sr * 2 / 1e11,
+                                                                             rel=1e-9)
     ag1 = (4 - 1) * (2e-5 + piece * 8 / 100e9)
     inter = sum(sum(phase_times_s(2, topo, w, stats)[0]) for w in (work, Workload(**{**work.__dict__, "slot_bytes": 0})))
-    assert planner.gather_time_s(topo, work, stats, 1) == pytest.approx(ag1 + inter, rel=1e-9)
+    assert planner.gather_time_s(topo, work, stats, 1) == pytest.approx(ag1 + (2 + 4) * piece * 2 / 1e11 + inter,
+                                                                        rel=1e-9)
     assert hybridep.partition_time_s(topo, hybridep.DomainPartition.of(topo, (1, 4)),
                                      hybridep.StreamSizes.from_workload(work, 8)).ag_s == pytest.approx(ag1)
     predicted = planner.plan(topo, work, implemented=("hd1",)).predicted

@@ -1,6 +1,8 @@
-"""``lowering.p2p_a2a.all_to_all_single_recv_first`` against ``dist.all_to_all_single``: one real
-4-process gloo run (this file is also the ranks' script), uneven splits with empty chunks, all
-chunks empty, equal splits into a non-contiguous output, on the world and on 2-rank subgroups."""
+"""``lowering.p2p_a2a.all_to_all_single_recv_first`` against ``dist.all_to_all_single`` and
+``all_gather_recv_first`` against ``dist.all_gather_into_tensor``: one real 4-process gloo run
+(this file is also the ranks' script), uneven splits with empty chunks, all chunks empty, equal
+splits into a non-contiguous output, a non-contiguous and an empty all-gather input, on the world
+and on 2-rank subgroups."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ def _rank_main() -> None:
     import torch
     import torch.distributed as dist
 
-    from moe_compile.lowering.p2p_a2a import all_to_all_single_recv_first, use_recv_first
+    from moe_compile.lowering.p2p_a2a import all_gather_recv_first, all_to_all_single_recv_first, use_recv_first
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,6 +44,12 @@ def _rank_main() -> None:
         dist.all_to_all_single(want, x, group=group)
         if not torch.equal(got, want):
             failures.append(f"{name} equal splits, non-contiguous output")
+        for cols in (5, 0):  # a transposed (non-contiguous) input, and an empty one
+            mine = (torch.arange(2.0 * cols).reshape(cols, 2) + 100 * rank).t()
+            want = torch.empty(len(ranks) * mine.numel())
+            dist.all_gather_into_tensor(want, mine.contiguous().reshape(-1), group=group)
+            if not torch.equal(all_gather_recv_first(mine, group), want):
+                failures.append(f"{name} all-gather of {mine.numel()} elements")
         if not use_recv_first(group):
             failures.append(f"{name}: use_recv_first is False on gloo")
     dist.destroy_process_group()
