@@ -257,9 +257,10 @@ def gather_time_s(topology: Topology, workload: Workload, stats: Any, level: int
     Plus the gather's copies on the rank (``Topology.copy_s``): its experts' bytes packed into one
     message and its own chunk copied into the received block, and the domain's S chunks unpacked
     into the gathered weights, (2 + S) times a rank's expert bytes. Measured on the emulated
-    cluster (medium experts, 1-2 Gbit) they were most of gather1's exposed forward wait, 16-24 ms
-    against 3-5 ms on the wire, and the planner that left them out picked gather1 where it ran
-    4-34 % behind the token all-to-all."""
+    cluster (medium experts, 1-2 Gbit) the copies were most of gather1's exposed forward wait:
+    20-32 ms, 16-24 once the all-gather stopped copying its buffer once per peer, against 3-5 ms
+    on the wire; the planner that left them out picked gather1 where it ran 4-34 % behind the
+    token all-to-all (bench/results/gather.md)."""
     sizes = tuple(1 if i < level else s for i, s in enumerate(topology.sizes))
     part = hybridep.DomainPartition.of(topology, sizes)
     ratio = 1.0 if compress is None else compress * workload.dtype_bytes / (workload.dtype_bytes + 4)

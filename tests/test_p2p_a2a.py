@@ -18,7 +18,11 @@ def _rank_main() -> None:
     import torch
     import torch.distributed as dist
 
-    from moe_compile.lowering.p2p_a2a import all_gather_recv_first, all_to_all_single_recv_first, use_recv_first
+    from moe_compile.lowering.p2p_a2a import (
+        all_gather_recv_first,
+        all_to_all_single_recv_first,
+        use_recv_first,
+    )
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
