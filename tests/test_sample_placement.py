@@ -222,23 +222,25 @@ def test_placement_equals_eager_and_keeps_tokens_inside_nodes() -> None:
 
 
 @pytest.mark.ranks
-def test_placement_on_8_ranks_equals_eager() -> None:
-    """8 gloo ranks (2 nodes x 4, one expert each), two layers run in 3 chunks (pipeline), the
+@pytest.mark.parametrize("chunks", [3, 18])
+def test_placement_on_8_ranks_equals_eager(chunks: int) -> None:
+    """8 gloo ranks (2 nodes x 4, one expert each), two layers run in chunks (pipeline), the
     rewritten graph run by the eager inner compiler (autograd through the ops' own registrations,
     no AOTAutograd): every one of the 16 samples moves to the other node after the first layer and
-    comes home after the second; the first layer's chunks each combine to the samples' new ranks
-    (a chunk's 6 or 5 tokens straddle the rank's two samples: each lands at its row of the new
-    rank's whole output, ``ep_combine_to``'s offset); loss, logits and summed gradients equal
-    eager's on every rank. The node link is 10 Mbit: at 100 the saving on 16 tokens a rank no
-    longer repays the start-ups of 3 redirect all-to-alls over the world (``cost.netmoe``)."""
+    comes home after the second; the first layer's chunks each combine to the samples' new ranks,
+    each chunk's tokens landing at their rows of the new rank's whole output (``ep_combine_to``'s
+    offset): in 3 chunks a chunk's 6 or 5 tokens straddle the rank's two samples; in 18, 16
+    chunks of one token and 2 of none. Loss, logits and summed gradients equal eager's on every
+    rank. The node link is 10 Mbit: at 100 the saving on 16 tokens a rank no longer repays the
+    start-ups of a redirect all-to-all over the world per chunk (``cost.netmoe``)."""
     results = run_ranks(8, "placement", worker="placement_worker.py", shape=[2, 4], layers=2, variants=[True],
-                        inner_compiler="eager", pipeline=3, node_gbps=0.01, timeout_s=400)
+                        inner_compiler="eager", pipeline=chunks, node_gbps=0.01, timeout_s=400)
     for rank, res in enumerate(results):
         on = res["True"]
         assert abs(on["loss"] - on["loss_ref"]) <= 1e-6 * abs(on["loss_ref"]), rank
         assert on["logits_err"] < 1e-6 and on["grad_err"] < 1e-5, (rank, on)
         assert on["moves"] == [1] and on["moved"] == [16] and on["pays"] == [True], (rank, on)
-        assert on["fused"] == 1 and "3 chunks" in on["report"], (rank, on["fused"], on["report"])
+        assert on["fused"] == 1 and f"{chunks} chunks" in on["report"], (rank, on["fused"], on["report"])
 
 
 @pytest.mark.ranks
