@@ -61,23 +61,31 @@ def all_to_all_single_recv_first(output: torch.Tensor, input: torch.Tensor,
                          f"input but {out_sizes[me]} in the output")
     send = input.contiguous()
     recv = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-    send_chunks, recv_chunks = torch.split(send, in_sizes), torch.split(recv, out_sizes)
+    _exchange_chunks(torch.split(send, in_sizes), torch.split(recv, out_sizes), ranks, me, group)
+    if recv is not output:
+        output.copy_(recv)
+
+
+def _exchange_chunks(send_chunks: Sequence[torch.Tensor], recv_chunks: Sequence[torch.Tensor], ranks: list[int],
+                     me: int, group: dist.ProcessGroup | None) -> None:
+    """Group rank j's ``recv_chunks[j]`` from its ``send_chunks[me]``: every receive posted (from
+    group rank me-1, me-2, ...) before any send (to me+1, me+2, ...), this rank's own chunk copied
+    locally, then all waited for. Empty chunks are neither sent nor received."""
+    num_ranks = len(ranks)
     reqs = []
     for step in range(1, num_ranks):  # receives first
         src = (me - step) % num_ranks
-        if out_sizes[src]:
+        if recv_chunks[src].numel():
             reqs.append(dist.irecv(recv_chunks[src], src=ranks[src], group=group))
     for step in range(1, num_ranks):
         dst = (me + step) % num_ranks
-        if in_sizes[dst]:
+        if send_chunks[dst].numel():
             reqs.append(dist.isend(send_chunks[dst], dst=ranks[dst], group=group))
-    if out_sizes[me]:
+    if recv_chunks[me].numel():
         recv_chunks[me].copy_(send_chunks[me])
     for req in reqs:
         assert req is not None  # None only on ranks outside the group
         req.wait()
-    if recv is not output:
-        output.copy_(recv)
 
 
 def all_gather_recv_first(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -86,18 +94,9 @@ def all_gather_recv_first(send: torch.Tensor, group: dist.ProcessGroup | None) -
     gloo's all-gather runs rounds between neighbours). The one buffer is sent to every peer as it
     is: no [peers, n] copy of it is made, as an all-to-all of it repeated would."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    num_ranks, me = len(ranks), ranks.index(dist.get_rank())
     send = send.contiguous().reshape(-1)
-    recv = send.new_empty((num_ranks, send.numel()))
-    if send.numel() == 0:
-        return recv.reshape(-1)
-    reqs = [dist.irecv(recv[(me - step) % num_ranks], src=ranks[(me - step) % num_ranks], group=group)
-            for step in range(1, num_ranks)]
-    reqs += [dist.isend(send, dst=ranks[(me + step) % num_ranks], group=group) for step in range(1, num_ranks)]
-    recv[me].copy_(send)
-    for req in reqs:
-        assert req is not None  # None only on ranks outside the group
-        req.wait()
+    recv = send.new_empty((len(ranks), send.numel()))
+    _exchange_chunks([send] * len(ranks), list(recv.unbind(0)), ranks, ranks.index(dist.get_rank()), group)
     return recv.reshape(-1)
 
 

@@ -27,11 +27,14 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 _SAVING = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)  # a policy's answers that keep the output
 
-# the ops whose outputs the local expert stage's kept pre-activations are: the grouped matmuls of the
-# gate and up projections as the expert op runs them on one process, and torch's, which transformers'
-# grouped_mm experts run (what a policy written for the model names)
-_GATE_UP_OPS = ("aten._grouped_mm.default", "hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default",
-                "hiermoe.grouped_linear.default", "hiermoe.grouped_linear_gate_up.default")
+# the expert op's matmuls (its lowerings' forward ops)
+_EXPERT_MATMULS = ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default", "hiermoe.grouped_linear.default",
+                   "hiermoe.grouped_linear_gate_up.default")
+# the ops whose outputs the local expert stage's kept pre-activations are: the gate and up
+# projections' grouped matmuls as the expert op runs them on one process, and torch's, which
+# transformers' grouped_mm experts run (what a policy written for the model names)
+_GATE_UP_OPS = ("aten._grouped_mm.default", *_EXPERT_MATMULS)
+
 
 def policy_saves(context_fn: Any, written: tuple[Any, ...] = ()) -> bool | str:
     """Whether the policy of a selective checkpoint's ``context_fn`` (None: it has none) saves the
@@ -74,9 +77,6 @@ _ATEN_MATMULS: dict[Any, tuple[Any, ...]] = {
     torch._C._nn.linear: (_MM, torch.ops.aten.addmm.default),
     torch.nn.functional.linear: (_MM, torch.ops.aten.addmm.default),
 }
-# the expert op's matmuls (its lowerings' forward ops): what the policy is asked about instead
-_EXPERT_MATMULS = ("hiermoe.grouped_mm.default", "hiermoe.grouped_mm_rows.default", "hiermoe.grouped_linear.default",
-                   "hiermoe.grouped_linear_gate_up.default")
 
 
 def written_matmuls(replaced: Iterable[fx.Node]) -> tuple[Any, ...]:

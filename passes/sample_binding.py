@@ -87,8 +87,9 @@ def _hoist_before(graph: fx.Graph, node: fx.Node, before: fx.Node) -> bool:
 
 
 def _size_here(graph: fx.Graph, num_tokens: Any) -> Any:
-    """A chunk's token count (its combine's ``sym_size(x_chunk, 0)``) taken again at the insertion
-    point: the chunks are split before the first dispatch, their sizes read just before each combine."""
+    """A later chunk's token count (its combine's ``sym_size(x_chunk, 0)``) taken again at the
+    insertion point: the chunks are split before the first dispatch, their sizes read just before
+    each combine."""
     if isinstance(num_tokens, fx.Node) and num_tokens.target is torch.ops.aten.sym_size.int:
         return graph.call_function(torch.ops.aten.sym_size.int, num_tokens.args)
     return num_tokens
@@ -144,11 +145,12 @@ def fuse_combines(gm: fx.GraphModule) -> list[int]:
             layer_id = int(dispatch.args[3])
             runtime.layer(layer_id).carry_origin = True
             fused.append(layer_id)
-            with graph.inserting_before(combs[0]):  # every chunk's token count, the rank's total, the offsets
-                sizes = [_size_here(graph, c.args[2]) for c in combs]
-                offsets: list[Any] = [0]
-                for n in sizes:
-                    offsets.append(n if offsets[-1] == 0 else graph.call_function(operator.add, (offsets[-1], n)))
+            # every chunk's offset and, last, the rank's tokens (the first chunk's count is read before
+            # its combine already; the later ones' are read again here)
+            offsets: list[Any] = [0, combs[0].args[2]]
+            with graph.inserting_before(combs[0]):
+                for c in combs[1:]:
+                    offsets.append(graph.call_function(operator.add, (offsets[-1], _size_here(graph, c.args[2]))))
             outs = []
             for c, offset in zip(combs, offsets):
                 partial, route, num_tokens = c.args
