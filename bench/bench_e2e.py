@@ -406,6 +406,10 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
     times = torch.zeros(args.reps, len(runners), dtype=torch.float64)
     # per step, the seconds each variant's forward waited for its expert gathers (lowering.ep_gather)
     gather_wait = torch.zeros(args.reps, len(runners), dtype=torch.float64)
+    # and per MoE layer (graph order), to tell the first layer's wait (nothing but the embedding to
+    # hide behind) from the later layers'
+    most_layers = max((len(r.ep_layers) for r in runners if r.variant.kind == "hiermoe"), default=0)
+    gather_wait_layer = torch.zeros(args.reps, len(runners), most_layers, dtype=torch.float64)
     dstar_d: list[list[int]] = []
     dstar_pred: list[list[list[float]]] = []
     dstar_tuned: list[list[list[float]]] = []  # the model's times corrected by measurement (ep.tuning)
@@ -420,8 +424,10 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
             train_step(r, model_kind, ids, world)
             times[rep, i] = time.perf_counter() - t0
             if r.variant.kind == "hiermoe":
-                gather_wait[rep, i] = sum(runtime.layer(j).gather_exposed_s for j in r.ep_layers
-                                          if runtime.layer(j).domain is not None)
+                for li, j in enumerate(r.ep_layers):
+                    if runtime.layer(j).domain is not None:
+                        gather_wait_layer[rep, i, li] = runtime.layer(j).gather_exposed_s
+                gather_wait[rep, i] = gather_wait_layer[rep, i].sum()
             if r.variant.name == "hiermoe d*":
                 lays = [runtime.layer(j) for j in r.ep_layers]
                 dstar_d.append([cast(int, lay.last_dimension) for lay in lays])
@@ -430,6 +436,7 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
                 dstar_offsets = [{str(d): o for d, o in lay.tuner.offsets_s.items()} for lay in lays]
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     dist.all_reduce(gather_wait, op=dist.ReduceOp.MAX)
+    dist.all_reduce(gather_wait_layer, op=dist.ReduceOp.MAX)
     if rank != 0:
         return {}
     results = []
@@ -446,6 +453,9 @@ def bench_config(model_kind: str, top_k: int, args: argparse.Namespace, mesh: An
             "meta_bytes": row[-1] if r.variant.kind == "hiermoe" else None,
             "grad_allreduce_bytes": grad_bytes[i] if r.averages else None,
             "gather_wait_s": gather_wait[:, i].tolist() if r.variant.kind == "hiermoe" else None,
+            # [layer][rep]: each layer's wait, its slowest rank's
+            "gather_wait_layer_s": (gather_wait_layer[:, i, :len(r.ep_layers)].T.tolist()
+                                    if r.variant.kind == "hiermoe" else None),
             "plans": r.plans, "kept_bytes": int(kept[i]) if r.variant.kind == "hiermoe" else None,
             "held_bytes": int(memory[i, 0]), "step_peak_bytes": int(memory[i, 1]),
         })

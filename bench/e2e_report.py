@@ -263,6 +263,7 @@ def markdown(payload: dict[str, Any], summary: list[dict[str, Any]]) -> str:
             lines += ["Expert gathers: the time each step's forward waited for them (the gather not hidden by "
                       "the prefetch; slowest rank, median over the repetitions): "
                       + ", ".join(f"{v} {statistics.median(w) * 1e3:.3g} ms" for v, w in waits) + ".", ""]
+            lines += gather_wait_lines(c)
     e2e = e2e_dstar_rows(payload)
     lines += ["## d*: the planner's choice against the measured-fastest d", "",
               "This run: `hiermoe d*` chooses d per layer and step (HierMoE Eq. 6 / Alg. 1 on statistics all "
@@ -327,3 +328,36 @@ def plot(payload: dict[str, Any], path: Path) -> bool:
     plt.close(fig)
     console.print(f"wrote {path}")
     return True
+
+
+def gather_wait_lines(config: dict[str, Any]) -> list[str]:
+    """Per variant with expert gathers: each MoE layer's median wait (graph order), and, where the
+    run has the same variant with ``no prefetch``, the share of the wait the prefetch hid:
+    1 - wait with / wait without, of the medians over the repetitions of the slowest rank's step
+    sum (the line above), and of the sum over layers of each layer's slowest rank (an upper bound
+    of the wait: ranks wait at different layers), the latter also after the first layer (which
+    has only the embedding and its attention to hide behind: its gather starts with the step)."""
+    by_name = {r["variant"]: r for r in config["results"] if r.get("gather_wait_layer_s")}
+
+    def share(with_s: float, without_s: float) -> str:
+        return f"{1 - with_s / without_s:.0%}" if without_s > 0 else "-"
+
+    def layer_sums(rows: list[list[float]]) -> float:  # rows: [layer][rep]
+        return statistics.median(map(sum, zip(*rows))) if rows else 0.0
+
+    out = []
+    for name, r in by_name.items():
+        rows = r["gather_wait_layer_s"]
+        per_layer = [statistics.median(w) for w in rows]
+        if not any(per_layer):
+            continue
+        text = f"- {name}: per layer " + ", ".join(f"{w * 1e3:.3g}" for w in per_layer) + " ms"
+        base = by_name.get(f"{name} no prefetch")
+        if base is not None:
+            base_rows = base["gather_wait_layer_s"]
+            text += (f"; the prefetch hid {share(statistics.median(r['gather_wait_s']), statistics.median(base['gather_wait_s']))}"
+                     f" of the wait without it ({share(layer_sums(rows), layer_sums(base_rows))} summing each "
+                     f"layer's slowest rank; {share(layer_sums(rows[1:]), layer_sums(base_rows[1:]))} after the "
+                     "first layer)")
+        out.append(text)
+    return ["Per layer (median over the repetitions, slowest rank):", "", *out, ""] if out else []
