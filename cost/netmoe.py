@@ -24,6 +24,13 @@ message to every other rank of the world, and where the layer's combine delivers
 (``fused``) its redirect, a world all-to-all in place of the combine's inter-node hop (the
 runtime's ``hier_a2a.combine_to_steps``), one per chunk where the layer runs in chunks. A step that moves nothing runs none of them.
 
+The decision itself costs every step it runs, whether samples move or not (``decision_s``): every
+rank's table of per-sample traffic ([S/R, N + R] int64, ``lowering.sample_exchange``) gathered by
+every rank, one message to every other rank (the same start-ups as a move's) with R - 1 tables'
+bytes, the slowest rank's at each level's beta; then the assignment on every rank (``solve_s``,
+measured). At decision time it is spent, so ``pays`` leaves it out; ``worth_deciding`` weighs a
+move's gain against the exchange (the runtime decides less often where a move gains less).
+
 Shapes: S samples, E experts, R ranks, N nodes (R = N * ranks_per_node); counts_SE[s, e] = tokens of
 sample s routed to expert e (a token with K experts counts K times, once per copy sent); or
 token-level routing, deduplicated per destination as HierMoE's HD-d sends it
@@ -63,11 +70,25 @@ class Placement:
     move_s: float  # predicted time to move the samples that change rank (slowest rank)
     moved: int  # samples that change rank
     solve_s: float  # wall time of the two assignments
+    decision_s: float = 0.0  # predicted time of the decision's exchange of traffic tables (module docstring)
+
+    @property
+    def gain_s(self) -> float:
+        """The all-to-all time saved over ``exchanges`` all-to-alls less the time to move the samples."""
+        return self.exchanges * (self.time_before_s - self.time_after_s) - self.move_s
 
     @property
     def pays(self) -> bool:
         """Whether the all-to-all time saved over ``exchanges`` all-to-alls repays moving the samples."""
-        return self.exchanges * (self.time_before_s - self.time_after_s) > self.move_s
+        return self.gain_s > 0
+
+    @property
+    def worth_deciding(self) -> bool:
+        """Whether moving gains more than the decision's exchange costs: a step that gains less
+        would have been better off not deciding. The assignment's wall time (``solve_s``) is left
+        out: it differs between ranks, and every rank must reach the same answer (the runtime
+        skips decisions by it, and a skipped decision is a collective not run)."""
+        return self.pays and self.moved > 0 and self.gain_s > self.decision_s
 
 
 def _two_levels(topo: Topology) -> tuple[int, int, float, float, float, float]:
@@ -206,8 +227,19 @@ def place_samples(traffic: SampleTraffic, rank_S: np.ndarray, topo: Topology, to
     starts = world_start + (chunks * (world_start - (num_nodes - 1) * a_inter) if fused else 0.0)
     move_s = out_inter * b_inter + out_intra * b_intra + starts
     return Placement(tuple(int(r) for r in new_rank_S), before, after, a2a_time(before), a2a_time(after),
-                     exchanges, float(move_s), int(moved.sum()), solve_s)
+                     exchanges, float(move_s), int(moved.sum()), solve_s,
+                     decision_s(num_nodes, per_node, a_inter, b_inter, a_intra, b_intra, num_s // num_ranks))
 
 
-__all__ = ["LevelBytes", "Placement", "SampleTraffic", "level_bytes", "place_samples",
+def decision_s(num_nodes: int, per_node: int, a_inter: float, b_inter: float, a_intra: float, b_intra: float,
+               samples_per_rank: int) -> float:
+    """Predicted seconds of the decision's exchange (module docstring): every rank sends its
+    [samples_per_rank, N + R] int64 traffic table to every other rank, (R - per_node) messages over
+    the inter-node level and per_node - 1 inside the node, each at its level's alpha and beta."""
+    num_ranks = num_nodes * per_node
+    table = samples_per_rank * (num_nodes + num_ranks) * 8
+    return float((num_ranks - per_node) * (a_inter + table * b_inter) + (per_node - 1) * (a_intra + table * b_intra))
+
+
+__all__ = ["LevelBytes", "Placement", "SampleTraffic", "decision_s", "level_bytes", "place_samples",
            "traffic_from_counts", "traffic_from_routing"]

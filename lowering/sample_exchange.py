@@ -59,8 +59,9 @@ class PlacementRecord:
     chunks: int = 1  # the chunks the layer's tokens run in: a fused cut redirects each chunk's rows
     # the last step's decision
     last: netmoe.Placement | None = None
-    # after a step that moved nothing the next min(2 ** (declines - 1), MAX_SKIP) steps skip the
-    # decision (no exchange, no sample moves): routing that gives nothing to gain costs almost
+    # after a step that moved nothing, or whose move gained less than the decision's exchange cost
+    # (``netmoe.Placement.worth_deciding``), the next min(2 ** (declines - 1), MAX_SKIP) steps skip
+    # the decision (no exchange, no sample moves): routing that gives nothing to gain costs almost
     # nothing, and a change is seen within MAX_SKIP steps; the same on every rank (same decisions)
     declines: int = 0
     skip_left: int = 0
@@ -201,7 +202,10 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
         rec.declines += 1
         rec.skip_left = min(2 ** (rec.declines - 1), MAX_SKIP)
     else:
-        rec.declines = 0
+        # a move that gains less than deciding costs still pays now (the exchange is spent), but the
+        # next decisions back off as after a decline
+        rec.declines = 0 if placed.worth_deciding else rec.declines + 1
+        rec.skip_left = 0 if placed.worth_deciding else min(2 ** (rec.declines - 1), MAX_SKIP)
         rec.moves += 1
         rec.moved_samples += placed.moved
         dest = np.asarray(placed.rank_of_sample)

@@ -90,6 +90,7 @@ def _placement_summary(lay: runtime.EPLayer) -> dict[str, Any] | None:
             "solve_ms": 1e3 * max(rec.solve_s, default=0.0),
             "last": None if last is None else {
                 "pays": last.pays, "moved": last.moved, "move_s": last.move_s, "exchanges": last.exchanges,
+                "gain_s": last.gain_s, "decision_s": last.decision_s, "worth_deciding": last.worth_deciding,
                 "time_before_s": last.time_before_s, "time_after_s": last.time_after_s,
                 "inter_before": last.before.inter_max, "inter_after": last.after.inter_max,
                 "intra_before": last.before.intra_max, "intra_after": last.after.intra_max}}
@@ -288,7 +289,8 @@ class Report:
             table = Table(title="sample placement (NetMoE): last step on this rank; one all-to-all's bytes predicted "
                                 "for the slowest rank, before -> after")
             for col in ("layer", "steps moved", "last step", "predicted inter-node", "predicted intra-node",
-                        "samples' bytes its exchanges sent per level (fw+bw)", "solve"):
+                        "samples' bytes its exchanges sent per level (fw+bw)",
+                        "decision: exchange (predicted) + solve (measured)"):
                 table.add_column(col, overflow="fold")
             for r in placing:
                 sp = r.parallel["samples"]  # type: ignore[index]
@@ -296,7 +298,11 @@ class Report:
                 if last is None:
                     table.add_row(escape(r.name), "0", "not run yet", "-", "-", "-", "-")
                     continue
-                outcome = (f"moved {last['moved']} samples" if last["pays"] and last["moved"] else
+                outcome = (f"moved {last['moved']} samples"
+                           + ("" if last["worth_deciding"] else
+                              f" (gaining {1e3 * last['gain_s']:.3g} ms, "
+                              f"under the decision's {1e3 * last['decision_s']:.3g} ms: the next decisions back off)")
+                           if last["pays"] and last["moved"] else
                            f"stayed (saving {1e3 * (last['time_before_s'] - last['time_after_s']):.3g} ms "
                            f"x{last['exchanges']:g} <= move {1e3 * last['move_s']:.3g} ms, its all-to-alls' "
                            "start-ups included)")
@@ -305,7 +311,7 @@ class Report:
                               f"{_bytes(int(last['inter_before']))} -> {_bytes(int(last['inter_after']))}",
                               f"{_bytes(int(last['intra_before']))} -> {_bytes(int(last['intra_after']))}",
                               ", ".join(f"{k} {v}" for k, v in sp["bytes_per_level"].items()),
-                              f"{sp['solve_ms']:.3g} ms")
+                              f"{1e3 * last['decision_s']:.3g} + {sp['solve_ms']:.3g} ms")
             console.print(table)
         for topology in sorted({g.topology for g in self.graphs} - {""}):
             console.print(f"topology {escape(topology)}")

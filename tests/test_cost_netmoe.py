@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moe_compile.cost.netmoe import (
+    Placement,
     level_bytes,
     place_samples,
     traffic_from_counts,
@@ -110,6 +111,45 @@ def test_a_move_pays_the_start_ups_of_the_all_to_alls_it_adds() -> None:
     assert chunked.move_s == pytest.approx(plain.move_s + world + 3 * (world - 1e-3), rel=1e-12)
     saved = 2 * (unfused.time_before_s - unfused.time_after_s)
     assert plain.move_s < saved < unfused.move_s and not unfused.pays and not fused.pays
+
+
+def test_the_decision_costs_its_exchange_and_a_small_gain_is_not_worth_deciding() -> None:
+    """Every decision gathers every rank's [S/R, N + R] int64 traffic table on every rank: one
+    message to each other rank, (R - per_node) over the inter-node link and per_node - 1 inside the
+    node, each with the table's bytes. A move whose gain (the exchanges' saving less the move) is
+    below that still pays (``pays``: the decision is spent) but is not worth deciding for."""
+    expert_rank = np.repeat(np.arange(4), 2)
+    home = np.array([0, 1, 2, 3, 0, 1, 2, 3])
+    rank_S = np.array([2, 3, 0, 1, 0, 1, 2, 3])
+    a_inter, a_intra, b_inter, b_intra = 2e-4, 1e-5, 8 / 0.4e9, 8 / 8e9
+    t = Topology(levels=(Level("node", 2, a_inter, b_inter), Level("local", 2, a_intra, b_intra)))
+    table = 2 * (2 + 4) * 8  # 2 samples a rank, a column per node and per rank, int64
+    expected = 2 * (a_inter + table * b_inter) + 1 * (a_intra + table * b_intra)
+
+    def placed(tokens: float) -> Placement:
+        counts = np.zeros((8, 8))
+        for s, r in enumerate(home):
+            counts[s, 2 * r] = counts[s, 2 * r + 1] = tokens
+        return place_samples(traffic_from_counts(counts, expert_rank, 4, 2), rank_S, t, token_bytes=4096.0,
+                             sample_bytes=64.0)
+
+    # the saving is linear in the tokens (the start-ups are the same before and after): pick the
+    # tokens that gain half the decision's cost, then many more
+    one = placed(1.0)
+    per_token = 2 * (one.time_before_s - one.time_after_s)
+    small = (one.move_s + expected / 2) / per_token
+    for tokens, worth in ((small, False), (64 * small, True)):
+        p = placed(tokens)
+        assert p.decision_s == pytest.approx(expected, rel=1e-12)
+        assert p.moved == 4 and p.pays
+        assert p.gain_s == pytest.approx(2 * (p.time_before_s - p.time_after_s) - p.move_s, rel=1e-12)
+        assert p.worth_deciding is worth, (tokens, p.gain_s, p.decision_s)
+    assert placed(small).gain_s == pytest.approx(expected / 2, rel=1e-9)
+    # more samples a rank: a bigger table, a costlier decision
+    counts = np.ones((16, 8))
+    more = place_samples(traffic_from_counts(counts, expert_rank, 4, 2), np.repeat(np.arange(4), 4), t,
+                         token_bytes=4096.0, sample_bytes=64.0)
+    assert more.decision_s == pytest.approx(expected + table * (2 * b_inter + b_intra), rel=1e-12)  # 4 a rank, not 2
 
 
 def test_uniform_routing_declines() -> None:
