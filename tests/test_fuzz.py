@@ -33,7 +33,7 @@ from fuzz_moe import (
     computed_by_op,
     make,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moe_compile.backend import collect_reports
@@ -64,6 +64,12 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
 
 
 @given(cfg=configs(), batch=st.integers(1, 2), seq=st.integers(1, 6))
+# found by the "large" profile: one token in bf16, top-1 weights renormalized; its routing weight's
+# gradient, one dot product <g, y> that cancelled by chance, missed the tolerance relative to
+# itself and every interpretation was refused (verify.py now judges it at the size of its terms)
+@example(cfg=FuzzConfig(idiom="loop", storage="stacked", router="softmax_renorm", router_bias=False, route_scale=1.0,
+                        activation="silu", gated=True, bias=False, extra="none", num_experts=4, top_k=1, hidden=8,
+                        ffn=12, dtype="bfloat16"), batch=1, seq=1)
 def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch: int, seq: int) -> None:
     dtype = getattr(torch, cfg.dtype)
     model = make(cfg)

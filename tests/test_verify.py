@@ -1,0 +1,48 @@
+"""passes/verify.py's comparison of a routing weight's gradient: a dot product <g_t, y_tk> that can
+cancel by chance is judged at the size of its terms, so rounding in bf16 passes where the sum
+nearly vanished, and a gradient that is wrong by the size of the terms still fails."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_compile.passes.verify import _passes, _rel_err, _weights_grad_scale
+
+
+def _cancelling(hidden: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's cotangent g and expert output y (fp32) whose dot product is about 1 % of its terms'
+    size: y's last entry set to cancel all but that share."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(1, hidden, generator=gen)
+    y = torch.randn(1, hidden, generator=gen)
+    terms = (g * y).norm()
+    y[0, -1] = (0.01 * terms - (g[0, :-1] * y[0, :-1]).sum()) / g[0, -1]
+    return g, y
+
+
+def test_a_cancelled_weight_gradient_is_judged_at_its_terms() -> None:
+    g, y = _cancelling()
+    w = torch.ones(1, 1)  # top-1 weight renormalized: exactly 1
+    exact = (g.double() * y.double()).sum(-1, keepdim=True)  # the op's, accumulated wide
+    rounded = (g.double() * y.bfloat16().double()).sum(-1, keepdim=True)  # eager's, y rounded to bf16
+    floor = _weights_grad_scale(g, y, w)
+    assert abs(floor - float((g.double() * y.double()).norm())) < 1e-9 * floor
+    # relative to itself the sum's rounding is far beyond bf16's tolerance; at its terms it is within
+    assert not _passes(_rel_err(exact, rounded), exact, rounded, torch.bfloat16)
+    assert _passes(_rel_err(exact, rounded, floor), exact, rounded, torch.bfloat16)
+    # wrong by a tenth of the terms' size (another expert's output, a missed factor): still refused
+    for wrong in (exact + 0.1 * floor, exact - 0.1 * floor, 2 * exact + 0.1 * floor):
+        assert not _passes(_rel_err(wrong, rounded, floor), wrong, rounded, torch.bfloat16)
+
+
+def test_the_floor_reads_each_expert_output_through_the_weights() -> None:
+    """y_t = sum_k w_tk y_tk: the floor is |g_t * y_t| / sum_k |w_tk|, the max over tokens; a token
+    whose weights are all 0 gives nothing; shapes that do not match give 0."""
+    g = torch.tensor([[1.0, 2.0], [3.0, 0.0], [5.0, 5.0]])
+    y = torch.tensor([[2.0, 1.0], [4.0, 1.0], [9.0, 9.0]])
+    w = torch.tensor([[0.5, 0.5], [2.0, 2.0], [0.0, 0.0]])
+    scale = _weights_grad_scale(g, y, w)
+    expected = max(float(torch.tensor([2.0, 2.0]).norm()) / 1.0, float(torch.tensor([12.0, 0.0]).norm()) / 4.0)
+    assert abs(scale - expected) < 1e-12
+    assert _weights_grad_scale(g, y[:2], w) == 0.0
+    assert _weights_grad_scale(g, y, torch.zeros(3, 2)) == 0.0
