@@ -213,9 +213,11 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     base = [values[b] for b in boundary]
     cases = [("router", base)] + _synthetic_cases(index, boundary, base, region)
     is_param = [b in params for b in boundary]
+    aliases = alias_pairs(boundary, base)
     inside = autocast_at(index.gm.graph, region.topk)
     if not ambient_autocast() and not any(state[2] for state in inside):
-        return _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype))
+        return _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype),
+                      aliases=aliases)
     # Under torch.autocast, rounding differs between two correct computations more than a wrong
     # interpretation can hide in forward, not in backward (a ReLU whose bf16 pre-activation changes
     # sign flips a token's whole gradient).  So: the interpretation first, forward and backward,
@@ -228,7 +230,7 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     plain = replace(region, dtype=str(tokens.dtype).removeprefix("torch.")) if tokens is not None else region
     widened = [(label, [_widened(v, getattr(torch, plain.dtype)) for v in vals]) for label, vals in cases]
     verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
-                     _AUTOCAST_OFF)
+                     _AUTOCAST_OFF, aliases=aliases)
     # where the layer cannot run outside autocast (a dtype read off an autocast result is baked into
     # the graph, as in `mask.to(gates.dtype)`: _check's verdict names the error) or differs there
     # from the op beyond fp32's tolerance (a value autocast rounded to bf16 before the region reaches
@@ -236,7 +238,7 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     # bf16 model is verified
     alone = not verdict.ok
     low = _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype), inside,
-                 backward=alone)
+                 backward=alone, aliases=aliases)
     backward_err = low.backward_err if alone else verdict.backward_err
     if not low.ok:
         return Verdict(False, low.forward_err, backward_err, f"under torch.autocast, {low.reason}")
@@ -245,9 +247,10 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
 
 def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tuple[str, list[object]]],
            is_param: list[bool], via_weights: list[bool], compute: torch.dtype,
-           autocast: Sequence[tuple[object, ...]] = (), backward: bool = True) -> Verdict:
+           autocast: Sequence[tuple[object, ...]] = (), backward: bool = True,
+           aliases: Sequence[tuple[int, int]] = ()) -> Verdict:
     """Run both graphs on each case (forwards under the ``autocast`` states): outputs, and where
-    ``backward``, gradients must agree to ``compute``'s tolerance."""
+    ``backward``, gradients must agree to ``compute``'s tolerance (``aliases``: ``alias_pairs``)."""
     fwd_err = bwd_err = 0.0
     for label, vals in cases:
         try:
@@ -259,7 +262,8 @@ def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tu
             return Verdict(False, fwd_err, bwd_err, f"{label}: outputs differ (relative error {err:.2e})")
         if backward and label != "skewed":
             try:
-                err, ok = _compare_backward(original, replacement, vals, is_param, via_weights, compute, autocast)
+                err, ok = _compare_backward(original, replacement, vals, is_param, via_weights, compute, autocast,
+                                            aliases)
             except Exception as e:  # e.g. the replacement's backward cannot run on these shapes
                 return Verdict(False, fwd_err, float("inf"), f"{label}: backward: {type(e).__name__}: {e}")
             bwd_err = max(bwd_err, err)
@@ -363,6 +367,56 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return 0.0 if diff == 0 else diff / scale
 
 
+_RESHAPES = frozenset({"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "_unsafe_view", "alias"})
+
+
+def _reshaped_from(n: fx.Node) -> fx.Node:
+    """The node ``n`` holds the elements of in the same order: through views that only reshape
+    (not a transpose, a slice or an expand)."""
+    while n.op in ("call_function", "call_method") and n.args and isinstance(n.args[0], fx.Node):
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "").split(".")[0]
+        if name not in _RESHAPES:
+            break
+        n = n.args[0]
+    return n
+
+
+def alias_pairs(boundary: list[fx.Node], values: list[object]) -> list[tuple[int, int]]:
+    """(i, j), j < i: boundary values i and j are one tensor of the model in two shapes (one a
+    reshape of the other, or both of a third: a top-1 layer's tokens ``x`` and ``x.unsqueeze(1)``
+    feeding different projections), the same number of elements."""
+    first: dict[fx.Node, int] = {}
+    pairs = []
+    for i, (b, v) in enumerate(zip(boundary, values, strict=True)):
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            continue
+        j = first.setdefault(_reshaped_from(b), i)
+        ref = values[j]
+        if j != i and isinstance(ref, torch.Tensor) and ref.numel() == v.numel():
+            pairs.append((i, j))
+    return pairs
+
+
+def _merge_aliases(pairs: list[tuple[int, int]], g_o: list[torch.Tensor | None], g_n: list[torch.Tensor | None],
+                   compared: list[bool], shapes: list[torch.Size]) -> list[bool]:
+    """Sum into leaf j the gradients of leaf i for each pair (``alias_pairs``, as leaf indices):
+    one value of the model, whose gradient is what reaches either form. The two graphs may read it
+    in different forms (the op reads the tokens once), so the sum is compared, at j, and i not
+    apart. Updates ``g_o`` and ``g_n`` in place; returns the new ``compared``."""
+    compared = list(compared)
+    for i, j in pairs:
+        for grads in (g_o, g_n):
+            gi = grads[i]
+            if gi is not None:
+                add = gi.reshape(shapes[j])
+                gj = grads[j]
+                grads[j] = add if gj is None else gj + add
+            grads[i] = None
+        compared[j] = compared[j] or compared[i]
+        compared[i] = False
+    return compared
+
+
 def _weights_grad_scale(g: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
     """The magnitude at which the gradient of routing weights ``w`` ([.., K]) is rounded, given
     the output ``y`` ([.., H], the same tokens) and its cotangent ``g``: w[t, k]'s gradient is the
@@ -447,17 +501,23 @@ def _compare_forward(original: fx.GraphModule, replacement: fx.GraphModule, vals
 
 def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, vals: list[object],
                       is_param: list[bool], via_weights: list[bool], compute: torch.dtype,
-                      autocast: Sequence[tuple[object, ...]] = ()) -> tuple[float, bool]:
+                      autocast: Sequence[tuple[object, ...]] = (),
+                      aliases: Sequence[tuple[int, int]] = ()) -> tuple[float, bool]:
+    """Gradients of both graphs at every floating boundary value (``aliases``: pairs of boundary
+    positions holding one tensor in two shapes, compared summed: ``alias_pairs``) and at the
+    routing weights both return."""
     leaves: list[torch.Tensor] = []
     compared: list[bool] = []  # per leaf: compare its gradient (else: at the routing weights)
+    pos_leaf: dict[int, int] = {}  # boundary position -> its tensor's leaf
 
     def with_leaves() -> list[object]:
         out: list[object] = []
-        for v, p, via in zip(vals, is_param, via_weights, strict=True):
+        for pos, (v, p, via) in enumerate(zip(vals, is_param, via_weights, strict=True)):
             if isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor) and v[0].is_floating_point():
                 out.append((leaf_of(v[0], p, via).clone(), *v[1:]))
             elif isinstance(v, torch.Tensor) and v.is_floating_point():
                 leaf = leaf_of(v, p, via)
+                pos_leaf[pos] = cache[id(v)]
                 out.append(leaf if p else leaf.clone())  # clone: the region may update it in place
             else:
                 out.append(_copy(v, share=False))
@@ -490,6 +550,10 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
             g_o = torch.autograd.grad(y_o, leaves + w_o, g, allow_unused=True)
             g_n = torch.autograd.grad(y_n, leaves + w_n, g, allow_unused=True) if y_n.requires_grad \
                 else [None] * len(g_o)
+    g_o, g_n = list(g_o), list(g_n)
+    leaf_pairs = [(pos_leaf[i], pos_leaf[j]) for i, j in aliases if pos_leaf.get(i, -1) >= 0
+                  and pos_leaf.get(j, -1) >= 0 and pos_leaf[i] != pos_leaf[j]]
+    compared = _merge_aliases(leaf_pairs, g_o, g_n, compared, [leaf.shape for leaf in leaves])
     err, ok = 0.0, True
     # the routing weights' gradients (compared where the leaves behind them are not) are dot
     # products that can cancel: their rounding is judged at the size of their terms

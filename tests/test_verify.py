@@ -1,12 +1,14 @@
-"""passes/verify.py's comparison of a routing weight's gradient: a dot product <g_t, y_tk> that can
-cancel by chance is judged at the size of its terms, so rounding in bf16 passes where the sum
-nearly vanished, and a gradient that is wrong by the size of the terms still fails."""
+"""passes/verify.py's gradient comparisons: a routing weight's gradient, a dot product <g_t, y_tk> that
+can cancel by chance, is judged at the size of its terms, so rounding in bf16 passes where the sum
+nearly vanished, and a gradient that is wrong by the size of the terms still fails; boundary values
+that are one tensor in two shapes are compared summed, and only reshapes count as one tensor."""
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
-from moe_compile.passes.verify import _passes, _rel_err, _weights_grad_scale
+from moe_compile.passes.verify import _merge_aliases, _passes, _rel_err, _weights_grad_scale, alias_pairs
 
 
 def _cancelling(hidden: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,3 +48,23 @@ def test_the_floor_reads_each_expert_output_through_the_weights() -> None:
     assert abs(scale - expected) < 1e-12
     assert _weights_grad_scale(g, y[:2], w) == 0.0
     assert _weights_grad_scale(g, y, torch.zeros(3, 2)) == 0.0
+
+
+def test_reshapes_of_one_tensor_are_one_value_and_a_transpose_is_not() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    other = g.placeholder("other")
+    flat = g.call_method("reshape", (x, -1, 4))
+    unsq = g.call_method("unsqueeze", (flat, 1))
+    trans = g.call_method("transpose", (flat, 0, 1))
+    part = g.call_function(torch.narrow, (flat, 0, 0, 1))
+    t = torch.randn(2, 4)
+    nodes = [flat, unsq, trans, part, other]
+    values: list[object] = [t, t.unsqueeze(1), t.t(), t[:1], t.clone()]
+    assert alias_pairs(nodes, values) == [(1, 0)]  # not the transpose, the slice, another tensor
+    # their gradients are summed at the first form, the second not compared apart
+    g_o: list[torch.Tensor | None] = [torch.ones(2, 4), torch.full((2, 1, 4), 2.0)]
+    g_n: list[torch.Tensor | None] = [None, torch.full((2, 1, 4), 3.0)]  # the op read only the second
+    compared = _merge_aliases([(1, 0)], g_o, g_n, [True, True], [torch.Size((2, 4)), torch.Size((2, 1, 4))])
+    assert compared == [True, False] and g_o[1] is None and g_n[1] is None
+    assert torch.equal(g_o[0], torch.full((2, 4), 3.0)) and torch.equal(g_n[0], torch.full((2, 4), 3.0))
