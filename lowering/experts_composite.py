@@ -122,7 +122,7 @@ def _composite(
                    output=False, gate_up=gate_up, keep_rows=False)
         weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
         y_NH = _linear(ffn.h_NF * weight_N[:, None], w_down_EHF, None, r)
-        return y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, -1).sum(1)
+        return y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, y_NH.shape[-1]).sum(1)
     ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation,
                gate_up=gate_up, keep_rows=False)
     assert ffn.y_NH is not None
@@ -130,7 +130,7 @@ def _composite(
     # y[t] = sum_k w[t, k] * y_N[inv[t*K+k]]. Inductor fuses it into one reduction over K (an
     # index_add into zeros is a scatter), and the forward makes no [T, H] zeros that AOTAutograd
     # would merge with the backward's and keep alive from forward to backward.
-    y_TKH = ffn.y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, -1).to(acc)
+    y_TKH = ffn.y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, ffn.y_NH.shape[-1]).to(acc)
     y_TH = (y_TKH * topk_weights_TK.to(acc)[..., None]).sum(1)
     return y_TH.to(out_dtype(x_TH, topk_weights_TK))
 

@@ -133,3 +133,23 @@ def test_verify_false_rewrites_without_checking_and_says_so() -> None:
     (r,) = cmp.report.regions
     assert r.verification == "not verified (verify=False)"
     assert cmp.report.graphs[0].counters["canonicalize"]["verifications"] == 0
+
+
+@pytest.mark.parametrize("name", ["grouped_gemm", "gathered_bmm", "expert_loop", "qwen3"])
+def test_compiling_on_an_empty_batch_rewrites_and_runs(name: str) -> None:
+    """A batch of 0 tokens is a batch (a data-parallel rank's last, a filtered one): the layer is
+    rewritten (nothing to verify numerically; every interpretation that accounts for its ops) and
+    the graph runs, forward and backward. The expert op once reshaped its [0, K*H] combine with a
+    -1 that 0 elements cannot resolve, and the compile failed."""
+    torch.manual_seed(0)
+    spec = SAMPLES[name]
+    model = spec.make()
+    hidden = example_input(spec).shape[-1]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})
+    with moe_compile.backend.collect_reports() as reports:
+        empty = torch.randn(1, 0, hidden, requires_grad=True)
+        y = compiled(empty)
+        y.sum().backward()
+    assert y.shape == (1, 0, hidden) and empty.grad is not None and empty.grad.shape == empty.shape
+    assert sum(len(g.regions) for g in reports) == 1, [s.reason for g in reports for s in g.skipped]
