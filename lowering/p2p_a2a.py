@@ -25,6 +25,12 @@ import torch.distributed as dist
 __all__ = ["all_gather_recv_first", "all_to_all_rows", "all_to_all_single_recv_first", "use_recv_first"]
 
 
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple[list[int], int]:
+    """(the global ranks of ``group`` in group-rank order, this rank's group rank); None: the world."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return ranks, ranks.index(dist.get_rank())
+
+
 def _splits(sizes: Sequence[int] | None, rows: int, num_ranks: int, what: str) -> list[int]:
     if sizes is None or len(sizes) == 0:
         if rows % num_ranks:
@@ -49,9 +55,8 @@ def all_to_all_single_recv_first(output: torch.Tensor, input: torch.Tensor,
     Split sizes count rows of dim 0 (None: equal parts) in group rank order; the input chunk for
     group rank j of rank i must have the size of rank j's output chunk from i, as for the library
     call.  Empty chunks are neither sent nor received (both ends know the size is 0)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks, me = _group_ranks(group)
     num_ranks = len(ranks)
-    me = ranks.index(dist.get_rank())
     if input.dim() == 0 or output.dim() == 0:
         raise ValueError("all_to_all_single_recv_first: input and output need at least one dimension")
     out_sizes = _splits(output_split_sizes, output.shape[0], num_ranks, "output")
@@ -93,10 +98,10 @@ def all_gather_recv_first(send: torch.Tensor, group: dist.ProcessGroup | None) -
     from ``irecv``/``isend`` with every receive posted first (as ``all_to_all_single_recv_first``:
     gloo's all-gather runs rounds between neighbours). The one buffer is sent to every peer as it
     is: no [peers, n] copy of it is made, as an all-to-all of it repeated would."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks, me = _group_ranks(group)
     send = send.contiguous().reshape(-1)
     recv = send.new_empty((len(ranks), send.numel()))
-    _exchange_chunks([send] * len(ranks), list(recv.unbind(0)), ranks, ranks.index(dist.get_rank()), group)
+    _exchange_chunks([send] * len(ranks), list(recv.unbind(0)), ranks, me, group)
     return recv.reshape(-1)
 
 

@@ -197,15 +197,16 @@ def plan_impl(ticket: Tensor, keys: Tensor | None, world: int, samples: int, lay
                                   rec.exchanges, rec.fused, rec.chunks)
     rec.solve_s.append(time.perf_counter() - start)
     rec.last, rec.steps = placed, rec.steps + 1
-    if not placed.pays or placed.moved == 0:
-        perm = torch.arange(world * samples, dtype=torch.int64)
+    # a step that moves nothing, or whose move gains less than deciding costs (it still moves: the
+    # exchange is spent), backs the next decisions off
+    if placed.worth_deciding:
+        rec.declines = 0
+    else:
         rec.declines += 1
         rec.skip_left = min(2 ** (rec.declines - 1), MAX_SKIP)
+    if not placed.pays or placed.moved == 0:
+        perm = torch.arange(world * samples, dtype=torch.int64)
     else:
-        # a move that gains less than deciding costs still pays now (the exchange is spent), but the
-        # next decisions back off as after a decline
-        rec.declines = 0 if placed.worth_deciding else rec.declines + 1
-        rec.skip_left = 0 if placed.worth_deciding else min(2 ** (rec.declines - 1), MAX_SKIP)
         rec.moves += 1
         rec.moved_samples += placed.moved
         dest = np.asarray(placed.rank_of_sample)

@@ -36,8 +36,6 @@ from moe_compile.passes.graph_index import GraphIndex, example_value, tensor_met
 from moe_compile.passes.regions import ExpertLayout, WeightRole
 
 _CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone"}
-_SHAPE_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "view_as",
-                "reshape_as"}
 _BINARY = {"mul": "mul", "mul_": "mul", "add": "add", "add_": "add", "sub": "sub", "sub_": "sub", "div": "div",
            "div_": "div", "truediv": "div", "true_divide": "div", "rsub": "rsub"}
 _UNARY_NAMES = {"tanh": "tanh", "tanh_": "tanh", "exp": "exp", "neg": "neg", "square": "square"}
@@ -136,7 +134,7 @@ class _Reader:
         if leaf is not None:
             return leaf
         name = _name(n)
-        if name in _CASTS or (name in _SHAPE_VIEWS and _same_last_dim(n)):
+        if name in _CASTS or (name in ops.SHAPE_VIEWS and _same_last_dim(n)):
             return self._expr(n.args[0]) if isinstance(n.args[0], fx.Node) else None
         act = ops.activation_of(n)
         unary = act if act in UNARY else _UNARY_NAMES.get(name)
@@ -200,7 +198,7 @@ class _Reader:
             if picked is not None:
                 cols.append(picked)
                 m = _source(m)
-            elif name in _CASTS or (name in _SHAPE_VIEWS and _same_last_dim(m)):
+            elif name in _CASTS or (name in ops.SHAPE_VIEWS and _same_last_dim(m)):
                 m = m.args[0]
             elif ops.is_add(m) and len(m.args) == 2 and all(isinstance(a, fx.Node) for a in m.args):
                 # a projection's bias: continue on the operand that carries the expert values

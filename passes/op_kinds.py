@@ -73,6 +73,10 @@ def is_grouped_mm(node: fx.Node) -> bool:
     return node.op == "call_function" and _name(node) in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
 
 
+# views that only reshape: the same elements in the same order (an expand of size-1 dims repeats them)
+SHAPE_VIEWS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "view_as",
+                         "reshape_as"})
+
 # dtype casts and views that do not change which parameter a value is
 _TRANSPARENT = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "t", "transpose",
                 "permute", "view", "reshape", "contiguous", "detach", "T", "mT"}

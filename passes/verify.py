@@ -367,16 +367,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return 0.0 if diff == 0 else diff / scale
 
 
-_RESHAPES = frozenset({"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "_unsafe_view", "alias"})
-
-
 def _reshaped_from(n: fx.Node) -> fx.Node:
     """The node ``n`` holds the elements of in the same order: through views that only reshape
-    (not a transpose, a slice or an expand)."""
-    while n.op in ("call_function", "call_method") and n.args and isinstance(n.args[0], fx.Node):
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "").split(".")[0]
-        if name not in _RESHAPES:
-            break
+    (``op_kinds.SHAPE_VIEWS``; not a transpose or a slice)."""
+    while ops.op_name(n) in ops.SHAPE_VIEWS and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
 
