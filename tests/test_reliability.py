@@ -283,6 +283,33 @@ def test_ranks_agree_on_nan_and_empty_first_batches() -> None:
                                                              ["verified"]], (kind, per_rank)
 
 
+def test_a_rank_with_0_tokens_takes_a_place_some_rank_with_tokens_verified() -> None:
+    """Found by the fuzz's large profile (4 ranks, gathered top-1, batches of 0, 1, 8 and 7 tokens):
+    the rank of 1 token verified the per-slot product [1, 1, H] (its input's shape, the sum's
+    value at K = 1), the others the sum; the rank of 0 tokens can form only the sum, and was
+    asked for the first rank's place, so every rank left the layer alone. It takes the first
+    place a rank with tokens verified that it can form; where it can form none, the layer stays
+    as written everywhere, the reason naming that rank and the places."""
+    from moe_compile.ep.agreement import Proposal, _combine
+
+    key = "E=8 K=1 H=8 float32: experts"
+    mul, total = "output mul #0, weights to #0", "output sum #0, weights to #0"
+
+    def rank(where: str = "", candidates: tuple[str, ...] = ()) -> Proposal:
+        return Proposal(anchor="router.weight", name="moe", key=None if candidates else key, reason="",
+                        where=where, vacuous=bool(candidates), candidates=tuple((key, c) for c in candidates),
+                        tokens=0 if candidates else 8)
+
+    agreed = _combine("moe", [rank(candidates=(total,)), rank(mul), rank(total), rank(total)])
+    assert (agreed.key, agreed.where) == (key, total), agreed
+    # the first place in rank order wins when the rank of 0 tokens can form both
+    agreed = _combine("moe", [rank(candidates=(total, mul)), rank(mul), rank(total), rank(total)])
+    assert (agreed.key, agreed.where) == (key, mul), agreed
+    # no place every rank of 0 tokens can form: left alone, and the reason names the rank
+    agreed = _combine("moe", [rank(candidates=(total,)), rank(mul), rank(candidates=(mul,)), rank(mul)])
+    assert agreed.key is None and "rank 0 (0 tokens in its batch) cannot form" in agreed.reason, agreed
+
+
 @pytest.mark.ranks
 def test_ranks_with_different_options_fail_alike() -> None:
     results = run_ranks(4, "options_differ", timeout_s=300, worker="reliability_worker.py", shape=[2, 2])

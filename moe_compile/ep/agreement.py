@@ -12,7 +12,8 @@ a layer settles it with one small exchange, before any expert-parallel collectiv
     the experts compute, and where: which nodes hold the output and the routing weights), or
     why none, or (0 tokens) every interpretation it could use; and its expert-parallel settings
     agreed key <- the one every rank with tokens verified, if each rank with 0 tokens has it at
-    the place the first of them found it; otherwise the layer stays as written on every rank,
+    a place one of them found it (the first such, in rank order); otherwise the layer stays as
+    written on every rank,
     with the reason naming the rank; and what every rank plans the layer from, so that all reach
     the same plan (the runtime settings must be the same): the token count of the lowest rank
     with tokens, and the (token, expert) pairs per expert of every rank's batch, summed
@@ -118,13 +119,19 @@ def _combine(name: str, by_rank: list[Proposal | None]) -> Agreed:
         keys = "; ".join(f"rank {r}: {p.key}" for r, p in enumerate(by_rank) if p is not None and not p.vacuous)
         return Agreed(None, f"left alone on every rank: the ranks verified different interpretations ({keys})")
     (key,) = verified
-    first = next(p for p in by_rank if p is not None and not p.vacuous)
-    where = first.where
-    for r, p in enumerate(by_rank):
-        assert p is not None
-        if p.vacuous and (key, where) not in p.candidates:
-            return Agreed(None, f"left alone on every rank: rank {r} (0 tokens in its batch) cannot form the "
-                                f"interpretation the other ranks verified ({key}; {where})")
+    with_tokens = [p for p in by_rank if p is not None and not p.vacuous]
+    first = with_tokens[0]
+    # Ranks with tokens may have verified the same experts read at different places: at K = 1 a
+    # rank of 1 token sees the per-slot product [1, 1, H] in its input's shape and verifies it
+    # before the sum the others verified (equal values). Ranks with 0 tokens take the first place
+    # some rank verified that each of them can form.
+    vacuous = [(r, p) for r, p in enumerate(by_rank) if p is not None and p.vacuous]
+    wheres = list(dict.fromkeys(p.where for p in with_tokens))
+    where = next((w for w in wheres if all((key, w) in p.candidates for _, p in vacuous)), None)
+    if where is None:
+        r = next(r for r, p in vacuous if (key, wheres[0]) not in p.candidates)
+        return Agreed(None, f"left alone on every rank: rank {r} (0 tokens in its batch) cannot form the "
+                            f"interpretation the other ranks verified ({key}; {' or '.join(wheres)})")
     loads = [p.load for p in by_rank if p is not None]
     load = tuple(int(sum(col)) for col in zip(*loads, strict=True)) if all(loads) else None
     return Agreed(key, where=where, tokens=first.tokens, load=load)
