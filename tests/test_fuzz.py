@@ -10,12 +10,17 @@ ranks, per-rank batch sizes (one of 0 tokens) and a NaN on one rank's first batc
 same rewrite on every rank, equality with eager on the clean batches.
 
 Tolerance: fp32 1e-5 of each tensor's scale (compile_utils: summation order only); bf16 3e-2
-(the op accumulates in fp32 where eager rounds every product to bf16).  If one fails, the
-printed example reproduces it (@reproduce_failure); fix the finder or the accounting, not the
-tolerance.
+(the op accumulates in fp32 where eager rounds every product to bf16).  A value that misses it
+is judged against twice eager's own spread under a different rounding of the same model (every
+weight one ulp up or down, ``_rounding_spread``): on the std-30 batch a saturated activation's
+derivative is ill-conditioned, and summing a matmul in another order moves it further than 1e-5.
+If one fails, the printed example reproduces it (@reproduce_failure); fix the finder or the
+accounting, not the tolerance.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -76,6 +81,12 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
 @example(cfg=FuzzConfig(idiom="gathered", storage="stacked_t", router="softmax_renorm", router_bias=False,
                         route_scale=1.0, activation="silu", gated=True, bias=False, extra="none", num_experts=4,
                         top_k=1, hidden=8, ffn=12, dtype="float32"), batch=2, seq=3)
+# also found by it: a GELU-tanh gate clamped at 2 on the std-30 batch; a pre-activation of -4.45
+# makes the gate weights' gradient move 3e-5 relative when z moves by its rounding (eager's own
+# answer moves 7e-5 with the weights one ulp off), beyond fp32's 1e-5 (now judged by that spread)
+@example(cfg=FuzzConfig(idiom="dense", storage="stacked", router="topk_softmax", router_bias=False, route_scale=2.5,
+                        activation="gelu_tanh", gated=True, bias=True, extra="clamp_gate", num_experts=8, top_k=3,
+                        hidden=16, ffn=12, dtype="float32"), batch=2, seq=1)
 def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch: int, seq: int) -> None:
     dtype = getattr(torch, cfg.dtype)
     model = make(cfg)
@@ -97,25 +108,56 @@ def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch:
         assert NAMED[cfg.extra] in reasons, f"{cfg}: the reason does not name the op: {reasons}"
     elif cfg.extra == "none":
         assert len(regions) == 1, f"{cfg} on [{batch}, {seq}] tokens: not rewritten: {reasons}"
-    params = [p for p in model.parameters()]
-    outs, grads = [], []
-    for fn in (compiled, model):
-        x = x_large.clone().requires_grad_()
-        y = fn(x)
-        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-        grads.append(torch.autograd.grad(y, [x, *params], cot, allow_unused=True, materialize_grads=True))
-        outs.append(y.detach())
+    names = ["output", "input", *(n for n, _ in model.named_parameters())]
+    got, want = _answers(compiled, model, x_large), _answers(model, model, x_large)
     tol = TOL[cfg.dtype]
-    assert rel_err(outs[0], outs[1]) <= tol, f"{cfg}: outputs differ by {rel_err(outs[0], outs[1]):.2e}"
     # top-1 with weights renormalized over the K chosen: every weight is route_scale whatever the
     # router says, so the router's gradient is exactly 0 and both sides hold only the cancellation
     # noise of (g y / w - g y w / w^2), of the size of the expert outputs' rounding (their scale is
     # huge on the std-30 batch); there is nothing to compare
     constant_weights = cfg.top_k == 1 and cfg.router != "softmax"
-    for name, a, b in zip(["input", *(n for n, _ in model.named_parameters())], *grads, strict=True):
-        if constant_weights and name.startswith("router."):
-            continue
-        assert rel_err(a, b) <= tol, f"{cfg}: gradient of {name} differs by {rel_err(a, b):.2e}"
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, got, want, strict=True)
+            if not (constant_weights and n.startswith("router."))}
+    over = {n: e for n, e in errs.items() if e > tol}
+    if over:
+        # on the std-30 batch some values are ill-conditioned (a saturated GELU's derivative moves
+        # 1e-5 relative when its pre-activation moves by its rounding): such a value is judged
+        # against how far eager's own answer moves under a different rounding of the same model
+        spread = _rounding_spread(model, x_large)
+        over = {n: (e, spread[n]) for n, e in over.items() if e > tol + 2 * spread[n]}
+    assert not over, f"{cfg}: differs from eager (relative error, eager's own rounding spread): " + \
+        ", ".join(f"{n} {e:.2e} ({sp:.1e})" for n, (e, sp) in over.items())
+
+
+def _answers(fn: torch.nn.Module, model: torch.nn.Module, x_in: torch.Tensor) -> list[torch.Tensor]:
+    """fn's output and the gradients of a fixed random cotangent at the input and at model's
+    parameters (fn is model, or model compiled)."""
+    x = x_in.clone().requires_grad_()
+    y = fn(x)
+    cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(y.dtype)
+    grads = torch.autograd.grad(y, [x, *model.parameters()], cot, allow_unused=True, materialize_grads=True)
+    return [y.detach(), *grads]
+
+
+def _rounding_spread(model: torch.nn.Module, x: torch.Tensor, trials: int = 4) -> dict[str, float]:
+    """Per value (output, input gradient, each parameter's gradient): the largest relative error
+    between eager's answer and eager's on copies of the model with every weight moved one ulp up
+    or down at random: how much rounding alone moves the value where the computation is
+    ill-conditioned (the op sums its matmuls in another order, which moves each pre-activation by
+    about that much). Well-conditioned values move by a few ulps, so a wrong answer still fails."""
+    names = ["output", "input", *(n for n, _ in model.named_parameters())]
+    base = _answers(model, model, x)
+    spread = dict.fromkeys(names, 0.0)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(trials):
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in other.parameters():
+                up = torch.rand(p.shape, generator=gen) < 0.5
+                p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p.dtype)))
+        for n, a, b in zip(names, _answers(other, other, x), base, strict=True):
+            spread[n] = max(spread[n], rel_err(a, b))
+    return spread
 
 
 @st.composite
