@@ -83,6 +83,8 @@ class Result:
     times_s: list[float] = field(default_factory=list)
     compile_s: float = float("nan")
     peak_bytes: int | None = None
+    # the share of the profiled step (the peak's, CPU) spent in matmul kernels (MATMUL_OPS' self time)
+    matmul_share: float | None = None
     rewritten: int | None = None  # MoE layers hiermoe rewrote (None: not a hiermoe variant)
     left_alone: list[str] = field(default_factory=list)
     error: str | None = None
@@ -206,8 +208,16 @@ def timed_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], devi
     return time.perf_counter() - start
 
 
-def peak_step_bytes(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: torch.device) -> int:
-    """Peak bytes allocated during one step above what was allocated before it (see module docstring)."""
+# matmul kernels: their self time is the step's matmul time (aten::matmul, linear etc. call them)
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+                        "aten::_grouped_mm"})
+
+
+def profile_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], device: torch.device
+                 ) -> tuple[int, float | None]:
+    """(peak bytes allocated during one step above what was allocated before it (see module
+    docstring), the share of that step's wall time spent in matmul kernels: on CPU, the self time
+    of ``MATMUL_OPS`` over the profiled step's duration; None on CUDA)."""
     for p in model.parameters():
         p.grad = None
     if device.type == "cuda":
@@ -216,12 +226,15 @@ def peak_step_bytes(model: nn.Module, step: Callable[[nn.Module], torch.Tensor],
         torch.cuda.reset_peak_memory_stats(device)
         run_step(model, step)
         sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        return torch.cuda.max_memory_allocated(device) - base, None
     from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
         step(model).backward()
+        wall_us = (time.perf_counter() - start) * 1e6
+    matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS)
     events = [e for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
@@ -229,7 +242,7 @@ def peak_step_bytes(model: nn.Module, step: Callable[[nn.Module], torch.Tensor],
     for e in events:
         live += e.nbytes()
         peak = max(peak, live)
-    return peak
+    return peak, matmul_us / wall_us
 
 
 def bench_case(case: str, shape: Shape, variants: list[str], reps: int, warmup: int,
@@ -264,7 +277,7 @@ def bench_case(case: str, shape: Shape, variants: list[str], reps: int, warmup: 
         for v in order:
             results[v].times_s.append(timed_step(models[v], step, device))
     for v in live:
-        results[v].peak_bytes = peak_step_bytes(models[v], step, device)
+        results[v].peak_bytes, results[v].matmul_share = profile_step(models[v], step, device)
     return [results[v] for v in variants]
 
 
@@ -306,12 +319,15 @@ def rows(results: list[Result]) -> list[list[str]]:
     for r in results:
         e = eager.get(r.case)
         if r.error:
-            out.append([r.case, r.variant, "failed", "", "", "", "", "", "", "", "", "", r.error])
+            out.append([r.case, r.variant, "failed", "", "", "", "", "", "", "", "", "", "", "", r.error])
             continue
         # hiermoe with Inductor inside against Inductor alone: what a user adding the backend sees
         i = inductor.get(r.case) if r.variant == "hiermoe+inductor" else None
-        vs_inductor = ["-", "-"] if i is None else [
+        vs_inductor = ["-", "-", "-"] if i is None else [
             f"{r.median_s / i.median_s:.2f}",
+            # the ratio with everything but hiermoe's matmuls taking no time: below it, no rewrite that
+            # runs the same matmuls can go
+            f"{r.matmul_share * r.median_s / i.median_s:.2f}" if r.matmul_share is not None else "-",
             f"{r.peak_bytes / i.peak_bytes:.2f}" if i.peak_bytes and r.peak_bytes is not None else "-"]
         ratio = f"{r.median_s / e.median_s:.2f}" if e and e.times_s else "-"
         ratio_min = f"{min(r.times_s) / min(e.times_s):.2f}" if e and e.times_s else "-"
@@ -321,13 +337,16 @@ def rows(results: list[Result]) -> list[list[str]]:
         if r.left_alone:
             note += f"; left alone: {'; '.join(r.left_alone)}"
         out.append([r.case, r.variant, _ms(r.median_s), f"{_ms(min(r.times_s))} / {_ms(max(r.times_s))}",
-                    ratio, ratio_min, _mib(r.peak_bytes), mem_ratio, *vs_inductor, f"{r.compile_s:.1f}",
+                    ratio, ratio_min, _mib(r.peak_bytes), mem_ratio,
+                    "-" if r.matmul_share is None else f"{100 * r.matmul_share:.0f} %", *vs_inductor,
+                    f"{r.compile_s:.1f}",
                     str(len(r.times_s)), note])
     return out
 
 
 HEADERS = ["case", "variant", "median ms", "min / max ms", "time vs eager", "(mins)", "peak MiB", "mem vs eager",
-           "time vs inductor", "mem vs inductor", "warm-up s", "reps", "MoE layers"]
+           "matmul share", "time vs inductor", "matmuls alone vs inductor", "mem vs inductor", "warm-up s", "reps",
+           "MoE layers"]
 
 
 def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], shape: Shape,
@@ -365,6 +384,10 @@ def write_results(out_dir: Path, results: list[Result], info: dict[str, Any], sh
         "(see bench/README.md for how). Ratios are variant / eager (below 1 is better): "
         "\"time vs eager\" of the medians, \"(mins)\" of the fastest repetitions; \"vs inductor\": "
         "hiermoe+inductor against backend=\"inductor\" (median time, peak). "
+        "Matmul share: of the profiled step (the peak's, CPU), the time in matmul kernels (self time of "
+        + ", ".join(f"`{o}`" for o in sorted(MATMUL_OPS)) + "). \"Matmuls alone vs inductor\": hiermoe's "
+        "matmul time (its share of its median) over inductor's median, the ratio it would have if everything "
+        "but its matmuls took no time; where both run the same matmuls, no rewrite goes below it. "
         "Warm-up includes compilation.",
         "",
         "| " + " | ".join(HEADERS) + " |",
