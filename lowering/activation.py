@@ -13,7 +13,7 @@ and up pre-activation ``u`` (non-gated experts: ``u`` only), in call form::
 The finder (``passes/activation_expr.py``) writes the expression from the graph's own ops, and
 this module evaluates it with the same torch ops, so the forward is computed exactly as the model
 computes it; the backward applies each op's derivative in reverse (aten's backward formulas
-where autograd uses them, except GELU-tanh's, ``gelu_tanh_backward``), a small reverse-mode pass over the expression tree. A shared
+where autograd uses them), a small reverse-mode pass over the expression tree. A shared
 subexpression is written once per use, and its gradient contributions are summed.
 
 Ops: unary ``sigmoid tanh silu relu gelu gelu_tanh exp neg square``, binary ``add sub mul div``
@@ -246,39 +246,17 @@ def _val(e: Expr | None, env: dict[str, Tensor | None], values: dict[int, Tensor
     return values[id(e)]
 
 
-# sqrt(2 / pi) and the cubic coefficient of the tanh approximation of GELU
-_GELU_C, _GELU_A = 0.7978845608028654, 0.044715
-
-
-def gelu_tanh_backward(grad: Tensor, z: Tensor) -> Tensor:
-    """``grad`` times d/dz of GELU's tanh approximation, computed without cancellation.
-
-    gelu_tanh(z) = 0.5 z (1 + tanh(u)) = z s with s = sigmoid(2u), u = c (z + a z^3), so
-    d/dz = s (1 + 2 c z (1 - s) (1 + 3 a z^2)), 1 - s = sigmoid(-2u). aten's ``gelu_backward``
-    forms 0.5 (1 + tanh(u)) by cancellation: in fp32 it is 3e-4 off (relative) at z = -4.5 and
-    worse further into the tail, so two computations whose z differ in the last bit (a matmul
-    summed in another order) give weight gradients 1e-5..1e-4 apart on large activations (the
-    fuzz test's find). This form is accurate to a few ulps everywhere aten's is finite; it
-    computes in fp32 for 16-bit inputs, as aten does (its opmath), and rounds once at the end."""
-    dt = torch.promote_types(z.dtype, torch.float32)
-    zf = z.to(dt)
-    two_u = (2 * _GELU_C) * (zf + _GELU_A * zf * zf * zf)
-    s = torch.sigmoid(two_u)
-    d = s * (1 + (2 * _GELU_C) * zf * torch.sigmoid(-two_u) * (1 + 3 * _GELU_A * zf * zf))
-    return (grad.to(dt) * d).to(torch.promote_types(grad.dtype, z.dtype))
-
-
 _UNARY_BWD: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "sigmoid": lambda g, x, y: torch.ops.aten.sigmoid_backward(g, y),
     "tanh": lambda g, x, y: torch.ops.aten.tanh_backward(g, y),
     "silu": lambda g, x, y: torch.ops.aten.silu_backward(g, x),
     "relu": lambda g, x, y: torch.ops.aten.threshold_backward(g, x, 0),
     "gelu": lambda g, x, y: torch.ops.aten.gelu_backward(g, x, approximate="none"),
-    "gelu_tanh": lambda g, x, y: gelu_tanh_backward(g, x),
+    "gelu_tanh": lambda g, x, y: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
     "exp": lambda g, x, y: g * y,
     "neg": lambda g, x, y: -g,
     "square": lambda g, x, y: g * 2 * x,
 }
 
 
-__all__ = ["Activation", "BINARY", "PREFIX", "UNARY", "gelu_tanh_backward", "is_expression", "parse", "spec"]
+__all__ = ["Activation", "BINARY", "PREFIX", "UNARY", "is_expression", "parse", "spec"]

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_compile.lowering.activation import gelu_tanh_backward, is_expression, parse
+from moe_compile.lowering.activation import is_expression, parse
 from moe_compile.lowering.grouped_mm import (
     grouped_linear,
     grouped_linear_gate_up,
@@ -60,12 +60,14 @@ _ACT_FWD: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 # d act(z)/dz applied to an incoming grad; the aten backward ops are the ones autograd uses for
-# the eager model, so rewritten and original layers get bit-identical activation gradients at the
-# same z, except GELU-tanh's, whose aten formula cancels in the tail (gelu_tanh_backward)
+# the eager model, so rewritten and original layers get bit-identical activation gradients. Even
+# where aten's is inexact (GELU-tanh's 0.5 (1 + tanh u) cancels to exactly 0 in the negative
+# tail): a more exact derivative there is a tiny nonzero gradient against eager's 0, which
+# verification rightly calls a relative error of 1 (tests/test_fuzz.py's non-gated clamp example).
 _ACT_BWD: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "silu": lambda g, z: torch.ops.aten.silu_backward(g, z),
     "gelu": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="none"),
-    "gelu_tanh": gelu_tanh_backward,
+    "gelu_tanh": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="tanh"),
     "relu": lambda g, z: torch.ops.aten.threshold_backward(g, z, 0),
     "sigmoid": lambda g, z: torch.ops.aten.sigmoid_backward(g, torch.sigmoid(z)),
     "identity": lambda g, z: g,

@@ -146,16 +146,15 @@ def act_fwd(z, ACT: tl.constexpr):
 
 @triton.jit
 def act_grad(z, ACT: tl.constexpr):
-    """d act(z) / dz in fp32 (the formulas behind aten's silu/gelu/threshold/sigmoid backward;
-    GELU-tanh's without aten's cancellation, as ``activation.gelu_tanh_backward``)."""
+    """d act(z) / dz in fp32 (the formulas behind aten's silu/gelu/threshold/sigmoid backward)."""
     if ACT == 0:
         s = _sigmoid(z)
         d = s * (1.0 + z * (1.0 - s))
     elif ACT == 1:
         d = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
-    elif ACT == 2:  # s (1 + 2c z (1 - s)(1 + 3a z^2)), s = sigmoid(2u): no cancellation (activation.gelu_tanh_backward)
-        two_u = 1.5957691216057308 * (z + 0.044715 * z * z * z)
-        d = _sigmoid(two_u) * (1.0 + 1.5957691216057308 * z * _sigmoid(-two_u) * (1.0 + 0.134145 * z * z))
+    elif ACT == 2:
+        t = 2.0 * _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z)) - 1.0  # tanh(u)
+        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
     elif ACT == 3:
         d = tl.where(z > 0.0, 1.0, 0.0)
     elif ACT == 4:
