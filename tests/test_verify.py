@@ -1,7 +1,8 @@
 """passes/verify.py's gradient comparisons: a routing weight's gradient, a dot product <g_t, y_tk> that
 can cancel by chance, is judged at the size of its terms, so rounding in bf16 passes where the sum
 nearly vanished, and a gradient that is wrong by the size of the terms still fails; boundary values
-that are one tensor in two shapes are compared summed, and only reshapes count as one tensor."""
+that are one tensor in two shapes are compared summed, and only reshapes count as one tensor; a 16-bit
+gradient that two roundings put on different sides of a ReLU's kink is judged against fp32."""
 
 from __future__ import annotations
 
@@ -68,3 +69,44 @@ def test_reshapes_of_one_tensor_are_one_value_and_a_transpose_is_not() -> None:
     compared = _merge_aliases([(1, 0)], g_o, g_n, [True, True], [torch.Size((2, 4)), torch.Size((2, 1, 4))])
     assert compared == [True, False] and g_o[1] is None and g_n[1] is None
     assert torch.equal(g_o[0], torch.full((2, 4), 3.0)) and torch.equal(g_n[0], torch.full((2, 4), 3.0))
+
+
+def _double_rounded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.relu((x @ w.t()) + b),)  # a model's einsum, rounded to bf16, then its bias
+
+
+def _single_rounded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.relu(torch.nn.functional.linear(x, w, b)),)  # nn.Linear's, the op's on the CPU
+
+
+def _bias_dropped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.relu(torch.nn.functional.linear(x, w, 0.5 * b)),)  # a wrong interpretation
+
+
+def test_a_16_bit_gradient_at_a_kink_is_judged_against_fp32() -> None:
+    """A bf16 ReLU layer whose model adds its bias after a rounded product, against the op's
+    single rounding (nn.Linear's): where a pre-activation sits within that rounding of 0, the two
+    take different sides and that unit's gradient flips, beyond bf16's tolerance. Verification
+    then runs the original in fp32: the single rounding is the nearer, so it passes; halving the
+    bias, far from the fp32 answer, still fails."""
+    from moe_compile.passes.verify import _compare_backward
+
+    for seed in range(200):  # a batch where the two roundings put some unit on different sides
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, 64, generator=gen).bfloat16()
+        w = (torch.randn(512, 64, generator=gen) / 8).bfloat16()
+        b = torch.randn(512, generator=gen).bfloat16()
+        if not torch.equal(_double_rounded(x, w, b)[0] > 0, _single_rounded(x, w, b)[0] > 0):
+            break
+    else:
+        raise AssertionError("no seed put a unit on different sides of the kink")
+    original, single, wrong = (fx.symbolic_trace(f) for f in (_double_rounded, _single_rounded, _bias_dropped))
+    args = ([x, w, b], [False, True, True], [False, False, False], torch.bfloat16)
+    # the plain comparison misses bf16's tolerance: the flipped unit
+    g = torch.randn(1, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    g_o = torch.autograd.grad(original(*leaves)[0], leaves, g)
+    g_n = torch.autograd.grad(single(*leaves)[0], leaves, g)
+    assert any(not _passes(_rel_err(a, o), a, o, torch.bfloat16) for a, o in zip(g_n, g_o, strict=True))
+    assert _compare_backward(original, single, *args)[1]
+    assert not _compare_backward(original, wrong, *args)[1]
