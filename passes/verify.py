@@ -545,11 +545,11 @@ def _in_dtype(gm: fx.GraphModule, low: torch.dtype, high: torch.dtype) -> fx.Gra
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
 
-    def swap(a: object) -> object:
+    def swap(a: fx.node.Argument) -> fx.node.Argument:
         return high if a is low else a
 
     for n in graph.nodes:
-        n.args = fx.node.map_aggregate(n.args, swap)
+        n.args = fx.node.map_aggregate(n.args, swap)  # type: ignore[assignment]
         n.kwargs = fx.node.map_aggregate(n.kwargs, swap)  # type: ignore[assignment]
     return fx.GraphModule(gm, graph)
 
