@@ -216,31 +216,17 @@ Weights = Tensor | list[Tensor]  # [E, O, I], or E separate [O, I] (``experts_co
 
 def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing) -> Tensor:
     """Each sorted slot's row through its expert's nn.Linear-layout weight (and bias)."""
-    if isinstance(w_EOI, list) or _bias_in_matmul(a_NI, b_EO):
-        # per-block addmm: the bias rounded once with the product, as nn.Linear does
-        return grouped_linear(a_NI, w_EOI if isinstance(w_EOI, list) else list(w_EOI.unbind(0)), r.offs_E, True,
-                              b_EO)
-    return _plus_bias(_seg_mm(a_NI, w_EOI.mT, r), b_EO, r)
-
-
-def _bias_in_matmul(a_NI: Tensor, b_EO: Tensor | None) -> bool:
-    """Whether a stacked projection adds its bias inside per-block ``addmm``s (``grouped_linear``)
-    rather than after the grouped matmul: in 16 bits on the CPU. A 16-bit product rounded before
-    its bias is added is one ulp off in a third of the entries, where ``nn.Linear`` (and CPU
-    ``addmm``) round once; a pre-activation at a ReLU's or a clamp's kink then takes the other
-    side and flips its unit's gradient. torch's grouped matmul takes no bias and rounds its output
-    to the input dtype, and per-block ``addmm``s read the block bounds to the host (a sync on
-    CUDA), so on CUDA the bias is added after, as written."""
-    return b_EO is not None and a_NI.dtype.itemsize < 4 and a_NI.device.type == "cpu"
+    if isinstance(w_EOI, list):
+        out_NO = grouped_linear(a_NI, w_EOI, r.offs_E, True)
+    else:
+        out_NO = _seg_mm(a_NI, w_EOI.mT, r)
+    return _plus_bias(out_NO, b_EO, r)
 
 
 def _linear_rows(x_TI: Tensor, w_EOI: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
     """``_linear`` of the slots' token rows ``x[tok]`` (stacked weights, grouped routing), the rows
-    gathered inside the matmul op (``grouped_mm_rows``): no [N, I] copy kept for the backward
-    (but where the bias goes inside the matmul, ``_bias_in_matmul``)."""
+    gathered inside the matmul op (``grouped_mm_rows``): no [N, I] copy kept for the backward."""
     assert r.bounds is None, "grouped routing only"
-    if _bias_in_matmul(x_TI, b_EO):
-        return _linear(x_TI.index_select(0, r.tok_N), w_EOI, b_EO, r)
     return _plus_bias(grouped_mm_rows(x_TI, r.tok_N, w_EOI.mT, r.offs_E), b_EO, r)
 
 
@@ -301,7 +287,8 @@ def _ffn(
     elif isinstance(w_gate_EFH, list) and isinstance(w_up_EFH, list) and kept is None:
         # E modules' gate and up weights: one op gathers each block's rows and computes both,
         # so the [N, H] gathered rows are not kept for the backward (x is)
-        gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E, b_gate_EF, b_up_EF)
+        gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E)
+        gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
     elif not keep_rows and kept is None and isinstance(w_up_EFH, Tensor) and not isinstance(w_gate_EFH, list):
         up_NF = _linear_rows(x_TH, w_up_EFH, b_up_EF, r)
         if w_gate_EFH is not None:

@@ -504,11 +504,11 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
     In a 16-bit layer a gradient that misses the tolerance is judged once more against the
     original graph run in fp32 on the same values (``_widened``): the replacement passes if it is
     no farther from that reference than the original is, plus the tolerance. Two correct 16-bit
-    computations round differently (the op adds a bias inside its matmul, as nn.Linear does,
-    where a model may add it after a rounded einsum), and a ReLU's or a clamp's pre-activation
-    within that rounding of its kink takes the other side in one of them, flipping its unit's
-    gradient; the fp32 reference sides with the more exact one, and a wrong interpretation stays
-    O(1) away from it."""
+    computations round differently (a model that rounds a product before adding its bias, where
+    the other rounds once, as nn.Linear does; the op accumulating in fp32 where a model rounds
+    partial sums), and a ReLU's or a clamp's pre-activation within that rounding of its kink
+    takes the other side in one of them, flipping its unit's gradient; the fp32 reference sides
+    with the more exact one, and a wrong interpretation stays O(1) away from it."""
     g_o, g_n, leaves, compared, floors = _gradients(original, replacement, vals, is_param, via_weights, autocast,
                                                     aliases)
     if g_o is None:
