@@ -76,7 +76,7 @@ def _double_rounded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[
 
 
 def _single_rounded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
-    return (torch.relu(torch.nn.functional.linear(x, w, b)),)  # nn.Linear's, the op's on the CPU
+    return (torch.relu(torch.nn.functional.linear(x, w, b)),)  # nn.Linear's: rounded once
 
 
 def _bias_dropped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
@@ -84,11 +84,11 @@ def _bias_dropped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[to
 
 
 def test_a_16_bit_gradient_at_a_kink_is_judged_against_fp32() -> None:
-    """A bf16 ReLU layer whose model adds its bias after a rounded product, against the op's
-    single rounding (nn.Linear's): where a pre-activation sits within that rounding of 0, the two
-    take different sides and that unit's gradient flips, beyond bf16's tolerance. Verification
-    then runs the original in fp32: the single rounding is the nearer, so it passes; halving the
-    bias, far from the fp32 answer, still fails."""
+    """A bf16 ReLU layer whose model adds its bias after a rounded product, against a
+    replacement that rounds once (nn.Linear's way): where a pre-activation sits within that
+    rounding of 0, the two take different sides and that unit's gradient flips, beyond bf16's
+    tolerance. Verification then runs the original in fp32: the single rounding is the nearer, so
+    it passes; halving the bias, far from the fp32 answer, still fails."""
     from moe_compile.passes.verify import _compare_backward
 
     for seed in range(200):  # a batch where the two roundings put some unit on different sides
