@@ -121,7 +121,7 @@ def _composite(
         ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation,
                    output=False, gate_up=gate_up, keep_rows=False)
         weight_N = topk_weights_TK.reshape(-1).index_select(0, r.order_N).to(acc)
-        y_NH = _linear(ffn.h_NF * weight_N[:, None], w_down_EHF, None, r)
+        y_NH = _linear(ffn.h_NF * weight_N[:, None], w_down_EHF, None, r, False)  # no down bias here
         return y_NH.index_select(0, inv_N).view(*topk_idx_TK.shape, y_NH.shape[-1]).sum(1)
     ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation,
                gate_up=gate_up, keep_rows=False)

@@ -24,6 +24,16 @@ are accumulated in fp32. y comes out in promote(x.dtype, topk_weights.dtype) (``
 as a layer's ``y_e * w`` does, bf16 expert outputs weighted by fp32 routing weights (a layer under
 torch.autocast) give an fp32 sum, not rounded to bf16.
 
+Biases in 16 bits: a layer adds each bias either inside its matmul (``nn.Linear``, ``linear(x, w,
+b)``: the product and the bias summed before one rounding) or to the product already rounded
+(``x @ w + b``, ``einsum(...) + b``: rounded twice). A third of the bf16 entries differ by one ulp
+between the two, and a pre-activation at a ReLU's or a clamp's kink then takes the other side and
+flips its unit's gradient. The op computes what the layer does: an ``activation`` ending in
+``BIAS_IN_MATMUL`` (``op_activation``, set by the rewrite from the graph) adds the biases inside
+per-expert ``addmm``s on the CPU; otherwise they are added after the product. On CUDA the torch
+lowering adds them after the grouped matmul (which takes no bias) and the Triton kernels inside
+their fp32 accumulators, whatever the suffix.
+
 Shape legend:
     T tokens, K experts per token, N = T*K slots, E experts, H hidden size, F ffn size.
     x_TH, topk_idx_TK, topk_weights_TK, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF,
@@ -49,6 +59,21 @@ from moe_compile.lowering.grouped_mm import (
 )
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "identity")
+
+# the suffix of an ``activation`` whose layer adds its expert biases inside the matmuls (module doc)
+BIAS_IN_MATMUL = ";bias_in_matmul"
+
+
+def op_activation(activation: str, bias_in_matmul: bool) -> str:
+    """The op's ``activation`` argument for a layer with this activation and bias form."""
+    return activation + BIAS_IN_MATMUL if bias_in_matmul else activation
+
+
+def split_activation(activation: str) -> tuple[str, bool]:
+    """(the activation, whether the biases are added inside the matmuls) of an op's argument."""
+    if activation.endswith(BIAS_IN_MATMUL):
+        return activation[:-len(BIAS_IN_MATMUL)], True
+    return activation, False
 
 _ACT_FWD: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -83,7 +108,8 @@ _GROUPED_MM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 
 def check_activation(activation: str, gated: bool | None = None) -> None:
     """ValueError unless ``activation`` is one of ``ACTIVATIONS`` or an ``expr:`` expression (that
-    reads the gate only when ``gated`` is not False)."""
+    reads the gate only when ``gated`` is not False), either with the ``BIAS_IN_MATMUL`` suffix."""
+    activation = split_activation(activation)[0]
     if is_expression(activation):
         if "g" in parse(activation).variables and gated is False:
             raise ValueError(f"expert activation {activation!r} reads the gate g, but the experts have no gate "
@@ -97,7 +123,9 @@ def check_activation(activation: str, gated: bool | None = None) -> None:
 def activation_error(activation: str) -> str | None:
     """Why the Triton kernels cannot compute ``activation`` (None: they can). They evaluate
     ``act(gate) * up`` / ``act(up)`` for the names in ``ACTIVATIONS`` inside their tiles; an
-    ``expr:`` activation runs on this torch lowering."""
+    ``expr:`` activation runs on this torch lowering. They add biases inside their fp32
+    accumulators, so either bias form (``BIAS_IN_MATMUL``) is theirs."""
+    activation = split_activation(activation)[0]
     if activation in ACTIVATIONS:
         return None
     return (f"the Triton expert kernels compute act(gate) * up or act(up) for act in {ACTIVATIONS}, not the "
@@ -214,19 +242,35 @@ class _Ffn(NamedTuple):
 Weights = Tensor | list[Tensor]  # [E, O, I], or E separate [O, I] (``experts_composite_list``)
 
 
-def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing) -> Tensor:
-    """Each sorted slot's row through its expert's nn.Linear-layout weight (and bias)."""
+def _linear(a_NI: Tensor, w_EOI: Weights, b_EO: Tensor | None, r: _Routing, once: bool) -> Tensor:
+    """Each sorted slot's row through its expert's nn.Linear-layout weight (and bias); ``once``:
+    the layer adds the bias inside the matmul (``_bias_in_matmul``)."""
+    if _bias_in_matmul(a_NI, b_EO, once):
+        # per-block addmm: the bias rounded once with the product, as nn.Linear rounds it
+        return grouped_linear(a_NI, w_EOI if isinstance(w_EOI, list) else list(w_EOI.unbind(0)), r.offs_E, True,
+                              b_EO)
     if isinstance(w_EOI, list):
-        out_NO = grouped_linear(a_NI, w_EOI, r.offs_E, True)
+        out_NO = grouped_linear(a_NI, w_EOI, r.offs_E, True, None)
     else:
         out_NO = _seg_mm(a_NI, w_EOI.mT, r)
     return _plus_bias(out_NO, b_EO, r)
 
 
-def _linear_rows(x_TI: Tensor, w_EOI: Tensor, b_EO: Tensor | None, r: _Routing) -> Tensor:
+def _bias_in_matmul(a_NI: Tensor, b_EO: Tensor | None, once: bool) -> bool:
+    """Whether a projection adds its bias inside per-block ``addmm``s (``grouped_linear``): where
+    the layer does (``once``, ``BIAS_IN_MATMUL``), in 16 bits, on the CPU. In fp32 the two forms
+    differ by an fp32 rounding, and the grouped matmul is kept; on CUDA per-block ``addmm``s would
+    read the block bounds to the host (a sync), so the bias is added after (module doc)."""
+    return once and b_EO is not None and a_NI.dtype.itemsize < 4 and a_NI.device.type == "cpu"
+
+
+def _linear_rows(x_TI: Tensor, w_EOI: Tensor, b_EO: Tensor | None, r: _Routing, once: bool) -> Tensor:
     """``_linear`` of the slots' token rows ``x[tok]`` (stacked weights, grouped routing), the rows
-    gathered inside the matmul op (``grouped_mm_rows``): no [N, I] copy kept for the backward."""
+    gathered inside the matmul op (``grouped_mm_rows``): no [N, I] copy kept for the backward
+    (but where the bias goes inside the matmul, ``_bias_in_matmul``)."""
     assert r.bounds is None, "grouped routing only"
+    if _bias_in_matmul(x_TI, b_EO, once):
+        return _linear(x_TI.index_select(0, r.tok_N), w_EOI, b_EO, r, once)
     return _plus_bias(grouped_mm_rows(x_TI, r.tok_N, w_EOI.mT, r.offs_E), b_EO, r)
 
 
@@ -273,32 +317,37 @@ def _ffn(
     with 2F columns for both; E modules' gate and up weights (lists) are computed by one op
     (``grouped_linear_gate_up``); ``keep_rows`` False (grouped routing, stacked weights, no
     ``kept``): the matmuls gather the token rows themselves and no [N, H] copy is made to keep
-    (``x_NH`` None), for callers whose backward is autograd's."""
+    (``x_NH`` None), for callers whose backward is autograd's. ``activation`` may carry the
+    ``BIAS_IN_MATMUL`` suffix (how the biases round)."""
+    activation, once = split_activation(activation)
     x_NH: Tensor | None = None
     gate_NF: Tensor | None = None
     if gate_up is not None:
         if keep_rows:
             x_NH = x_TH.index_select(0, r.tok_N).contiguous()
-            gu_N2F = _linear(x_NH, gate_up.w_E2FH, gate_up.b_E2F, r)
+            gu_N2F = _linear(x_NH, gate_up.w_E2FH, gate_up.b_E2F, r, once)
         else:
-            gu_N2F = _linear_rows(x_TH, gate_up.w_E2FH, gate_up.b_E2F, r)
+            gu_N2F = _linear_rows(x_TH, gate_up.w_E2FH, gate_up.b_E2F, r, once)
         gate_NF, up_NF = _split_gate_up(gu_N2F, gate_up.order)
         gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
     elif isinstance(w_gate_EFH, list) and isinstance(w_up_EFH, list) and kept is None:
         # E modules' gate and up weights: one op gathers each block's rows and computes both,
         # so the [N, H] gathered rows are not kept for the backward (x is)
-        gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E)
-        gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
+        if _bias_in_matmul(x_TH, b_up_EF, once) or _bias_in_matmul(x_TH, b_gate_EF, once):
+            gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E, b_gate_EF, b_up_EF)
+        else:
+            gate_NF, up_NF = grouped_linear_gate_up(x_TH, r.tok_N, w_gate_EFH, w_up_EFH, r.offs_E, None, None)
+            gate_NF, up_NF = _plus_bias(gate_NF, b_gate_EF, r), _plus_bias(up_NF, b_up_EF, r)
     elif not keep_rows and kept is None and isinstance(w_up_EFH, Tensor) and not isinstance(w_gate_EFH, list):
-        up_NF = _linear_rows(x_TH, w_up_EFH, b_up_EF, r)
+        up_NF = _linear_rows(x_TH, w_up_EFH, b_up_EF, r, once)
         if w_gate_EFH is not None:
-            gate_NF = _linear_rows(x_TH, w_gate_EFH, b_gate_EF, r)
+            gate_NF = _linear_rows(x_TH, w_gate_EFH, b_gate_EF, r, once)
     else:
         assert w_up_EFH is not None
         x_NH = x_TH.index_select(0, r.tok_N).contiguous()
-        up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r)
+        up_NF = kept.up_NF if kept is not None else _linear(x_NH, w_up_EFH, b_up_EF, r, once)
         if w_gate_EFH is not None:
-            gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r)
+            gate_NF = kept.gate_NF if kept is not None else _linear(x_NH, w_gate_EFH, b_gate_EF, r, once)
     if is_expression(activation):
         h_NF = parse(activation).forward(gate_NF, up_NF)
     elif gate_NF is not None:
@@ -307,7 +356,7 @@ def _ffn(
         h_NF = _ACT_FWD[activation](up_NF)
     if not output:
         return _Ffn(x_NH, up_NF, gate_NF, h_NF, None)
-    y_NH = _linear(h_NF, w_down_EHF, b_down_EH, r)
+    y_NH = _linear(h_NF, w_down_EHF, b_down_EH, r, once)
     return _Ffn(x_NH, up_NF, gate_NF, h_NF, y_NH)
 
 
@@ -364,6 +413,7 @@ def experts_reference_backward(
     r = _route(topk_idx_TK, num_experts, grouped)
     ffn = _ffn(x_TH, r, w_up_EFH, w_gate_EFH, w_down_EHF, b_up_EF, b_gate_EF, b_down_EH, activation, output=False,
                kept=kept)
+    activation = split_activation(activation)[0]
     acc = _acc_dtype(x_TH, topk_weights_TK)
     cd = x_TH.dtype
 

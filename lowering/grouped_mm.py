@@ -118,19 +118,45 @@ def _blocks(offs_E: Tensor) -> list[tuple[int, int]]:
 
 
 @torch.library.custom_op("hiermoe::grouped_linear", mutates_args=())
-def grouped_linear(a_NI: Tensor, w_E: list[Tensor], offs_E: Tensor, transpose: bool) -> Tensor:
+def grouped_linear(a_NI: Tensor, w_E: list[Tensor], offs_E: Tensor, transpose: bool,
+                   bias_EO: Tensor | None) -> Tensor:
     """Rows of expert e's block times w[e]^T (``transpose``: nn.Linear's [O, I] weights) or times
-    w[e] ([I, O]): [N, I] x E weights -> [N, O]. Rows past the last offset are not written."""
+    w[e] ([I, O]), plus bias[e] where given: [N, I] x E weights -> [N, O]. Rows past the last
+    offset are not written. The bias is added inside the matmul (``addmm``), rounded once with
+    the product as ``nn.Linear`` rounds it: in bf16, a product rounded before its bias is added
+    is one ulp off in a third of the entries, and a pre-activation at a ReLU's kink then takes
+    the other side (a gradient of 0 where the layer's is not)."""
     num_o = w_E[0].shape[0] if transpose else w_E[0].shape[1]
     out_NO = a_NI.new_empty((a_NI.shape[0], num_o))
-    for w, (start, end) in zip(w_E, _blocks(offs_E), strict=True):
+    for e, (w, (start, end)) in enumerate(zip(w_E, _blocks(offs_E), strict=True)):
         if start < end:  # an empty expert costs nothing
-            torch.mm(a_NI[start:end], w.t() if transpose else w, out=out_NO[start:end])
+            _block_linear(a_NI[start:end], w.t() if transpose else w, None if bias_EO is None else bias_EO[e],
+                          out_NO[start:end])
     return out_NO
 
 
+def _block_linear(a: Tensor, w: Tensor, b: Tensor | None, out: Tensor) -> None:
+    if b is None:
+        torch.mm(a, w, out=out)
+    else:
+        torch.addmm(b, a, w, out=out)
+
+
+def _bias_grad(g_NO: Tensor, offs_E: Tensor, dtype: torch.dtype) -> Tensor:
+    """Per expert block, the sum of its rows' gradients (accumulated in fp32): the [E, O]
+    gradient of the experts' biases, zero for an empty block. Each row's block from the offsets
+    on the device (no host read, so the backward traces): rows past the last offset land in a
+    bucket E that is dropped."""
+    num_e = offs_E.shape[0]
+    rows = torch.arange(g_NO.shape[0], device=g_NO.device, dtype=offs_E.dtype)
+    block_N = torch.bucketize(rows, offs_E, right=True)
+    d_b = g_NO.new_zeros((num_e + 1, g_NO.shape[1]), dtype=torch.float32).index_add_(0, block_N, g_NO.float())
+    return d_b[:num_e].to(dtype)
+
+
 @grouped_linear.register_fake
-def _grouped_linear_fake(a_NI: Tensor, w_E: list[Tensor], offs_E: Tensor, transpose: bool) -> Tensor:
+def _grouped_linear_fake(a_NI: Tensor, w_E: list[Tensor], offs_E: Tensor, transpose: bool,
+                         bias_EO: Tensor | None) -> Tensor:
     return a_NI.new_empty((a_NI.shape[0], w_E[0].shape[0] if transpose else w_E[0].shape[1]))
 
 
@@ -152,21 +178,23 @@ def _grouped_linear_wgrad_fake(g_NO: Tensor, a_NI: Tensor, offs_E: Tensor) -> li
     return [g_NO.new_empty((g_NO.shape[1], a_NI.shape[1])) for _ in range(offs_E.shape[0])]
 
 
-def _setup_linear(ctx: Any, inputs: tuple[Tensor, list[Tensor], Tensor, bool], output: Tensor) -> None:
-    a_NI, w_E, offs_E, transpose = inputs
+def _setup_linear(ctx: Any, inputs: tuple[Tensor, list[Tensor], Tensor, bool, Tensor | None], output: Tensor) -> None:
+    a_NI, w_E, offs_E, transpose, bias_EO = inputs
     ctx.save_for_backward(a_NI, offs_E, *w_E)
     ctx.transpose = transpose
+    ctx.bias_dtype = bias_EO.dtype if bias_EO is not None else None
 
 
-def _backward_linear(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, list[Tensor] | None, None, None]:
+def _backward_linear(ctx: Any, g_NO: Tensor) -> tuple[Tensor | None, list[Tensor] | None, None, None, Tensor | None]:
     a_NI, offs_E, *w_E = ctx.saved_tensors
     g_NO = g_NO.contiguous()
-    d_a = grouped_linear(g_NO, w_E, offs_E, not ctx.transpose) if ctx.needs_input_grad[0] else None
+    d_b = _bias_grad(g_NO, offs_E, ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[4] else None
+    d_a = grouped_linear(g_NO, w_E, offs_E, not ctx.transpose, None) if ctx.needs_input_grad[0] else None
     d_w = None
     if ctx.needs_input_grad[1]:
         # y = a w^T: dw = g^T a ([O, I]); y = a w: dw = a^T g ([I, O]); each its weight's layout
         d_w = grouped_linear_wgrad(g_NO, a_NI, offs_E) if ctx.transpose else grouped_linear_wgrad(a_NI, g_NO, offs_E)
-    return d_a, d_w, None, None
+    return d_a, d_w, None, None, d_b
 
 
 grouped_linear.register_autograd(_backward_linear, setup_context=_setup_linear)
@@ -174,24 +202,27 @@ grouped_linear.register_autograd(_backward_linear, setup_context=_setup_linear)
 
 @torch.library.custom_op("hiermoe::grouped_linear_gate_up", mutates_args=())
 def grouped_linear_gate_up(x_TH: Tensor, rows_N: Tensor, w_gate_E: list[Tensor], w_up_E: list[Tensor],
-                           offs_E: Tensor) -> tuple[Tensor, Tensor]:
+                           offs_E: Tensor, b_gate_EF: Tensor | None, b_up_EF: Tensor | None,
+                           ) -> tuple[Tensor, Tensor]:
     """Gate and up projections of E experts stored as E modules each: slot n (sorted by expert)
-    is token row ``x[rows[n]]`` times its expert's gate weight^T and up weight^T, [N, F] each.
-    The rows are gathered per expert block here and again in the backward, so no [N, H]
-    gathered copy is kept for the backward (x is)."""
+    is token row ``x[rows[n]]`` times its expert's gate weight^T and up weight^T, plus their
+    biases where given (inside the matmul, as ``grouped_linear``), [N, F] each. The rows are
+    gathered per expert block here and again in the backward, so no [N, H] gathered copy is
+    kept for the backward (x is)."""
     num_n, num_f = rows_N.shape[0], w_gate_E[0].shape[0]
     gate_NF, up_NF = x_TH.new_empty((num_n, num_f)), x_TH.new_empty((num_n, num_f))
-    for w_g, w_u, (start, end) in zip(w_gate_E, w_up_E, _blocks(offs_E), strict=True):
+    for e, (w_g, w_u, (start, end)) in enumerate(zip(w_gate_E, w_up_E, _blocks(offs_E), strict=True)):
         if start < end:
             a = x_TH.index_select(0, rows_N[start:end])
-            torch.mm(a, w_g.t(), out=gate_NF[start:end])
-            torch.mm(a, w_u.t(), out=up_NF[start:end])
+            _block_linear(a, w_g.t(), None if b_gate_EF is None else b_gate_EF[e], gate_NF[start:end])
+            _block_linear(a, w_u.t(), None if b_up_EF is None else b_up_EF[e], up_NF[start:end])
     return gate_NF, up_NF
 
 
 @grouped_linear_gate_up.register_fake
 def _grouped_linear_gate_up_fake(x_TH: Tensor, rows_N: Tensor, w_gate_E: list[Tensor], w_up_E: list[Tensor],
-                                 offs_E: Tensor) -> tuple[Tensor, Tensor]:
+                                 offs_E: Tensor, b_gate_EF: Tensor | None, b_up_EF: Tensor | None,
+                                 ) -> tuple[Tensor, Tensor]:
     shape = (rows_N.shape[0], w_gate_E[0].shape[0])
     return x_TH.new_empty(shape), x_TH.new_empty(shape)
 
@@ -228,22 +259,25 @@ def _grouped_linear_gate_up_backward_fake(
     return torch.empty_like(x_TH), [torch.empty_like(w) for w in w_gate_E], [torch.empty_like(w) for w in w_up_E]
 
 
-def _setup_gate_up(ctx: Any, inputs: tuple[Tensor, Tensor, list[Tensor], list[Tensor], Tensor],
-                   output: tuple[Tensor, Tensor]) -> None:
-    x_TH, rows_N, w_gate_E, w_up_E, offs_E = inputs
+def _setup_gate_up(ctx: Any, inputs: tuple[Tensor, Tensor, list[Tensor], list[Tensor], Tensor, Tensor | None,
+                                           Tensor | None], output: tuple[Tensor, Tensor]) -> None:
+    x_TH, rows_N, w_gate_E, w_up_E, offs_E, b_gate_EF, b_up_EF = inputs
     ctx.save_for_backward(x_TH, rows_N, offs_E, *w_gate_E, *w_up_E)
     ctx.num_experts = len(w_gate_E)
+    ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate_EF, b_up_EF))
 
 
 def _backward_gate_up(ctx: Any, g_gate_NF: Tensor | None, g_up_NF: Tensor | None,
-                      ) -> tuple[Tensor | None, None, list[Tensor], list[Tensor], None]:
+                      ) -> tuple[Tensor | None, None, list[Tensor], list[Tensor], None, Tensor | None, Tensor | None]:
     x_TH, rows_N, offs_E, *ws = ctx.saved_tensors
     num_e = ctx.num_experts
     shape = (rows_N.shape[0], ws[0].shape[0])
     g_g = g_gate_NF.contiguous() if g_gate_NF is not None else x_TH.new_zeros(shape)
     g_u = g_up_NF.contiguous() if g_up_NF is not None else x_TH.new_zeros(shape)
     d_x, d_gate, d_up = grouped_linear_gate_up_backward(g_g, g_u, x_TH, rows_N, ws[:num_e], ws[num_e:], offs_E)
-    return d_x if ctx.needs_input_grad[0] else None, None, d_gate, d_up, None
+    d_b_gate, d_b_up = (_bias_grad(g, offs_E, dt) if dt is not None and ctx.needs_input_grad[i] else None
+                        for g, dt, i in ((g_g, ctx.bias_dtypes[0], 5), (g_u, ctx.bias_dtypes[1], 6)))
+    return d_x if ctx.needs_input_grad[0] else None, None, d_gate, d_up, None, d_b_gate, d_b_up
 
 
 grouped_linear_gate_up.register_autograd(_backward_gate_up, setup_context=_setup_gate_up)

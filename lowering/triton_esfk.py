@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from moe_compile.lowering.experts_ref import _GROUPED_MM_DTYPES, ACTIVATIONS
+from moe_compile.lowering.experts_ref import _GROUPED_MM_DTYPES, ACTIVATIONS, split_activation
 from moe_compile.lowering.triton_esmm import (
     INTERPRETED,
     KernelConfig,
@@ -336,7 +336,7 @@ def esfk_backward(
         r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides3(w_down_EHF),
         *strides2(b_up_EF), *strides2(b_gate_EF), *strides2(b_down_EH), num_blocks,
-        ACT=ACTIVATIONS.index(activation), GATED=gated, HAS_B_UP=b_up_EF is not None,
+        ACT=ACTIVATIONS.index(split_activation(activation)[0]), GATED=gated, HAS_B_UP=b_up_EF is not None,
         HAS_B_GATE=b_gate_EF is not None, HAS_B_DOWN=b_down_EH is not None, ZERO_UNUSED=grouped, KEPT=kept is not None, **common,
         **hidden.launch(num_blocks),
     )

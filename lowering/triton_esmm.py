@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from moe_compile.lowering.experts_ref import ACTIVATIONS
+from moe_compile.lowering.experts_ref import ACTIVATIONS, split_activation
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex
 
 COMBINES = ("atomic", "slots")
@@ -321,7 +321,7 @@ def esmm_forward(
         h_NF, absent if keep is None else keep[0], absent if keep is None or keep[1] is None else keep[1],
         r.v_P, r.block_expert_B, num_h, num_f, num_k,
         *strides3(w_up_EFH), *strides3(w_gate_EFH), *strides2(b_up_EF), *strides2(b_gate_EF), num_blocks,
-        ACT=ACTIVATIONS.index(activation), GATED=w_gate_EFH is not None, HAS_B_UP=b_up_EF is not None,
+        ACT=ACTIVATIONS.index(split_activation(activation)[0]), GATED=w_gate_EFH is not None, HAS_B_UP=b_up_EF is not None,
         HAS_B_GATE=b_gate_EF is not None, BLK=cfg.blk, UPCAST=cfg.upcast, PRECISION=cfg.precision,
         KEEP=keep is not None, **cfg.up.launch(num_blocks),
     )

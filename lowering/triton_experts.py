@@ -56,7 +56,7 @@ from torch import Tensor
 
 from moe_compile.lowering import triton_esmm
 from moe_compile.lowering.experts import _EXPERTS_BACKWARD_SCHEMA, _EXPERTS_SCHEMA
-from moe_compile.lowering.experts_ref import ACTIVATIONS, activation_error, check_activation, out_dtype
+from moe_compile.lowering.experts_ref import activation_error, check_activation, out_dtype
 from moe_compile.lowering.triton_esfk import esfk_backward, grouped_wgrad_ok
 from moe_compile.lowering.triton_esmm import KernelConfig, Tiles, esmm_forward
 from moe_compile.lowering.triton_reindex import Reindex, build_reindex, num_blocks_bound
@@ -184,7 +184,7 @@ def keep_blk(x_TH: Tensor, num_k: int, num_e: int) -> int:
 
 def _check(x: Tensor, w_up: Tensor, w_gate: Tensor | None, w_down: Tensor, activation: str) -> None:
     check_activation(activation, gated=w_gate is not None)
-    if activation not in ACTIVATIONS:
+    if activation_error(activation) is not None:
         raise ValueError(activation_error(activation))
     why = interpreter_error(x.device)
     if why is not None:

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe)
+from moe_compile.lowering.experts_ref import op_activation
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.graph_index import static_shape, tensor_meta
 from moe_compile.passes.regions import ExpertLayout, MoERegion, RoutingWeights, WeightRole
@@ -103,7 +104,8 @@ def emit_expert_op(graph: fx.Graph, region: MoERegion, layout: ExpertLayout, wei
         topk_w_TK = fn(torch.ones_like, (graph.call_method("reshape", (topk_w_TK, -1, 1)),))
     op = fn(
         torch.ops.hiermoe.experts.default,
-        (x_TH, topk_idx_TK, topk_w_TK, w_up, w_gate, w_down, b_up, b_gate, b_down, layout.activation),
+        (x_TH, topk_idx_TK, topk_w_TK, w_up, w_gate, w_down, b_up, b_gate, b_down,
+         op_activation(layout.activation, layout.bias_in_matmul)),
     )
     y_TH = op
     if weights.scales == "input":

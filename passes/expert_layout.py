@@ -203,21 +203,27 @@ def _gatings(index: GraphIndex, roles: list[WeightRole], act_nodes: list[fx.Node
 
 def _assign_biases(index: GraphIndex, nodes: set[fx.Node], layout: ExpertLayout, biases: list[WeightRole],
                    uses: dict[WeightRole, list[fx.Node]], hidden: int) -> ExpertLayout | None:
-    """Attach each bias to the projection whose output it meets first in program order."""
+    """Attach each bias to the projection whose output it meets first in program order, and say
+    whether every bias meets its projection inside the matmul (``linear(x, w, b)``, ``addmm``:
+    ``ExpertLayout.bias_in_matmul``) rather than in an add after it."""
     if not biases:
         return layout
     projections = [("up", layout.up), ("down", layout.down)] + ([("gate", layout.gate)] if layout.gate else [])
     reach = {name: index.descendants(uses[r]) & nodes for name, r in projections}
     first = {name: min(index.pos[u] for u in uses[r]) for name, r in projections}
     assigned: dict[str, WeightRole] = {}
+    inside = True
     for b in biases:
         mine = index.descendants(uses[b]) & nodes
-        meets = {name: min((index.pos[n] for n in mine & reach[name]), default=None) for name in reach}
-        cands = [(pos, first[name], name) for name, pos in meets.items() if pos is not None]
+        meets = {name: min((n for n in mine & reach[name]), key=index.pos.__getitem__, default=None)
+                 for name in reach}
+        cands = [(index.pos[n], first[name], name, n) for name, n in meets.items() if n is not None]
         if not cands:
             return None
         # earliest meeting point; on a tie the most recently used projection owns the bias
-        _, _, name = min(cands, key=lambda c: (c[0], -c[1]))
+        _, _, name, where = min(cands, key=lambda c: (c[0], -c[1]))
+        bias = ops.matmul_bias(where)
+        inside = inside and isinstance(bias, fx.Node) and (bias in mine or bias in b.nodes)
         if name in assigned:
             return None
         size = _matrix_shape(b)[0] if _matrix_shape(b) else 0
@@ -226,7 +232,8 @@ def _assign_biases(index: GraphIndex, nodes: set[fx.Node], layout: ExpertLayout,
         if size != want:
             return None
         assigned[name] = b
-    return replace(layout, b_up=assigned.get("up"), b_gate=assigned.get("gate"), b_down=assigned.get("down"))
+    return replace(layout, b_up=assigned.get("up"), b_gate=assigned.get("gate"), b_down=assigned.get("down"),
+                   bias_in_matmul=inside)
 
 
 def compute_dtype(experts: ExpertParams, nodes: set[fx.Node]) -> torch.dtype | None:

@@ -69,6 +69,19 @@ def is_matmul(node: fx.Node) -> bool:
     )
 
 
+def matmul_bias(node: fx.Node) -> object:
+    """The bias operand a matmul adds inside itself (``linear(x, w, b)``, ``addmm(b, x, w)``,
+    ``baddbmm(b, x, w)``), None for any other node or a linear without one."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = _name(node)
+    if name == "linear":
+        return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    if name in ("addmm", "baddbmm"):
+        return node.args[0] if node.args else node.kwargs.get("input")
+    return None
+
+
 def is_grouped_mm(node: fx.Node) -> bool:
     return node.op == "call_function" and _name(node) in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
 

@@ -49,6 +49,10 @@ class ExpertLayout:
     b_down: WeightRole | None = None
     activation: str = "silu"
     ffn_size: int = 0
+    # every bias is added inside its projection's matmul (``linear(x, w, b)``: the sum rounded once
+    # to a 16-bit dtype), not to the rounded product after it (``x @ w + b``: rounded twice); the
+    # op computes it the same way (``lowering.experts_ref.op_activation``)
+    bias_in_matmul: bool = False
     # the graph nodes an ``expr:`` activation was read from (passes/activation_expr.py): account
     # counts them as the activation; not part of what the layout is (equality, signature)
     activation_nodes: frozenset[fx.Node] = field(default=frozenset(), compare=False, repr=False)
@@ -65,11 +69,12 @@ class ExpertLayout:
                  ("b_gate", self.b_gate), ("b_down", self.b_down))
         names = " ".join(f"{k}={'|'.join(r.names)}" for k, r in roles if r is not None)
         return (f"{names} fused_gate={self.fused_gate} transposed={self.up_transposed},{self.down_transposed} "
-                f"activation={self.activation} ffn={self.ffn_size}")
+                f"activation={self.activation} ffn={self.ffn_size} bias_in_matmul={self.bias_in_matmul}")
 
     def describe(self) -> str:
         gate = f", gate={self.fused_gate}" if self.fused_gate else (", gate=separate" if self.gate else "")
         bias = ", bias" if self.b_up is not None or self.b_down is not None else ""
+        bias += " (in the matmul)" if bias and self.bias_in_matmul else ""
         store = "stacked" if self.up.stacked else "per-expert"
         return f"{store}{gate}{bias}"
 

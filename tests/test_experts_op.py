@@ -381,12 +381,22 @@ def test_opcheck_grouped_linear() -> None:
     w_io = [torch.randn(H, FF, generator=g, requires_grad=True) for _ in range(E)]
     offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
     for w, transpose in ((w_oi, True), (w_io, False)):
-        torch.library.opcheck(torch.ops.hiermoe.grouped_linear.default, (a, w, offs, transpose),
+        torch.library.opcheck(torch.ops.hiermoe.grouped_linear.default, (a, w, offs, transpose, None),
                               test_utils=OPCHECK_TESTS)
-        y = torch.ops.hiermoe.grouped_linear(a, w, offs, transpose)
+        y = torch.ops.hiermoe.grouped_linear(a, w, offs, transpose, None)
         blocks = [(0, 2), (2, 2), (2, 5), (5, 7)]
         ref = torch.cat([a[s:t] @ (w[e].t() if transpose else w[e]) for e, (s, t) in enumerate(blocks)])
         torch.testing.assert_close(y, ref)
+    # with per-expert biases (nn.Linear's [O, I] weights): added inside each block's addmm
+    b = torch.randn(E, FF, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.hiermoe.grouped_linear.default, (a, w_oi, offs, True, b), test_utils=OPCHECK_TESTS)
+    y = torch.ops.hiermoe.grouped_linear(a, w_oi, offs, True, b)
+    ref = torch.cat([torch.nn.functional.linear(a[s:t], w_oi[e], b[e]) for e, (s, t) in enumerate(blocks)])
+    torch.testing.assert_close(y, ref)
+    cot = torch.randn(7, FF, generator=g)
+    for got, want in zip(torch.autograd.grad((y * cot).sum(), [a, *w_oi, b]),
+                         torch.autograd.grad((ref * cot).sum(), [a, *w_oi, b]), strict=True):
+        torch.testing.assert_close(got, want)  # the empty expert's bias gradient 0 on both sides
     ga = torch.randn(7, FF, generator=g)
     torch.library.opcheck(torch.ops.hiermoe.grouped_linear_wgrad.default, (ga, a.detach(), offs),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
@@ -451,9 +461,9 @@ def test_opcheck_grouped_linear_gate_up() -> None:
     offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
     w_g = [torch.randn(FF, H, generator=g, requires_grad=True) for _ in range(E)]
     w_u = [torch.randn(FF, H, generator=g, requires_grad=True) for _ in range(E)]
-    torch.library.opcheck(torch.ops.hiermoe.grouped_linear_gate_up.default, (x, rows, w_g, w_u, offs),
+    torch.library.opcheck(torch.ops.hiermoe.grouped_linear_gate_up.default, (x, rows, w_g, w_u, offs, None, None),
                           test_utils=OPCHECK_TESTS)
-    gate, up = torch.ops.hiermoe.grouped_linear_gate_up(x, rows, w_g, w_u, offs)
+    gate, up = torch.ops.hiermoe.grouped_linear_gate_up(x, rows, w_g, w_u, offs, None, None)
     blocks = [(0, 2), (2, 2), (2, 5), (5, 7)]
     ref_g = torch.cat([x[rows[s:t]] @ w_g[e].t() for e, (s, t) in enumerate(blocks)])
     ref_u = torch.cat([x[rows[s:t]] @ w_u[e].t() for e, (s, t) in enumerate(blocks)])
@@ -465,6 +475,47 @@ def test_opcheck_grouped_linear_gate_up() -> None:
     want = torch.autograd.grad((ref_g * cot[0]).sum() + (ref_u * cot[1]).sum(), leaves, materialize_grads=True)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+    # with biases, inside each block's addmm
+    b_g, b_u = torch.randn(E, FF, generator=g, requires_grad=True), torch.randn(E, FF, generator=g, requires_grad=True)
+    args = (x, rows, w_g, w_u, offs, b_g, b_u)
+    torch.library.opcheck(torch.ops.hiermoe.grouped_linear_gate_up.default, args, test_utils=OPCHECK_TESTS)
+    gate, up = torch.ops.hiermoe.grouped_linear_gate_up(*args)
+    ref_g = torch.cat([torch.nn.functional.linear(x[rows[s:t]], w_g[e], b_g[e]) for e, (s, t) in enumerate(blocks)])
+    ref_u = torch.cat([torch.nn.functional.linear(x[rows[s:t]], w_u[e], b_u[e]) for e, (s, t) in enumerate(blocks)])
+    torch.testing.assert_close(gate, ref_g)
+    torch.testing.assert_close(up, ref_u)
+    leaves = [x, *w_g, *w_u, b_g, b_u]
+    got = torch.autograd.grad((gate * cot[0]).sum() + (up * cot[1]).sum(), leaves)
+    want = torch.autograd.grad((ref_g * cot[0]).sum() + (ref_u * cot[1]).sum(), leaves, materialize_grads=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("storage", ["modules", "stacked"])
+def test_a_16_bit_bias_rounds_as_the_layer_rounds_it(storage: str) -> None:
+    """On the CPU, a bf16 expert projection with a bias equals the layer's bit for bit in both
+    forms: where the layer adds it inside its matmul (``nn.Linear``; the op's ``once``, from the
+    ``BIAS_IN_MATMUL`` suffix) rounded once with the product, where it adds it to the product
+    (``x @ w + b``) rounded twice. The two differ in a third of the entries, and the fuzz found a
+    ReLU unit at its kink that took the other side: a layer refused on one token."""
+    from moe_compile.lowering.experts_ref import _linear, _route
+
+    g = torch.Generator().manual_seed(0)
+    num_t, k = 64, 2
+    a = torch.randn(num_t, H, generator=g).bfloat16()
+    w = torch.randn(E, FF, H, generator=g).bfloat16()
+    b = torch.randn(E, FF, generator=g).bfloat16()
+    idx = torch.randint(0, E, (num_t, k), generator=g)
+    r = _route(idx, E, grouped=True)
+    rows = a.index_select(0, r.tok_N)
+    weights = list(w.unbind(0)) if storage == "modules" else w
+    ends = r.offs_E.tolist()
+    blocks = list(zip([0, *ends[:-1]], ends, strict=True))
+    once = torch.cat([torch.nn.functional.linear(rows[s:t], w[e], b[e]) for e, (s, t) in enumerate(blocks)])
+    twice = torch.cat([torch.nn.functional.linear(rows[s:t], w[e]) + b[e] for e, (s, t) in enumerate(blocks)])
+    assert (twice != once).float().mean() > 0.1  # the two forms are told apart
+    assert torch.equal(_linear(rows, weights, b, r, True), once)
+    assert torch.equal(_linear(rows, weights, b, r, False), twice)
 
 
 def test_reference_matches_op_and_rejects_unknown_activation() -> None:

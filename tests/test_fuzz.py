@@ -94,6 +94,13 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
 @example(cfg=FuzzConfig(idiom="loop", storage="stacked", router="softmax_renorm", router_bias=False, route_scale=1.0,
                         activation="gelu_tanh", gated=False, bias=False, extra="clamp_gate", num_experts=4, top_k=1,
                         hidden=8, ffn=8, dtype="float32"), batch=1, seq=1)
+# and: bf16 E nn.Linear modules with biases, ReLU, top-2 on one token: nn.Linear adds a bias inside its
+# matmul and rounds once, the op added it to the rounded product; one unit's +0.0013 pre-activation
+# rounded to 0 and flipped its ReLU gradient, and every interpretation was refused (now the op rounds
+# a bias as the graph adds it: ExpertLayout.bias_in_matmul)
+@example(cfg=FuzzConfig(idiom="loop", storage="modules", router="softmax_renorm", router_bias=False, route_scale=1.0,
+                        activation="relu", gated=True, bias=True, extra="none", num_experts=4, top_k=2, hidden=16,
+                        ffn=12, dtype="bfloat16"), batch=1, seq=1)
 def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch: int, seq: int) -> None:
     dtype = getattr(torch, cfg.dtype)
     model = make(cfg)
