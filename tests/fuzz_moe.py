@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 IDIOMS = ("loop", "gathered", "dense")
+BIAS_FORMS = ("add", "linear")
 STORAGES = ("stacked", "stacked_t", "fused", "modules")
 ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -55,6 +56,10 @@ class FuzzConfig:
     hidden: int
     ffn: int
     dtype: str = "float32"
+    # how stacked experts add their biases in the loop and dense idioms: "add" to the product
+    # (x @ w.t() + b, rounded twice in bf16) or "linear" inside it (F.linear(x, w, b), once, as
+    # nn.Linear modules do); the op must round them as the layer does (ExpertLayout.bias_in_matmul)
+    bias_form: str = "add"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,8 +110,10 @@ class FuzzMoE(nn.Module):
         if cfg.storage == "modules":
             return getattr(self.experts[e], which)(t)
         w = getattr(self, f"w_{which}")[e]
-        y = t @ w if cfg.storage == "stacked_t" else t @ w.t()
         b = getattr(self, f"b_{which}")
+        if b is not None and cfg.bias_form == "linear":
+            return F.linear(t, w.t() if cfg.storage == "stacked_t" else w, b[e])
+        y = t @ w if cfg.storage == "stacked_t" else t @ w.t()
         return y if b is None else y + b[e]
 
     def _ffn(self, t: torch.Tensor, e: int) -> torch.Tensor:

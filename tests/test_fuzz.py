@@ -28,6 +28,7 @@ from compile_utils import rel_err
 from dist_utils import run_ranks
 from fuzz_moe import (
     ACTIVATIONS,
+    BIAS_FORMS,
     COMPILE_STD,
     EXTRAS,
     IDIOMS,
@@ -60,10 +61,13 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
     # derivative there is 0 or 1; the op and eager sum in different orders, so such layers are
     # compared in fp32 (bf16 is fuzzed on every other modification)
     clamps = extra in ("clamp_gate", "clamp_up")
+    bias = draw(st.booleans())
+    # the loop and dense idioms' stacked weights add a bias after or inside the matmul (modules: inside)
+    bias_form = draw(st.sampled_from(BIAS_FORMS)) if bias and idiom != "gathered" and storage != "modules" else "add"
     return FuzzConfig(
         idiom=idiom, storage=storage, router=draw(st.sampled_from(ROUTERS)), router_bias=draw(st.booleans()),
         route_scale=draw(st.sampled_from([1.0, 2.5])), activation=draw(st.sampled_from(ACTIVATIONS)),
-        gated=draw(st.booleans()), bias=draw(st.booleans()), extra=extra,
+        gated=draw(st.booleans()), bias=bias, extra=extra, bias_form=bias_form,
         num_experts=e, top_k=draw(st.integers(1, min(3, e))), hidden=draw(st.sampled_from([8, 16])),
         ffn=draw(st.sampled_from([8, 12])), dtype=draw(st.sampled_from(dtypes[:1] if clamps else dtypes)))
 
