@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.emit import emit_expert_op, shape_source
-from moe_compile.passes.graph_index import GraphIndex, tensor_meta
+from moe_compile.passes.graph_index import GraphIndex, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights
 
@@ -214,10 +214,11 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     cases = [("router", base)] + _synthetic_cases(index, boundary, base, region)
     is_param = [b in params for b in boundary]
     aliases = alias_pairs(boundary, base)
+    routing = _routing_values(index, region, boundary)
     inside = autocast_at(index.gm.graph, region.topk)
     if not ambient_autocast() and not any(state[2] for state in inside):
         return _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype),
-                      aliases=aliases)
+                      aliases=aliases, routing=routing)
     # Under torch.autocast, rounding differs between two correct computations more than a wrong
     # interpretation can hide in forward, not in backward (a ReLU whose bf16 pre-activation changes
     # sign flips a token's whole gradient).  So: the interpretation first, forward and backward,
@@ -230,7 +231,7 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     plain = replace(region, dtype=str(tokens.dtype).removeprefix("torch.")) if tokens is not None else region
     widened = [(label, [_widened(v, getattr(torch, plain.dtype)) for v in vals]) for label, vals in cases]
     verdict = _check(original, replacement_as(plain), widened, is_param, via_weights, getattr(torch, plain.dtype),
-                     _AUTOCAST_OFF, aliases=aliases)
+                     _AUTOCAST_OFF, aliases=aliases, routing=routing)
     # where the layer cannot run outside autocast (a dtype read off an autocast result is baked into
     # the graph, as in `mask.to(gates.dtype)`: _check's verdict names the error) or differs there
     # from the op beyond fp32's tolerance (a value autocast rounded to bf16 before the region reaches
@@ -238,7 +239,7 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
     # bf16 model is verified
     alone = not verdict.ok
     low = _check(original, replacement_as(region), cases, is_param, via_weights, getattr(torch, region.dtype), inside,
-                 backward=alone, aliases=aliases)
+                 backward=alone, aliases=aliases, routing=routing)
     backward_err = low.backward_err if alone else verdict.backward_err
     if not low.ok:
         return Verdict(False, low.forward_err, backward_err, f"under torch.autocast, {low.reason}")
@@ -248,9 +249,10 @@ def verify_interpretation(index: GraphIndex, params: ParamTable, region: MoERegi
 def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tuple[str, list[object]]],
            is_param: list[bool], via_weights: list[bool], compute: torch.dtype,
            autocast: Sequence[tuple[object, ...]] = (), backward: bool = True,
-           aliases: Sequence[tuple[int, int]] = ()) -> Verdict:
+           aliases: Sequence[tuple[int, int]] = (), routing: Sequence[bool] = ()) -> Verdict:
     """Run both graphs on each case (forwards under the ``autocast`` states): outputs, and where
-    ``backward``, gradients must agree to ``compute``'s tolerance (``aliases``: ``alias_pairs``)."""
+    ``backward``, gradients must agree to ``compute``'s tolerance (``aliases``: ``alias_pairs``;
+    ``routing``: ``_routing_values``)."""
     fwd_err = bwd_err = 0.0
     for label, vals in cases:
         try:
@@ -263,7 +265,7 @@ def _check(original: fx.GraphModule, replacement: fx.GraphModule, cases: list[tu
         if backward and label != "skewed":
             try:
                 err, ok = _compare_backward(original, replacement, vals, is_param, via_weights, compute, autocast,
-                                            aliases)
+                                            aliases, routing)
             except Exception as e:  # e.g. the replacement's backward cannot run on these shapes
                 return Verdict(False, fwd_err, float("inf"), f"{label}: backward: {type(e).__name__}: {e}")
             bwd_err = max(bwd_err, err)
@@ -411,6 +413,15 @@ def _merge_aliases(pairs: list[tuple[int, int]], g_o: list[torch.Tensor | None],
     return compared
 
 
+def _routing_values(index: GraphIndex, region: MoERegion, boundary: list[fx.Node]) -> list[bool]:
+    """Which boundary values are routing weights: the top-k itself (its values), and floats of
+    shape [T, K] computed from it (their gradients are dot products with the expert outputs,
+    ``_weights_grad_scale``)."""
+    after = index.descendants([region.topk])
+    return [b is region.topk or (b in after and static_shape(b) == (region.num_tokens, region.top_k)
+                                 and (m := tensor_meta(b)) is not None and m.is_floating_point()) for b in boundary]
+
+
 def _weights_grad_scale(g: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
     """The magnitude at which the gradient of routing weights ``w`` ([.., K]) is rounded, given
     the output ``y`` ([.., H], the same tokens) and its cotangent ``g``: w[t, k]'s gradient is the
@@ -496,7 +507,7 @@ def _compare_forward(original: fx.GraphModule, replacement: fx.GraphModule, vals
 def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, vals: list[object],
                       is_param: list[bool], via_weights: list[bool], compute: torch.dtype,
                       autocast: Sequence[tuple[object, ...]] = (),
-                      aliases: Sequence[tuple[int, int]] = ()) -> tuple[float, bool]:
+                      aliases: Sequence[tuple[int, int]] = (), routing: Sequence[bool] = ()) -> tuple[float, bool]:
     """Gradients of both graphs at every floating boundary value (``aliases``: pairs of boundary
     positions holding one tensor in two shapes, compared summed: ``alias_pairs``) and at the
     routing weights both return.
@@ -510,7 +521,7 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
     takes the other side in one of them, flipping its unit's gradient; the fp32 reference sides
     with the more exact one, and a wrong interpretation stays O(1) away from it."""
     g_o, g_n, leaves, compared, floors = _gradients(original, replacement, vals, is_param, via_weights, autocast,
-                                                    aliases)
+                                                    aliases, routing)
     if g_o is None:
         return 0.0, True
 
@@ -556,7 +567,7 @@ def _in_dtype(gm: fx.GraphModule, low: torch.dtype, high: torch.dtype) -> fx.Gra
 
 def _gradients(original: fx.GraphModule, replacement: fx.GraphModule | None, vals: list[object],
                is_param: list[bool], via_weights: list[bool], autocast: Sequence[tuple[object, ...]],
-               aliases: Sequence[tuple[int, int]]
+               aliases: Sequence[tuple[int, int]], routing: Sequence[bool] = ()
                ) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor | None], list[torch.Tensor], list[bool],
                           list[float]]:
     """(original's gradients, replacement's (Nones without one), the tensors they are gradients
@@ -566,12 +577,14 @@ def _gradients(original: fx.GraphModule, replacement: fx.GraphModule | None, val
     leaves: list[torch.Tensor] = []
     compared: list[bool] = []  # per leaf: compare its gradient (else: at the routing weights)
     pos_leaf: dict[int, int] = {}  # boundary position -> its tensor's leaf
+    first_leaf: dict[int, int] = {}  # boundary position of a tuple -> its first tensor's leaf
 
     def with_leaves() -> list[object]:
         out: list[object] = []
         for pos, (v, p, via) in enumerate(zip(vals, is_param, via_weights, strict=True)):
             if isinstance(v, tuple) and v and isinstance(v[0], torch.Tensor) and v[0].is_floating_point():
                 out.append((leaf_of(v[0], p, via).clone(), *v[1:]))
+                first_leaf[pos] = cache[id(v[0])]  # a top-k's (values, indices): its values' leaf
             elif isinstance(v, torch.Tensor) and v.is_floating_point():
                 leaf = leaf_of(v, p, via)
                 pos_leaf[pos] = cache[id(v)]
@@ -614,4 +627,11 @@ def _gradients(original: fx.GraphModule, replacement: fx.GraphModule | None, val
     # the routing weights' gradients (compared where the leaves behind them are not) are dot
     # products that can cancel: their rounding is judged at the size of their terms
     floors = [0.0] * len(leaves) + [_weights_grad_scale(g, y_o, w) for w in w_o]
+    # and so are those of the routing values the region reads ([T, K] after the top-k): at K = 1
+    # renormalized (w / w.sum() = 1) the gradient is 0 up to that rounding, which either graph may
+    # round to exactly 0 where the other does not
+    for pos, is_routing in enumerate(routing):
+        i = pos_leaf.get(pos, first_leaf.get(pos))
+        if is_routing and i is not None:
+            floors[i] = _weights_grad_scale(g, y_o, leaves[i])
     return g_o, g_n, leaves + w_o, compared + [True] * len(w_o), floors
