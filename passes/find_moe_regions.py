@@ -224,6 +224,8 @@ def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_expert
             break
         if not cls.complete or len(cls.weight_roles) < 2:
             continue
+        if _running_sum_part(index, y, {n for r in cls.weight_roles for n in r.nodes}, bound):
+            continue  # a running sum over experts, or one expert's part of it, not the whole sum
         if experts is None:
             experts = cls
         elif _roles(cls) > _roles(experts):
@@ -419,6 +421,33 @@ def _is_float(n: fx.Node) -> bool:
 def _is_mutated_later(index: GraphIndex, n: fx.Node) -> bool:
     muts = index.mutators.get(index.root(n), [])
     return any(index.pos[m] > index.pos[n] for m in muts)
+
+
+def _running_sum_part(index: GraphIndex, y: fx.Node, expert_state: set[fx.Node], bound: int) -> bool:
+    """Whether ``y`` is a part of an out-of-place sum over experts: a running sum that later ops
+    add more experts' rows into (``y = y.index_add(0, tok, v)``, ``y = y + v``, a scatter-add), or
+    one expert's rows added into one. With stacked weights every part reaches the [E, ...]
+    tensors, so it looks like a whole layer's output; the layer's is the last sum. A value meeting
+    only other parameters' values (a shared expert) is no part: ``y`` stays the routed output.
+    Followed up to ``bound`` (the next layer's router): the sum is summed before it."""
+    for u in y.users:
+        if index.pos[u] >= bound:
+            continue
+        if ops.is_index_add(u) and u.args:
+            # index_add / scatter_add (self, dim, index, source), index_put (self, indices, values)
+            src = u.args[2] if "index_put" in ops.op_name(u) else u.args[3] if len(u.args) > 3 else None
+            if y is not u.args[0] and y is not src:
+                continue
+            others = [a for a in (u.args[0], src) if isinstance(a, fx.Node) and a is not y]
+        elif ops.is_add(u):
+            others = [a for a in u.args if isinstance(a, fx.Node) and a is not y]
+        else:
+            continue
+        # the other operand's own expert values, not those it reads through y (the next layer's
+        # residual add reads this layer's output, and so its experts)
+        if index.ancestors(others, stop={y}) & expert_state or _running_sum_part(index, u, expert_state, bound):
+            return True
+    return False
 
 
 def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], routing: set[fx.Node], num_tokens: int,

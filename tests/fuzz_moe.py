@@ -21,6 +21,7 @@ from torch import nn
 
 IDIOMS = ("loop", "gathered", "dense")
 BIAS_FORMS = ("add", "linear")
+ACCUMULATES = ("in_place", "out_of_place", "setitem")
 STORAGES = ("stacked", "stacked_t", "fused", "modules")
 ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -60,6 +61,11 @@ class FuzzConfig:
     # (x @ w.t() + b, rounded twice in bf16) or "linear" inside it (F.linear(x, w, b), once, as
     # nn.Linear modules do); the op must round them as the layer does (ExpertLayout.bias_in_matmul)
     bias_form: str = "add"
+    # how the loop and dense idioms sum the experts' outputs: "in_place" into one buffer
+    # (out.index_add_(0, tok, v); dense: a stack summed), "out_of_place" a new tensor per expert
+    # (out = out.index_add(0, tok, v), out = out + v), "setitem" by indexed assignment
+    # (out[tok] += v, mistral-inference's MoeLayer; loop idiom only)
+    accumulate: str = "in_place"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,15 +202,26 @@ class FuzzMoE(nn.Module):
             out = torch.zeros_like(h)
             for e in range(cfg.num_experts):
                 tok, k = torch.where(idx == e)
-                out.index_add_(0, tok, self._ffn(h[tok], e) * w[tok, k, None])
+                v = self._ffn(h[tok], e) * w[tok, k, None]
+                if cfg.accumulate == "out_of_place":
+                    out = out.index_add(0, tok, v)
+                elif cfg.accumulate == "setitem":
+                    out[tok] += v
+                else:
+                    out.index_add_(0, tok, v)
         elif cfg.idiom == "gathered":
             ids_N = idx.reshape(-1)
             y_N = self._ffn_gathered(h.repeat_interleave(cfg.top_k, dim=0), ids_N)
             out = (y_N.view(-1, cfg.top_k, cfg.hidden) * w.unsqueeze(-1)).sum(dim=1)
         else:
             gates = torch.zeros(h.shape[0], cfg.num_experts, dtype=w.dtype, device=h.device).scatter(1, idx, w)
-            ys = torch.stack([self._ffn(h, e) for e in range(cfg.num_experts)], dim=1)
-            out = (ys * gates.unsqueeze(-1)).sum(dim=1)
+            if cfg.accumulate == "out_of_place":
+                out = torch.zeros_like(h)
+                for e in range(cfg.num_experts):
+                    out = out + self._ffn(h, e) * gates[:, e, None]
+            else:
+                ys = torch.stack([self._ffn(h, e) for e in range(cfg.num_experts)], dim=1)
+                out = (ys * gates.unsqueeze(-1)).sum(dim=1)
         return out.reshape(x.shape)
 
 
@@ -212,3 +229,11 @@ def make(cfg: FuzzConfig, seed: int = 0) -> FuzzMoE:
     torch.manual_seed(seed)
     model = FuzzMoE(cfg)
     return model.to(getattr(torch, cfg.dtype))
+
+
+def running_sum(bias_form: str) -> FuzzMoE:
+    """A per-expert loop over stacked weights that sums out of place (``out = out.index_add(0, tok,
+    v)``), its biases inside ``F.linear`` or added after the product (``bias_form``)."""
+    return make(FuzzConfig(idiom="loop", storage="stacked", router="softmax_renorm", router_bias=False,
+                           route_scale=1.0, activation="relu", gated=False, bias=True, extra="none", num_experts=4,
+                           top_k=2, hidden=16, ffn=24, bias_form=bias_form, accumulate="out_of_place"))

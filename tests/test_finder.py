@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from fuzz_moe import FuzzConfig, make
+from fuzz_moe import BIAS_FORMS, FuzzConfig, make, running_sum
 from torch import nn
 
 from moe_compile.passes import op_kinds as ops
@@ -177,37 +177,13 @@ def test_topk_written_as_a_sort_is_found() -> None:
     assert found.regions[0].top_k == 2 and found.regions[0].router.endswith("+sort")
 
 
-class LinearBiasLoop(nn.Module):
-    """A per-expert loop over stacked weights whose biases go into ``F.linear`` (``once``) or are
-    added to the product after it (``x @ w.t() + b``)."""
-
-    def __init__(self, once: bool, h: int = 16, f: int = 24, e: int = 4) -> None:
-        super().__init__()
-        self.router = nn.Linear(h, e, bias=False)
-        self.w_up, self.w_down = nn.Parameter(torch.randn(e, f, h)), nn.Parameter(torch.randn(e, h, f))
-        self.b_up, self.b_down = nn.Parameter(torch.randn(e, f)), nn.Parameter(torch.randn(e, h))
-        self.once = once
-
-    def _proj(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w, b) if self.once else x @ w.t() + b
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
-        y = torch.zeros_like(x)
-        for e in range(self.w_up.shape[0]):
-            tok, slot = torch.where(idx == e)
-            h = F.relu(self._proj(x[tok], self.w_up[e], self.b_up[e]))
-            y = y.index_add(0, tok, self._proj(h, self.w_down[e], self.b_down[e]) * w[tok, slot, None])
-        return y
-
-
 def test_where_a_layer_adds_its_biases_is_read_off_the_graph() -> None:
     """``ExpertLayout.bias_in_matmul``: the op rounds a 16-bit bias as the layer does (once inside
     ``linear``, twice after a product; tests/test_experts_op.py), so the finder tells the two apart,
     for E nn.Linear modules as well as for stacked weights."""
     x = torch.randn(10, 16)
     for once in (True, False):
-        r = find(LinearBiasLoop(once), x).regions[0]
+        r = find(running_sum("linear" if once else "add"), x).regions[0]
         assert r.layouts[0].b_up is not None and r.layouts[0].b_down is not None
         assert {lay.bias_in_matmul for lay in r.layouts} == {once}, once
         assert ("bias (in the matmul)" in r.layouts[0].describe()) == once  # what explain shows
@@ -217,3 +193,23 @@ def test_where_a_layer_adds_its_biases_is_read_off_the_graph() -> None:
                          ffn=12)
         r = find(make(cfg), torch.randn(1, 3, 16)).regions[0]
         assert r.layouts[0].b_gate is not None and {lay.bias_in_matmul for lay in r.layouts} == {once}, storage
+
+
+def test_an_out_of_place_sum_over_stacked_experts_is_read_whole() -> None:
+    """``y = y.index_add(0, tok, v)`` or ``y = y + v`` per expert over stacked weights: every
+    partial sum (and, in the dense form, every expert's [T, H] contribution) reaches the [E, ...]
+    tensors and has the tokens' shape, so the first three such values were the output candidates
+    and the layer's own sum, the last, was never one: every interpretation failed and the layer
+    was left alone. The parts are no candidates now; the last sum is the first."""
+    x = torch.randn(10, 16)
+    for form in BIAS_FORMS:
+        found = find(running_sum(form), x)
+        r = found.regions[0]
+        index_adds = [n for n in found.index.nodes if ops.op_name(n) == "index_add"]
+        assert len(index_adds) == 4 and r.outputs[0].node is index_adds[-1], (r.outputs, index_adds)
+    cfg = FuzzConfig(idiom="dense", storage="stacked", router="softmax_renorm", router_bias=False, route_scale=1.0,
+                     activation="silu", gated=True, bias=False, extra="clamp_gate", num_experts=4, top_k=2, hidden=16,
+                     ffn=12, accumulate="out_of_place")
+    r = find(make(cfg), torch.randn(2, 3, 16)).regions[0]
+    # the sum of all 4 experts: its expression activation is read off every expert's clamp
+    assert r.layouts[0].activation.startswith("expr:") and len(r.layouts[0].activation_nodes) >= 4

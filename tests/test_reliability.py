@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from compile_utils import compare_compiled, rel_err
+from compile_utils import compare_compiled, op_count, rel_err
 from dist_utils import WORKER, launch, run_ranks
+from fuzz_moe import running_sum
 from torch import nn
 
 import moe_compile
@@ -210,6 +211,35 @@ def test_layers_under_autocast_compute_in_the_dtype_of_their_own_matmuls(where: 
     assert compiled_err <= 0.7 * fp32_err, errs
 
 
+def _compiled_under_autocast(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          list]:
+    """(eager in fp32, eager under bf16 autocast, compiled under it, the compile's reports)."""
+    fp32 = model(x).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x).detach()
+        torch._dynamo.reset()
+        with collect_reports() as graphs:
+            y = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})(x).detach()
+    return fp32, ref, y, list(graphs)
+
+
+def test_an_out_of_place_sum_over_stacked_experts_is_rewritten_under_autocast() -> None:
+    """Every partial sum of ``y = y.index_add(...)`` reaches the stacked expert tensors, so they
+    were the output candidates and the layer's sum was none: left alone, in fp32 and under
+    autocast. Now rewritten in bf16 under autocast (its biases rounded inside the matmul, as
+    ``F.linear`` does), nearer eager under autocast than eager in fp32 is, and equal to eager in
+    fp32 outside it."""
+    model = running_sum("linear")
+    x = torch.randn(64, 16)
+    fp32, ref, y, graphs = _compiled_under_autocast(model, x)
+    regions = [r for g in graphs for r in g.regions]
+    assert [r.dtype for r in regions] == ["bfloat16"], [s.reason for g in graphs for s in g.skipped]
+    assert rel_err(y, ref) < 0.5 * rel_err(fp32, ref), (rel_err(y, ref), rel_err(fp32, ref))
+    comparison = compare_compiled(model, [x])
+    assert op_count(comparison.report) == 1 and comparison.out_err <= TOL, comparison
+    assert max(comparison.grad_errs.values()) <= TOL, comparison.grad_errs
+
+
 def test_a_layer_that_cannot_run_outside_autocast_is_verified_under_it() -> None:
     """The Switch sample's routing casts its masks to the router's dtype, which under autocast the
     graph bakes in as bf16: its region cannot run outside autocast, so verification compared
@@ -217,14 +247,7 @@ def test_a_layer_that_cannot_run_outside_autocast_is_verified_under_it() -> None
     rewritten in bf16, nearer eager under autocast than eager in fp32 is."""
     spec = SAMPLES["switch_einsum"]
     torch.manual_seed(0)
-    model = spec.make()
-    x = example_input(spec)
-    fp32 = model(x).detach()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = model(x).detach()
-        torch._dynamo.reset()
-        with collect_reports() as graphs:
-            y = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})(x).detach()
+    fp32, ref, y, graphs = _compiled_under_autocast(spec.make(), example_input(spec))
     assert [r.dtype for g in graphs for r in g.regions] == ["bfloat16"], [s.reason for g in graphs for s in g.skipped]
     assert y.dtype == ref.dtype == torch.bfloat16
     assert rel_err(y.float(), ref.float()) < 0.75 * rel_err(fp32, ref.float())
