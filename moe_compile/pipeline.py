@@ -6,7 +6,8 @@ Ordering constraints:
                     in the graph the other passes read.
   find_moe_regions  after inline_checkpoint: every later pass consumes its MoERegion records, and
                     it must see the graph as Dynamo produced it, its checkpointed calls opened
-                    (verification re-runs that graph).
+                    (verification re-runs that graph), and its indexed-assignment accumulators
+                    as chains of values (passes/functional_setitem.py, run by the same step).
   canonicalize      after find_moe_regions, before plan: plans are made for rewritten layers only.
                     With a mesh and neither a topology nor a dimension it first probes the mesh's
                     links (tools/calibrate.probe, once per mesh; every rank reaches the agreement
@@ -43,6 +44,7 @@ from moe_compile.options import PASS_NAMES, Options
 from moe_compile.passes.canonicalize import Agree, CanonicalizeResult, Decision, canonicalize_moe_regions_pass
 from moe_compile.passes.expert_parallel import expert_parallel_pass
 from moe_compile.passes.find_moe_regions import FindResult, find_moe_regions
+from moe_compile.passes.functional_setitem import functionalize_setitems
 from moe_compile.passes.inline_checkpoint import (
     Selective,
     checkpoint_local_stages,
@@ -118,6 +120,9 @@ def _ddp_split() -> str | None:
 
 
 def _find(ctx: PassContext) -> dict[str, int]:
+    # buffers summed into by indexed assignment (mistral-inference's ``results[idx] += ...``) as
+    # chains of values first, so the routed sum is a value the finder can read
+    setitems = functionalize_setitems(ctx.gm)
     ctx.found = find_moe_regions(ctx.gm, list(ctx.example_inputs))
     if ctx.selective:  # a layer cut by a selective checkpoint's boundary is left as written
         for region in list(ctx.found.regions):
@@ -129,7 +134,8 @@ def _find(ctx: PassContext) -> dict[str, int]:
     split = _ddp_split()
     if split is not None and (ctx.found.skipped or not ctx.found.num_topk):
         ctx.skipped.append(Skip("graph cut for DDP", split))
-    return {"topk": ctx.found.num_topk, "regions": len(ctx.found.regions), "skipped": len(ctx.found.skipped)}
+    return {"topk": ctx.found.num_topk, "regions": len(ctx.found.regions), "skipped": len(ctx.found.skipped),
+            "functional_setitems": setitems}
 
 
 def _canonicalize(ctx: PassContext) -> dict[str, int]:
