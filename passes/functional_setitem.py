@@ -57,7 +57,10 @@ def functionalize_setitems(gm: fx.GraphModule) -> int:
                for u in buf.users):
             continue
         current = buf
-        for u in sorted(buf.users, key=index.pos.__getitem__):
+        # program order now: an earlier buffer's rewrite may have added readers of this one
+        # (``a[idx] = b`` becomes ``index_put(a, idx, b)``)
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for u in sorted(buf.users, key=pos.__getitem__):
             if u in writes:
                 current = _index_put(gm.graph, current, u)
                 gm.graph.erase_node(u)

@@ -71,13 +71,15 @@ def _setitems(gm: torch.fx.GraphModule) -> int:
 
 
 def _accumulate(x: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    other = torch.ones_like(x)  # made first, so rewritten first: its index_put then reads buf
     buf = torch.zeros_like(x)
     before = buf[idx].sum()  # read before the first write: the zeros
     buf[idx] += v
     middle = buf[idx] * 2  # between the writes: the first one's value
+    other[idx] = buf  # one chained buffer written into another: read as it is here
     buf[idx[:2]] = v[:2] * 3.0  # an assignment, not an update
     buf[idx == idx] += 1.0 * v  # a boolean mask
-    return buf + before + middle.sum()
+    return buf + before + middle.sum() + other
 
 
 def test_assignments_become_index_put_values_and_compute_the_same() -> None:
@@ -87,8 +89,8 @@ def test_assignments_become_index_put_values_and_compute_the_same() -> None:
     for idx in (torch.tensor([4, 0, 2, 1, 3, 5]), torch.tensor([1, 1, 3, 0, 1, 2])):
         gm = _graph(_accumulate, x, idx, v)
         want = gm(x, idx, v)[0]
-        assert _setitems(gm) == 3 and functionalize_setitems(gm) == 1 and _setitems(gm) == 0
-        assert sum(n.target is torch.index_put for n in gm.graph.nodes) == 3
+        assert _setitems(gm) == 4 and functionalize_setitems(gm) == 2 and _setitems(gm) == 0
+        assert sum(n.target is torch.index_put for n in gm.graph.nodes) == 4
         torch.testing.assert_close(gm(x, idx, v)[0], want, rtol=0, atol=0)
         torch.testing.assert_close(want, _accumulate(x, idx, v), rtol=0, atol=0)
 
