@@ -224,7 +224,7 @@ def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_expert
             break
         if not cls.complete or len(cls.weight_roles) < 2:
             continue
-        if _running_sum_part(index, y, {n for r in cls.weight_roles for n in r.nodes}, bound):
+        if _running_sum_part(index, y, {n for r in cls.weight_roles for n in r.nodes}, outside):
             continue  # a running sum over experts, or one expert's part of it, not the whole sum
         if experts is None:
             experts = cls
@@ -423,15 +423,16 @@ def _is_mutated_later(index: GraphIndex, n: fx.Node) -> bool:
     return any(index.pos[m] > index.pos[n] for m in muts)
 
 
-def _running_sum_part(index: GraphIndex, y: fx.Node, expert_state: set[fx.Node], bound: int) -> bool:
+def _running_sum_part(index: GraphIndex, y: fx.Node, expert_state: set[fx.Node], outside: set[fx.Node]) -> bool:
     """Whether ``y`` is a part of an out-of-place sum over experts: a running sum that later ops
     add more experts' rows into (``y = y.index_add(0, tok, v)``, ``y = y + v``, a scatter-add), or
     one expert's rows added into one. With stacked weights every part reaches the [E, ...]
     tensors, so it looks like a whole layer's output; the layer's is the last sum. A value meeting
     only other parameters' values (a shared expert) is no part: ``y`` stays the routed output.
-    Followed up to ``bound`` (the next layer's router): the sum is summed before it."""
+    Read inside the layer's window, as its candidates are (``outside``: up to the next layer's
+    router; the expert tensors and the layer's inputs are reached, not walked through)."""
     for u in y.users:
-        if index.pos[u] >= bound:
+        if u in outside:
             continue
         if ops.is_index_add(u) and u.args:
             # index_add / scatter_add (self, dim, index, source), index_put (self, indices, values)
@@ -445,7 +446,8 @@ def _running_sum_part(index: GraphIndex, y: fx.Node, expert_state: set[fx.Node],
             continue
         # the other operand's own expert values, not those it reads through y (the next layer's
         # residual add reads this layer's output, and so its experts)
-        if index.ancestors(others, stop={y}) & expert_state or _running_sum_part(index, u, expert_state, bound):
+        if index.ancestors(others, stop=outside | {y}) & expert_state or _running_sum_part(index, u, expert_state,
+                                                                                             outside):
             return True
     return False
 

@@ -39,16 +39,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.graph_index import GraphIndex, example_value, is_inplace, is_view
+from moe_compile.passes.graph_index import example_value, is_inplace, is_view
 
 
 def functionalize_setitems(gm: fx.GraphModule) -> int:
-    """Rewrite the graph's indexed-assignment accumulators (module docstring); returns how many."""
-    index = GraphIndex(gm)
+    """Rewrite the graph's indexed-assignment accumulators (module docstring); returns how many.
+    Runs on every graph the backend gets: it reads only each assignment's buffer and its users."""
     done = 0
-    for buf in list(gm.graph.nodes):
+    # in program order (the new nodes' names the same on every rank)
+    for buf in dict.fromkeys(n.args[0] for n in gm.graph.nodes if _is_setitem(n) and isinstance(n.args[0], fx.Node)):
         writes = [u for u in buf.users if _is_setitem(u) and u.args[0] is buf]
-        if not writes or not _own_tensor(index, buf) or not all(_functional(w) for w in writes):
+        if not _own_tensor(buf) or not all(_functional(w) for w in writes):
             continue
         # what reads the buffer: a copying read holds its own tensor (an in-place op on it, the
         # ``+=`` of ``buf[idx] += v``, changes that copy); any other view, or any other update of
@@ -77,10 +78,11 @@ def _is_setitem(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is operator.setitem
 
 
-def _own_tensor(index: GraphIndex, n: fx.Node) -> bool:
-    """A tensor the graph computes itself, not a view or an update of another value."""
+def _own_tensor(n: fx.Node) -> bool:
+    """A tensor the graph computes itself, not a view or an update of another value (the nodes
+    ``GraphIndex`` gives another alias root)."""
     return (n.op in ("call_function", "call_method") and isinstance(example_value(n), torch.Tensor)
-            and index.root(n) is n)
+            and not ((is_view(n) or is_inplace(n)) and n.args and isinstance(n.args[0], fx.Node)))
 
 
 def _tensor_indices(idx: object) -> tuple[fx.Node, ...] | None:
