@@ -47,8 +47,8 @@ def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int,
         shape = static_shape(n) or ()
         if len(shape) == 3 and shape[0] == num_experts:
             continue
-        fam = _family_key(params.path[n], num_experts)
-        if fam is not None and fam[0] in valid:
+        fam = _member(params.path[n], num_experts, valid)
+        if fam is not None:
             families.setdefault(fam[0], {})[fam[1]] = n
     grouped = {n for members in families.values() for n in members.values()}
     for _key, members in sorted(families.items()):
@@ -73,27 +73,29 @@ def classify_params(params: ParamTable, state: list[fx.Node], num_experts: int,
 def valid_family_keys(params: ParamTable, num_experts: int) -> set[str]:
     indices: dict[str, set[int]] = {}
     for path in params.path.values():
-        fam = _family_key(path, num_experts)
-        if fam is not None:
-            indices.setdefault(fam[0], set()).add(fam[1])
+        for key, e in _family_keys(path, num_experts):
+            indices.setdefault(key, set()).add(e)
     return {k for k, idx in indices.items() if idx == set(range(num_experts))}
 
 
 def in_family(path: str, num_experts: int, family_keys: set[str]) -> bool:
     """Whether ``path`` is a member of one of the E-expert families ``family_keys``."""
-    fam = _family_key(path, num_experts)
-    return fam is not None and fam[0] in family_keys
+    return _member(path, num_experts, family_keys) is not None
 
 
-def _family_key(path: str, num_experts: int) -> tuple[str, int] | None:
-    """``experts.3.w1.weight`` -> (``experts.#.w1.weight``, 3); picks the last numeric component
-    below ``num_experts`` so a layer index (``layers.0...``) is not taken for the expert index."""
-    for m in reversed(list(_NUM.finditer(path))):
-        e = int(m.group(1))
-        if e < num_experts:
-            key = path[: m.start(1)] + "#" + path[m.end(1):]
-            return key, e
-    return None
+def _member(path: str, num_experts: int, family_keys: set[str]) -> tuple[str, int] | None:
+    """The family of ``family_keys`` that ``path`` belongs to and its expert index, or None: the
+    last numeric component that names a whole family, so a layer index (``layers.0...``) is not
+    taken for the expert index, nor a module's index inside each expert (``experts.3.0.weight``:
+    each expert an ``nn.Sequential``, expert 3)."""
+    return next(((key, e) for key, e in _family_keys(path, num_experts) if key in family_keys), None)
+
+
+def _family_keys(path: str, num_experts: int) -> list[tuple[str, int]]:
+    """``experts.3.w1.weight`` -> [(``experts.#.w1.weight``, 3)]: for each numeric component below
+    ``num_experts``, last first, the name pattern with it replaced and its value."""
+    return [(path[: m.start(1)] + "#" + path[m.end(1):], int(m.group(1)))
+            for m in reversed(list(_NUM.finditer(path))) if int(m.group(1)) < num_experts]
 
 
 @dataclass(frozen=True)

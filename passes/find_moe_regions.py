@@ -458,8 +458,11 @@ def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], routing: set[fx.N
     descendants that do not depend on expert parameters, as no routing weight does)."""
     inputs = {d for n in nodes for d in index.deps[n]} - nodes
     pool = index.ordered((nodes | inputs) & routing)
+    copies = _per_expert_copies(index, pool, routing, num_experts)
     by_kind: dict[str, list[RoutingWeights]] = {"topk": [], "dense": [], "combine": []}
     for n in reversed(pool):
+        if n in copies:
+            continue
         t = tensor_meta(n)
         shape = static_shape(n)
         if t is None or shape is None or not t.dtype.is_floating_point:
@@ -472,6 +475,33 @@ def _weight_candidates(index: GraphIndex, nodes: set[fx.Node], routing: set[fx.N
             by_kind["combine"].append(RoutingWeights(n, "combine"))
     # a few of each kind is plenty: later ones are the processed (renormalized, scaled) weights
     return [w for kind, ws in by_kind.items() for w in (ws[:_MAX_WEIGHT_CANDIDATES[kind]] if num_tokens else ws)]
+
+
+def _per_expert_copies(index: GraphIndex, pool: list[fx.Node], routing: set[fx.Node],
+                       num_experts: int) -> set[fx.Node]:
+    """The nodes of ``pool`` that the layer computes once per expert from the routing weights, the
+    same ops on the same values but for constants (a dense loop's ``(w * (idx == e)).sum(-1)``:
+    E masked [T, K] products): each is one expert's share of the weights, not the weights, and
+    E of them would crowd the weights themselves out of the candidates. Told apart by a structural
+    signature of each node's ops inside ``routing`` (constants are alike, values outside
+    ``routing`` are themselves), shared by exactly E nodes of the pool."""
+    sig: dict[fx.Node, int] = {}
+    interned: dict[object, int] = {}
+
+    def arg_key(a: object) -> object:
+        if isinstance(a, fx.Node):
+            return sig.get(a, a.name)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg_key(b) for b in a)
+        return "constant"
+
+    for n in index.ordered(index.ancestors(pool, stop=set(index.nodes) - routing) & routing):
+        key = (n.op, str(n.target), arg_key(n.args), tuple(sorted((k, arg_key(v)) for k, v in n.kwargs.items())))
+        sig[n] = interned.setdefault(key, len(interned))
+    groups: dict[int, list[fx.Node]] = {}
+    for n in pool:
+        groups.setdefault(sig[n], []).append(n)
+    return {n for members in groups.values() if len(members) == num_experts for n in members}
 
 
 def _pattern(nodes: set[fx.Node], experts: ExpertParams, capacity: bool) -> str:

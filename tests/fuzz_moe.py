@@ -22,7 +22,12 @@ from torch import nn
 IDIOMS = ("loop", "gathered", "dense")
 BIAS_FORMS = ("add", "linear")
 ACCUMULATES = ("in_place", "out_of_place", "setitem")
-STORAGES = ("stacked", "stacked_t", "fused", "modules")
+# "modules": E nn.Module experts with named projections (experts.3.up.weight); "sequential": each
+# expert an nn.ModuleList of its projections (experts.3.0.weight), loop and dense idioms only
+STORAGES = ("stacked", "stacked_t", "fused", "modules", "sequential")
+# how the dense idiom reads each expert's weight: scattered into [T, E] gates, or masked out of the
+# top-k values per expert, (w * (idx == e)).sum(-1)
+DENSE_WEIGHTS = ("scatter", "masked_sum")
 ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 EXTRAS_IN_ACTIVATION = ("clamp_gate", "clamp_up", "up_plus_one", "relu_after")
@@ -66,6 +71,7 @@ class FuzzConfig:
     # (out = out.index_add(0, tok, v), out = out + v), "setitem" by indexed assignment
     # (out[tok] += v, mistral-inference's MoeLayer; loop idiom only)
     accumulate: str = "in_place"
+    dense_weights: str = "scatter"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +100,11 @@ class FuzzMoE(nn.Module):
         if cfg.storage == "modules":
             self.experts = nn.ModuleList(_Expert(h, f, cfg.gated, cfg.bias) for _ in range(e))
             return
+        if cfg.storage == "sequential":
+            self.experts = nn.ModuleList(nn.ModuleList(
+                [nn.Linear(h, f, bias=cfg.bias), *([nn.Linear(h, f, bias=cfg.bias)] if cfg.gated else []),
+                 nn.Linear(f, h, bias=cfg.bias)]) for _ in range(e))
+            return
 
         def stacked(rows: int, cols: int) -> nn.Parameter:
             return nn.Parameter(torch.randn(e, rows, cols) / cols**0.5)
@@ -115,6 +126,8 @@ class FuzzMoE(nn.Module):
         cfg = self.cfg
         if cfg.storage == "modules":
             return getattr(self.experts[e], which)(t)
+        if cfg.storage == "sequential":
+            return self.experts[e][{"up": 0, "gate": 1, "down": -1}[which]](t)
         w = getattr(self, f"w_{which}")[e]
         b = getattr(self, f"b_{which}")
         if b is not None and cfg.bias_form == "linear":
@@ -214,12 +227,21 @@ class FuzzMoE(nn.Module):
             y_N = self._ffn_gathered(h.repeat_interleave(cfg.top_k, dim=0), ids_N)
             out = (y_N.view(-1, cfg.top_k, cfg.hidden) * w.unsqueeze(-1)).sum(dim=1)
         else:
-            gates = torch.zeros(h.shape[0], cfg.num_experts, dtype=w.dtype, device=h.device).scatter(1, idx, w)
+            if cfg.dense_weights == "masked_sum":
+                def gate(e: int) -> torch.Tensor:
+                    return (w * (idx == e)).sum(-1, keepdim=True)
+            else:
+                scattered = torch.zeros(h.shape[0], cfg.num_experts, dtype=w.dtype, device=h.device).scatter(1, idx, w)
+
+                def gate(e: int) -> torch.Tensor:
+                    return scattered[:, e, None]
             if cfg.accumulate == "out_of_place":
                 out = torch.zeros_like(h)
                 for e in range(cfg.num_experts):
-                    out = out + self._ffn(h, e) * gates[:, e, None]
+                    out = out + self._ffn(h, e) * gate(e)
             else:
+                gates = scattered if cfg.dense_weights == "scatter" else \
+                    torch.cat([gate(e) for e in range(cfg.num_experts)], dim=1)
                 ys = torch.stack([self._ffn(h, e) for e in range(cfg.num_experts)], dim=1)
                 out = (ys * gates.unsqueeze(-1)).sum(dim=1)
         return out.reshape(x.shape)

@@ -213,3 +213,36 @@ def test_an_out_of_place_sum_over_stacked_experts_is_read_whole() -> None:
     r = find(make(cfg), torch.randn(2, 3, 16)).regions[0]
     # the sum of all 4 experts: its expression activation is read off every expert's clamp
     assert r.layouts[0].activation.startswith("expr:") and len(r.layouts[0].activation_nodes) >= 4
+
+
+def test_experts_whose_projections_are_numbered_are_one_family_each() -> None:
+    """Each expert an ``nn.ModuleList`` (or ``nn.Sequential``) of its projections:
+    ``experts.3.0.weight``. The expert index is not the last number of the path; reading the last
+    one (the projection's: 0, 1, 2, no E experts) found no family, took every expert's output for an
+    input of the layer, and the layer was not found at all."""
+    for gated in (False, True):
+        cfg = FuzzConfig(idiom="loop", storage="sequential", router="softmax_renorm", router_bias=False,
+                         route_scale=1.0, activation="silu", gated=gated, bias=True, extra="none", num_experts=4,
+                         top_k=2, hidden=16, ffn=12)
+        found = find(make(cfg), torch.randn(2, 3, 16))
+        assert len(found.regions) == 1, found.skipped
+        lay = found.regions[0].layouts[0]
+        assert lay.up.names == tuple(f"experts.{e}.0.weight" for e in range(4)), lay.up.names
+        assert lay.down.names == tuple(f"experts.{e}.{2 if gated else 1}.weight" for e in range(4))
+        assert (lay.gate is not None) == gated and lay.b_down is not None
+
+
+def test_per_expert_masked_weights_leave_the_routing_weights_to_the_op() -> None:
+    """A dense loop that takes each expert's weight out of the top-k values, ``(w * (idx ==
+    e)).sum(-1)``: its E masked [T, K] products came after ``w`` and filled the [T, K] weight
+    candidates, so every interpretation read one expert's share as the weights and was refused.
+    They are no candidates now; ``w`` is."""
+    for accumulate in ("in_place", "out_of_place"):
+        cfg = FuzzConfig(idiom="dense", storage="stacked", router="softmax_renorm", router_bias=False,
+                         route_scale=1.0, activation="silu", gated=True, bias=False, extra="none", num_experts=4,
+                         top_k=2, hidden=16, ffn=12, accumulate=accumulate, dense_weights="masked_sum")
+        found = find(make(cfg), torch.randn(2, 3, 16))
+        assert len(found.regions) == 1, found.skipped
+        topk = [w.node for w in found.regions[0].weights if w.kind == "topk"]
+        masks = [n for n in found.index.nodes if ops.op_name(n) == "eq"]
+        assert topk and len(masks) == 4 and not found.index.ancestors(topk) & set(masks), (topk, masks)

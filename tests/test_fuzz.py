@@ -31,6 +31,7 @@ from fuzz_moe import (
     ACTIVATIONS,
     BIAS_FORMS,
     COMPILE_STD,
+    DENSE_WEIGHTS,
     EXTRAS,
     IDIOMS,
     LARGE_STD,
@@ -54,7 +55,7 @@ NAMED = {"scale_out": "`mul`", "tanh_out": "`tanh`", "clamp_out": "`clamp`", "re
 def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tuple[str, ...] = EXTRAS,
             dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> FuzzConfig:
     idiom = draw(st.sampled_from(IDIOMS))
-    storage = draw(st.sampled_from(STORAGES if idiom != "gathered" else STORAGES[:3]))
+    storage = draw(st.sampled_from(STORAGES if idiom != "gathered" else STORAGES[:3]))  # gathered: stacked only
     e = draw(st.sampled_from(num_experts))
     extra = draw(st.sampled_from(extras))
     # a clamp the op computes, in bf16: a pre-activation one bf16 ulp (1/128 at the limit 2) from
@@ -63,14 +64,16 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
     # compared in fp32 (bf16 is fuzzed on every other modification)
     clamps = extra in ("clamp_gate", "clamp_up")
     bias = draw(st.booleans())
-    # the loop and dense idioms' stacked weights add a bias after or inside the matmul (modules: inside)
-    bias_form = draw(st.sampled_from(BIAS_FORMS)) if bias and idiom != "gathered" and storage != "modules" else "add"
+    # the loop and dense idioms' stacked weights add a bias after or inside the matmul (nn.Linear experts: inside)
+    bias_form = draw(st.sampled_from(BIAS_FORMS)) if bias and idiom != "gathered" and storage in STORAGES[:3] \
+        else "add"
     return FuzzConfig(
         idiom=idiom, storage=storage, router=draw(st.sampled_from(ROUTERS)), router_bias=draw(st.booleans()),
         route_scale=draw(st.sampled_from([1.0, 2.5])), activation=draw(st.sampled_from(ACTIVATIONS)),
         gated=draw(st.booleans()), bias=bias, extra=extra, bias_form=bias_form,
         accumulate=draw(st.sampled_from(ACCUMULATES if idiom == "loop" else ACCUMULATES[:2] if idiom == "dense"
                                         else ACCUMULATES[:1])),
+        dense_weights=draw(st.sampled_from(DENSE_WEIGHTS if idiom == "dense" else DENSE_WEIGHTS[:1])),
         num_experts=e, top_k=draw(st.integers(1, min(3, e))), hidden=draw(st.sampled_from([8, 16])),
         ffn=draw(st.sampled_from([8, 12])), dtype=draw(st.sampled_from(dtypes[:1] if clamps else dtypes)))
 
@@ -120,6 +123,17 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
 @example(cfg=FuzzConfig(idiom="dense", storage="stacked", router="softmax_renorm", router_bias=False, route_scale=1.0,
                         activation="silu", gated=False, bias=True, extra="clamp_gate", num_experts=4, top_k=1,
                         hidden=8, ffn=8, dtype="float32", accumulate="out_of_place"), batch=1, seq=2)
+# and, with two more ways of writing the experts: each expert an nn.ModuleList of its projections
+# (experts.3.0.weight: the expert index is not the path's last number, and no family was found), and
+# a dense loop weighting each expert by (w * (idx == e)).sum(-1) (its E masked [T, K] products were
+# taken for the routing weights); neither layer was rewritten
+@example(cfg=FuzzConfig(idiom="dense", storage="sequential", router="softmax_renorm", router_bias=False,
+                        route_scale=1.0, activation="silu", gated=True, bias=True, extra="none", num_experts=4,
+                        top_k=2, hidden=16, ffn=12, dtype="float32", accumulate="out_of_place",
+                        dense_weights="masked_sum"), batch=2, seq=3)
+@example(cfg=FuzzConfig(idiom="dense", storage="stacked", router="softmax_renorm", router_bias=False, route_scale=1.0,
+                        activation="gelu", gated=False, bias=False, extra="none", num_experts=4, top_k=3,
+                        hidden=16, ffn=12, dtype="bfloat16", dense_weights="masked_sum"), batch=1, seq=4)
 def test_compiled_equals_eager_outside_the_compile_range(cfg: FuzzConfig, batch: int, seq: int) -> None:
     dtype = getattr(torch, cfg.dtype)
     model = make(cfg)
