@@ -541,7 +541,14 @@ def _graph_break_hint(index: GraphIndex, topk: fx.Node) -> str:
     """Explain the common reason a router is found but no expert compute: a graph break; and what
     to do about it, for a transformers model whether it can switch its experts implementation."""
     later = index.descendants([topk])
-    if not (any(ops.op_name(n) in ("nonzero", "where", "one_hot") for n in later) or len(later) < 8):
+    # the graph returns integers made from the selection (expert ids, counts, an order): the code
+    # after the graph reads them, which is where the experts run
+    outputs: list[fx.Node] = []
+    for n in later:
+        if n.op == "output":
+            fx.node.map_arg(n.args, outputs.append)
+    returned = [a for a in outputs if a in later and (t := tensor_meta(a)) is not None and not t.dtype.is_floating_point]
+    if not (any(ops.op_name(n) in ("nonzero", "where", "one_hot") for n in later) or len(later) < 8 or returned):
         return ""
     hint = (". The expert computation is not in this graph: a graph break (usually a "
             "data-dependent loop such as `for e in expert_hit:` over `.nonzero()`, or "

@@ -153,3 +153,47 @@ def test_compiling_on_an_empty_batch_rewrites_and_runs(name: str) -> None:
         y.sum().backward()
     assert y.shape == (1, 0, hidden) and empty.grad is not None and empty.grad.shape == empty.shape
     assert sum(len(g.regions) for g in reports) == 1, [s.reason for g in reports for s in g.skipped]
+
+
+class _BincountMoE(nn.Module):
+    """Slots sorted by expert and cut by ``torch.bincount(ids, minlength=E).tolist()``: a count
+    whose length depends on the data (bincount's is max(ids) + 1 when that exceeds minlength)."""
+
+    def __init__(self, h: int = 16, f: int = 24, e: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.e, self.k = e, k
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_up = nn.Parameter(torch.randn(e, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), self.k, dim=-1)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.e).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            slots = order[start:start + n]
+            start += n
+            tok = slots // self.k
+            v = F.gelu(x[tok] @ self.w_up[e].t()) @ self.w_down[e].t()
+            out = out.index_add(0, tok, v * w.reshape(-1)[slots, None])
+        return out
+
+
+def test_a_count_of_data_dependent_length_read_into_python_compiles() -> None:
+    """``import moe_compile`` turns on ``capture_dynamic_output_shape_ops``; with it, Dynamo's
+    ``tolist()`` of bincount's (unbacked-length) result raised GuardOnDataDependentSymNode, so a
+    model that compiles without the package failed to compile at all, under any backend. The
+    ``tolist()`` breaks the graph now, as the op did without the flag: the model runs and equals
+    eager, and the split layer is left alone with the graph break named."""
+    torch.manual_seed(0)
+    model, x = _BincountMoE(), torch.randn(12, 16)
+    for backend in ("aot_eager", "hiermoe"):
+        torch._dynamo.reset()
+        assert torch.allclose(torch.compile(model, backend=backend)(x), model(x), rtol=1e-5, atol=1e-6), backend
+    cmp = compare_compiled(model, [x])
+    cmp.assert_close()
+    assert not cmp.report.regions
+    assert any("graph break" in s.reason for s in cmp.report.skipped), cmp.report.skipped
