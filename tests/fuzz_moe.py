@@ -28,6 +28,7 @@ STORAGES = ("stacked", "stacked_t", "fused", "modules", "sequential")
 # how the dense idiom reads each expert's weight: scattered into [T, E] gates, or masked out of the
 # top-k values per expert, (w * (idx == e)).sum(-1)
 DENSE_WEIGHTS = ("scatter", "masked_sum")
+DISPATCHES = ("where", "one_hot", "sorted_counts")
 ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 EXTRAS_IN_ACTIVATION = ("clamp_gate", "clamp_up", "up_plus_one", "relu_after")
@@ -72,6 +73,10 @@ class FuzzConfig:
     # (out[tok] += v, mistral-inference's MoeLayer; loop idiom only)
     accumulate: str = "in_place"
     dense_weights: str = "scatter"
+    # how the loop idiom finds each expert's tokens: torch.where(idx == e); torch.where on a one-hot
+    # mask (transformers 4.x Mixtral); or slots sorted by expert, cut by counts read into Python
+    # ints (Megatron's SequentialMLP: unbacked sizes)
+    dispatch: str = "where"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,6 +199,30 @@ class FuzzMoE(nn.Module):
             y = y.clamp(max=LIMIT)
         return y
 
+    def _dispatch(self, idx: torch.Tensor, w: torch.Tensor) -> Any:
+        """Each expert, its tokens and their [n, 1] routing weights, as ``cfg.dispatch`` picks them."""
+        cfg = self.cfg
+        if cfg.dispatch == "sorted_counts":
+            flat = idx.reshape(-1)
+            order = flat.argsort(stable=True)
+            # (torch.bincount's length depends on the data: its tolist() breaks the graph, and the
+            # layer is left alone: tests/test_bad_input.py)
+            counts = F.one_hot(flat, cfg.num_experts).sum(0).tolist()
+            w_flat = w.reshape(-1)
+            start = 0
+            for e, count in enumerate(counts):
+                slots = order[start:start + count]
+                start += count
+                yield e, slots // cfg.top_k, w_flat[slots, None]
+            return
+        mask = F.one_hot(idx, cfg.num_experts).permute(2, 1, 0) if cfg.dispatch == "one_hot" else None
+        for e in range(cfg.num_experts):
+            if mask is not None:
+                k, tok = torch.where(mask[e])
+            else:
+                tok, k = torch.where(idx == e)
+            yield e, tok, w[tok, k, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         h = x.reshape(-1, cfg.hidden)
@@ -213,9 +242,8 @@ class FuzzMoE(nn.Module):
         w = w.to(h.dtype)
         if cfg.idiom == "loop":
             out = torch.zeros_like(h)
-            for e in range(cfg.num_experts):
-                tok, k = torch.where(idx == e)
-                v = self._ffn(h[tok], e) * w[tok, k, None]
+            for e, tok, w_e in self._dispatch(idx, w):
+                v = self._ffn(h[tok], e) * w_e
                 if cfg.accumulate == "out_of_place":
                     out = out.index_add(0, tok, v)
                 elif cfg.accumulate == "setitem":

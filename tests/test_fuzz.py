@@ -32,6 +32,7 @@ from fuzz_moe import (
     BIAS_FORMS,
     COMPILE_STD,
     DENSE_WEIGHTS,
+    DISPATCHES,
     EXTRAS,
     IDIOMS,
     LARGE_STD,
@@ -74,6 +75,7 @@ def configs(draw: st.DrawFn, num_experts: tuple[int, ...] = (4, 8), extras: tupl
         accumulate=draw(st.sampled_from(ACCUMULATES if idiom == "loop" else ACCUMULATES[:2] if idiom == "dense"
                                         else ACCUMULATES[:1])),
         dense_weights=draw(st.sampled_from(DENSE_WEIGHTS if idiom == "dense" else DENSE_WEIGHTS[:1])),
+        dispatch=draw(st.sampled_from(DISPATCHES if idiom == "loop" else DISPATCHES[:1])),
         num_experts=e, top_k=draw(st.integers(1, min(3, e))), hidden=draw(st.sampled_from([8, 16])),
         ffn=draw(st.sampled_from([8, 12])), dtype=draw(st.sampled_from(dtypes[:1] if clamps else dtypes)))
 
