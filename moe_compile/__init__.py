@@ -8,8 +8,8 @@ registers the backend (an installed package also registers it through the
 and turns on Dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` so
 per-expert loops over ``torch.where(mask)``, and over token counts read into Python ints
 (``counts.tolist()``, ``int(counts[e])``), trace as one graph instead of breaking at every expert
-(a ``tolist()`` of a data-dependent length, which then could not be traced at all, breaks the
-graph: ``_tolist_of_a_data_dependent_length_breaks_the_graph``), and turns off ``optimize_ddp`` so a model under DistributedDataParallel is not cut at its
+(``moe_compile.dynamo_fixes`` repairs what the flags would make fail to compile: a ``tolist()``
+of a data-dependent length, a slice with data-dependent bounds of an empty dimension), and turns off ``optimize_ddp`` so a model under DistributedDataParallel is not cut at its
 gradient buckets.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch._dynamo
 
 import moe_compile.lowering  # noqa: F401  (registers torch.ops.hiermoe.*)
-from moe_compile import hf
+from moe_compile import dynamo_fixes, hf
 from moe_compile.backend import hiermoe_backend
 from moe_compile.ep.runtime import counters, reset_counters
 from moe_compile.ep.shard import ShardReport
@@ -47,41 +47,7 @@ torch._dynamo.config.capture_dynamic_output_shape_ops = True
 # `torch.split(tokens, counts.tolist())`, `n = int(counts[e])`): the ints become unbacked sizes
 # instead of a graph break at the read.
 torch._dynamo.config.capture_scalar_outputs = True
-
-
-def _tolist_of_a_data_dependent_length_breaks_the_graph() -> None:
-    """With ``capture_dynamic_output_shape_ops``, an op whose output length depends on the data
-    (``torch.bincount(ids, minlength=E)``, ``torch.unique``, ``nonzero``) gives a tensor of unbacked
-    length, and Dynamo's ``Tensor.tolist()`` on it raises GuardOnDataDependentSymNode: a model that
-    compiles without the flag (Dynamo breaks the graph at the op) would fail to compile at all,
-    whatever the backend. Such a ``tolist()`` breaks the graph instead: the list is made eagerly,
-    as without the flag. (A length Dynamo knows, ``routing_map.sum(0).tolist()``, is traced.)"""
-    from torch._dynamo.exc import unimplemented
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-    from torch._dynamo.variables.base import VariableTracker
-    from torch._dynamo.variables.tensor import TensorVariable
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    traced = TensorVariable.method_tolist
-    if getattr(traced, "_moe_compile", False):
-        return
-
-    def method_tolist(self: TensorVariable, tx: InstructionTranslatorBase) -> VariableTracker:
-        value = self.as_proxy().node.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and free_unbacked_symbols(value.shape):
-            unimplemented(gb_type="Tensor.tolist() of a tensor with a data-dependent length",
-                          context=f"call_method {self} tolist",
-                          explanation=f"the tensor's length {tuple(value.shape)} depends on its data (an op like "
-                                      "bincount, unique or nonzero made it), so the list cannot be traced",
-                          hints=["Give the op a length that does not depend on the data, e.g. "
-                                 "`torch.nn.functional.one_hot(ids, E).sum(0)` for `torch.bincount(ids, minlength=E)`"])
-        return traced(self, tx)
-
-    method_tolist._moe_compile = True  # type: ignore[attr-defined]
-    TensorVariable.method_tolist = method_tolist  # type: ignore[method-assign]
-
-
-_tolist_of_a_data_dependent_length_breaks_the_graph()
+dynamo_fixes.install()  # what the two flags above would otherwise make fail to compile
 # A model under DistributedDataParallel: Dynamo's DDP optimizer cuts its graph at DDP's gradient
 # buckets (25 MiB), so a layer whose experts outweigh a bucket reaches the backend in pieces and
 # is never found whole. Compiled whole, DDP all-reduces the gradients after the compiled backward

@@ -155,6 +155,33 @@ def test_compiling_on_an_empty_batch_rewrites_and_runs(name: str) -> None:
     assert sum(len(g.regions) for g in reports) == 1, [s.reason for g in reports for s in g.skipped]
 
 
+@pytest.mark.parametrize("style", ["split", "tolist", "int"])
+def test_a_loop_over_counts_compiles_on_an_empty_batch(style: str) -> None:
+    """Megatron's SequentialMLP cuts expert-sorted tokens by counts read into Python ints (unbacked
+    sizes under the flags ``import moe_compile`` sets). On 0 tokens, ``tokens[start:start + n]``
+    slices an empty dimension with unbacked bounds, and Dynamo failed inside the slice's fake
+    kernel (PendingUnbackedSymbolNotFound) under any backend, so a rank with no tokens could not
+    compile and the others waited for it (``moe_compile.dynamo_fixes``). It compiles now, the
+    layer rewritten, and equals eager forward and backward on the next batch."""
+    torch.manual_seed(0)
+    spec = SAMPLES["sequential_mlp"]
+    model = spec.make(style=style)
+    hidden = example_input(spec).shape[-1]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager"})
+    with moe_compile.backend.collect_reports() as reports:
+        empty = torch.randn(1, 0, hidden, requires_grad=True)
+        compiled(empty).sum().backward()
+    assert empty.grad is not None and empty.grad.shape == empty.shape
+    assert sum(len(g.regions) for g in reports) == 1, [s.reason for g in reports for s in g.skipped]
+    x = torch.randn(2, 5, hidden)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc, ye = compiled(xc), model(xe)
+    yc.sum().backward()
+    ye.sum().backward()
+    assert torch.allclose(yc, ye, rtol=1e-5, atol=1e-6) and torch.allclose(xc.grad, xe.grad, rtol=1e-5, atol=1e-6)
+
+
 class _BincountMoE(nn.Module):
     """Slots sorted by expert and cut by ``torch.bincount(ids, minlength=E).tolist()``: a count
     whose length depends on the data (bincount's is max(ids) + 1 when that exceeds minlength)."""
