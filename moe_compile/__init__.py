@@ -9,8 +9,8 @@ and turns on Dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_
 per-expert loops over ``torch.where(mask)``, and over token counts read into Python ints
 (``counts.tolist()``, ``int(counts[e])``), trace as one graph instead of breaking at every expert
 (``moe_compile.dynamo_fixes`` repairs what the flags would make fail to compile: a ``tolist()``
-of a data-dependent length, a slice with data-dependent bounds of an empty dimension), and turns off ``optimize_ddp`` so a model under DistributedDataParallel is not cut at its
-gradient buckets.
+of a data-dependent length, a slice with data-dependent bounds of an empty dimension), and turns
+off ``optimize_ddp`` so a model under DistributedDataParallel is not cut at its gradient buckets.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ backend:
   in the result. Any slice of an empty dimension is empty, which is now its size.
 
 Both patch torch 2.13's Dynamo and FakeTensor internals (``TensorVariable.method_tolist``, the
-``aten.slice.Tensor`` fake kernel); ``install`` checks they are still there and raises otherwise.
+``aten.slice.Tensor`` fake kernel): a torch that has moved them fails ``import moe_compile`` with
+the AttributeError or KeyError that says which.
 """
 
 from __future__ import annotations

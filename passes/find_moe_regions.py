@@ -483,8 +483,9 @@ def _per_expert_copies(index: GraphIndex, pool: list[fx.Node], routing: set[fx.N
     same ops on the same values but for constants (a dense loop's ``(w * (idx == e)).sum(-1)``:
     E masked [T, K] products): each is one expert's share of the weights, not the weights, and
     E of them would crowd the weights themselves out of the candidates. Told apart by a structural
-    signature of each node's ops inside ``routing`` (constants are alike, values outside
-    ``routing`` are themselves), shared by exactly E nodes of the pool."""
+    signature of each node's ops, dtype and shape inside ``routing`` (constants are alike, values
+    outside ``routing`` are themselves; a top-k's values and indices differ by dtype), shared by
+    exactly E nodes of the pool."""
     sig: dict[fx.Node, int] = {}
     interned: dict[object, int] = {}
 
@@ -496,7 +497,9 @@ def _per_expert_copies(index: GraphIndex, pool: list[fx.Node], routing: set[fx.N
         return "constant"
 
     for n in index.ordered(index.ancestors(pool, stop=set(index.nodes) - routing) & routing):
-        key = (n.op, str(n.target), arg_key(n.args), tuple(sorted((k, arg_key(v)) for k, v in n.kwargs.items())))
+        t = tensor_meta(n)
+        key = (n.op, str(n.target), arg_key(n.args), tuple(sorted((k, arg_key(v)) for k, v in n.kwargs.items())),
+               None if t is None else str(t.dtype), static_shape(n))
         sig[n] = interned.setdefault(key, len(interned))
     groups: dict[int, list[fx.Node]] = {}
     for n in pool:

@@ -246,3 +246,33 @@ def test_per_expert_masked_weights_leave_the_routing_weights_to_the_op() -> None
         topk = [w.node for w in found.regions[0].weights if w.kind == "topk"]
         masks = [n for n in found.index.nodes if ops.op_name(n) == "eq"]
         assert topk and len(masks) == 4 and not found.index.ancestors(topk) & set(masks), (topk, masks)
+
+
+class _RawTop2Of2(nn.Module):
+    """Two experts, top-2, the top-k values used as they come: ``w`` and ``idx`` are the two
+    outputs of one top-k, alike but for their index (and dtype), and E = 2 of them."""
+
+    def __init__(self, h: int = 16, f: int = 24) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, 2, bias=False)
+        self.w_up = nn.Parameter(torch.randn(2, f, h) / h**0.5)
+        self.w_down = nn.Parameter(torch.randn(2, h, f) / f**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.topk(F.softmax(self.router(x), dim=-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(2):
+            tok, k = torch.where(idx == e)
+            out.index_add_(0, tok, F.gelu(x[tok] @ self.w_up[e].t()) @ self.w_down[e].t() * w[tok, k, None])
+        return out
+
+
+def test_the_top_k_values_are_no_per_expert_copy_at_two_experts() -> None:
+    """The per-expert copies (``_per_expert_copies``) are E nodes alike but for constants; a
+    top-k's values and indices are two such nodes (``getitem(topk, 0)``, ``getitem(topk, 1)``), so
+    at E = 2 the values are told apart by their dtype, and stay the routing weights."""
+    found = find(_RawTop2Of2(), torch.randn(10, 16))
+    assert len(found.regions) == 1, found.skipped
+    topk = next(n for n in found.index.nodes if ops.op_name(n) == "topk")
+    values = next(u for u in topk.users if u.args[1] == 0)
+    assert any(w.node is values for w in found.regions[0].weights), found.regions[0].weights
