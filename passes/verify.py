@@ -414,12 +414,19 @@ def _merge_aliases(pairs: list[tuple[int, int]], g_o: list[torch.Tensor | None],
 
 
 def _routing_values(index: GraphIndex, region: MoERegion, boundary: list[fx.Node]) -> list[bool]:
-    """Which boundary values are routing weights: the top-k itself (its values), and floats of
-    shape [T, K] computed from it (their gradients are dot products with the expert outputs,
-    ``_weights_grad_scale``)."""
+    """Which boundary values are routing weights: the top-k itself (its values), floats of shape
+    [T, K] computed from it, and the [T, E] scores the weights are gathered from (DeepSeek-V3
+    chooses on biased scores and gathers the weights from the unbiased ones): their gradients are
+    dot products with the expert outputs (``_weights_grad_scale``)."""
     after = index.descendants([region.topk])
-    return [b is region.topk or (b in after and static_shape(b) == (region.num_tokens, region.top_k)
-                                 and (m := tensor_meta(b)) is not None and m.is_floating_point()) for b in boundary]
+    weighs = index.ancestors([w.node for w in region.weights])
+    per_token = {(region.num_tokens, region.top_k), (region.num_tokens, region.num_scored)}
+
+    def routing(b: fx.Node) -> bool:
+        m = tensor_meta(b)
+        return (b in after or b in weighs) and static_shape(b) in per_token and m is not None and m.is_floating_point()
+
+    return [b is region.topk or routing(b) for b in boundary]
 
 
 def _weights_grad_scale(g: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
