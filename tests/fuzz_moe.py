@@ -29,7 +29,13 @@ STORAGES = ("stacked", "stacked_t", "fused", "modules", "sequential")
 # top-k values per expert, (w * (idx == e)).sum(-1)
 DENSE_WEIGHTS = ("scatter", "masked_sum")
 DISPATCHES = ("where", "one_hot", "sorted_counts")
-ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm")
+# what the routing weights scale: each expert's output, sum_k w_k FFN_k(x), or its input,
+# sum_k FFN_k(w_k x) (Llama-4); loop and gathered idioms (a dense layer runs every expert on every
+# token, and FFN(0 * x) is not 0 with biases)
+WEIGHTS_ON = ("output", "input")
+# "sigmoid_bias": experts chosen on sigmoid scores plus a bias buffer, weights gathered from the
+# unbiased scores and renormalized (DeepSeek-V3's e_score_correction_bias)
+ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm", "sigmoid_bias")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 EXTRAS_IN_ACTIVATION = ("clamp_gate", "clamp_up", "up_plus_one", "relu_after")
 EXTRAS_ON_EXPERTS = ("scale_out", "tanh_out", "clamp_out")
@@ -45,6 +51,14 @@ def computed_by_op(cfg: FuzzConfig) -> bool:
     between the projections, except relu6 (``relu_after`` on a relu), which is not in the
     expressions' grammar."""
     return cfg.extra in EXTRAS_IN_ACTIVATION and not (cfg.extra == "relu_after" and cfg.activation == "relu")
+
+
+def follows_the_sum(cfg: FuzzConfig) -> bool:
+    """Whether ``cfg.extra`` on the experts (``EXTRAS_ON_EXPERTS``) follows the routed sum: the
+    gathered idiom at K = 1 with the weights on the input sums one slot per token and weighs
+    nothing after the experts, so the extra applies to each token's output, and the rewrite keeps
+    it after the op (as whatever follows a layer)."""
+    return cfg.extra in EXTRAS_ON_EXPERTS and cfg.idiom == "gathered" and cfg.top_k == 1 and cfg.weights_on == "input"
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,7 @@ class FuzzConfig:
     # mask (transformers 4.x Mixtral); or slots sorted by expert, cut by counts read into Python
     # ints (Megatron's SequentialMLP: unbacked sizes)
     dispatch: str = "where"
+    weights_on: str = "output"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +117,8 @@ class FuzzMoE(nn.Module):
         self.cfg = cfg
         e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn
         self.router = nn.Linear(h, e, bias=cfg.router_bias)
+        if cfg.router == "sigmoid_bias":
+            self.register_buffer("score_bias", torch.randn(e) * 0.1)
         if cfg.storage == "modules":
             self.experts = nn.ModuleList(_Expert(h, f, cfg.gated, cfg.bias) for _ in range(e))
             return
@@ -230,6 +247,11 @@ class FuzzMoE(nn.Module):
         if cfg.router == "topk_softmax":
             vals, idx = torch.topk(logits, cfg.top_k, dim=-1)
             w = F.softmax(vals, dim=-1, dtype=torch.float32)
+        elif cfg.router == "sigmoid_bias":
+            scores = torch.sigmoid(logits.float())
+            idx = torch.topk(scores + self.score_bias, cfg.top_k, dim=-1)[1]
+            w = scores.gather(1, idx)
+            w = w / w.sum(dim=-1, keepdim=True)
         else:
             scores = torch.sigmoid(logits.float()) if cfg.router == "sigmoid_renorm" else \
                 F.softmax(logits, dim=-1, dtype=torch.float32)
@@ -243,7 +265,7 @@ class FuzzMoE(nn.Module):
         if cfg.idiom == "loop":
             out = torch.zeros_like(h)
             for e, tok, w_e in self._dispatch(idx, w):
-                v = self._ffn(h[tok], e) * w_e
+                v = self._ffn(h[tok] * w_e, e) if cfg.weights_on == "input" else self._ffn(h[tok], e) * w_e
                 if cfg.accumulate == "out_of_place":
                     out = out.index_add(0, tok, v)
                 elif cfg.accumulate == "setitem":
@@ -252,8 +274,12 @@ class FuzzMoE(nn.Module):
                     out.index_add_(0, tok, v)
         elif cfg.idiom == "gathered":
             ids_N = idx.reshape(-1)
-            y_N = self._ffn_gathered(h.repeat_interleave(cfg.top_k, dim=0), ids_N)
-            out = (y_N.view(-1, cfg.top_k, cfg.hidden) * w.unsqueeze(-1)).sum(dim=1)
+            h_N = h.repeat_interleave(cfg.top_k, dim=0)
+            if cfg.weights_on == "input":
+                out = self._ffn_gathered(h_N * w.reshape(-1, 1), ids_N).view(-1, cfg.top_k, cfg.hidden).sum(dim=1)
+            else:
+                y_N = self._ffn_gathered(h_N, ids_N)
+                out = (y_N.view(-1, cfg.top_k, cfg.hidden) * w.unsqueeze(-1)).sum(dim=1)
         else:
             if cfg.dense_weights == "masked_sum":
                 def gate(e: int) -> torch.Tensor:
