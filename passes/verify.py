@@ -419,7 +419,7 @@ def _routing_values(index: GraphIndex, region: MoERegion, boundary: list[fx.Node
     chooses on biased scores and gathers the weights from the unbiased ones): their gradients are
     dot products with the expert outputs (``_weights_grad_scale``)."""
     after = index.descendants([region.topk])
-    weighs = index.ancestors([w.node for w in region.weights])
+    weighs = index.ancestors([w.node for w in region.weights], stop=set(boundary))  # not past the region's inputs
     per_token = {(region.num_tokens, region.top_k), (region.num_tokens, region.num_scored)}
 
     def routing(b: fx.Node) -> bool:
