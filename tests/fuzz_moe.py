@@ -86,12 +86,12 @@ class FuzzConfig:
     # (out = out.index_add(0, tok, v), out = out + v), "setitem" by indexed assignment
     # (out[tok] += v, mistral-inference's MoeLayer; loop idiom only)
     accumulate: str = "in_place"
-    dense_weights: str = "scatter"
+    dense_weights: str = "scatter"  # DENSE_WEIGHTS (dense idiom)
     # how the loop idiom finds each expert's tokens: torch.where(idx == e); torch.where on a one-hot
     # mask (transformers 4.x Mixtral); or slots sorted by expert, cut by counts read into Python
     # ints (Megatron's SequentialMLP: unbacked sizes)
     dispatch: str = "where"
-    weights_on: str = "output"
+    weights_on: str = "output"  # WEIGHTS_ON (loop and gathered idioms)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
