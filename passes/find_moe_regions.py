@@ -445,9 +445,14 @@ def _running_sum_part(index: GraphIndex, y: fx.Node, expert_state: set[fx.Node],
         else:
             continue
         # the other operand's own expert values, not those it reads through y (the next layer's
-        # residual add reads this layer's output, and so its experts)
-        if index.ancestors(others, stop=outside | {y}) & expert_state or _running_sum_part(index, u, expert_state,
-                                                                                             outside):
+        # residual add reads this layer's output, and so its experts): y joins the stop set for
+        # this walk only (no copy of ``outside`` per step)
+        outside.add(y)
+        try:
+            own = index.ancestors(others, stop=outside) & expert_state
+        finally:
+            outside.discard(y)
+        if own or _running_sum_part(index, u, expert_state, outside):
             return True
     return False
 
@@ -547,9 +552,7 @@ def _graph_break_hint(index: GraphIndex, topk: fx.Node) -> str:
     # the graph returns integers made from the selection (expert ids, counts, an order): the code
     # after the graph reads them, which is where the experts run
     outputs: list[fx.Node] = []
-    for n in later:
-        if n.op == "output":
-            fx.node.map_arg(n.args, outputs.append)
+    fx.node.map_arg(index.gm.graph.output_node().args, outputs.append)
     returned = [a for a in outputs if a in later and (t := tensor_meta(a)) is not None and not t.dtype.is_floating_point]
     if not (any(ops.op_name(n) in ("nonzero", "where", "one_hot") for n in later) or len(later) < 8 or returned):
         return ""

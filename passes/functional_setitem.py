@@ -58,10 +58,9 @@ def functionalize_setitems(gm: fx.GraphModule) -> int:
                for u in buf.users):
             continue
         current = buf
-        # program order now: an earlier buffer's rewrite may have added readers of this one
-        # (``a[idx] = b`` becomes ``index_put(a, idx, b)``)
-        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-        for u in sorted(buf.users, key=pos.__getitem__):
+        # in the graph's order as it is now (fx nodes compare by position): an earlier buffer's
+        # rewrite may have added readers of this one (``a[idx] = b`` becomes ``index_put(a, idx, b)``)
+        for u in sorted(buf.users):
             if u in writes:
                 current = _index_put(gm.graph, current, u)
                 gm.graph.erase_node(u)

@@ -634,9 +634,10 @@ def _gradients(original: fx.GraphModule, replacement: fx.GraphModule | None, val
     # the routing weights' gradients (compared where the leaves behind them are not) are dot
     # products that can cancel: their rounding is judged at the size of their terms
     floors = [0.0] * len(leaves) + [_weights_grad_scale(g, y_o, w) for w in w_o]
-    # and so are those of the routing values the region reads ([T, K] after the top-k): at K = 1
-    # renormalized (w / w.sum() = 1) the gradient is 0 up to that rounding, which either graph may
-    # round to exactly 0 where the other does not
+    # and so are those of the routing values the region reads (``_routing_values``: [T, K] after
+    # the top-k, the [T, E] scores the weights are gathered from): at K = 1 renormalized
+    # (w / w.sum() = 1) the gradient is 0 up to that rounding, which either graph may round to
+    # exactly 0 where the other does not
     for pos, is_routing in enumerate(routing):
         i = pos_leaf.get(pos, first_leaf.get(pos))
         if is_routing and i is not None:
