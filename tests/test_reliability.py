@@ -79,13 +79,15 @@ def _compile_then_compare(model: nn.Module, compile_x: torch.Tensor, x: torch.Te
     the largest relative difference of outputs and gradients)."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="hiermoe", options={"inner_compiler": "aot_eager", **(options or {})})
-    with collect_reports() as graphs:
-        compiled(compile_x)
+    with collect_reports() as graphs:  # an input that requires grad, as below: the graph run there is this one
+        compiled(compile_x.clone().requires_grad_())
     errs = []
     outs = []
     for fn in (compiled, model):
         xl = x.clone().requires_grad_()
-        y = fn(xl)
+        with collect_reports() as again:
+            y = fn(xl)
+        assert not again, "the comparison batch compiled a graph of its own instead of running the compile batch's"
         grads = torch.autograd.grad(y, [xl, *model.parameters()], torch.ones_like(y) * 0.5)
         outs.append((y.detach(), grads))
     (y_c, g_c), (y_e, g_e) = outs
