@@ -124,7 +124,7 @@ def unexplained_op(index: GraphIndex, params: ParamTable, region: MoERegion, can
     inward = _role_nodes((layout.up, layout.gate))
     projections = [m for m in replaced if ops.is_matmul(m) and index.ancestors(m.all_input_nodes) & inward]
     before_projection = index.ancestors(projections)
-    routed = index.descendants([region.topk])
+    routed = region.routed(index)
 
     token_root = index.value_root(tokens)
 

@@ -239,6 +239,11 @@ def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_expert
         outputs.append(OutputCandidate(node=y, nodes=frozenset(nodes)))
         if len(outputs) == _MAX_OUTPUT_CANDIDATES and num_tokens:
             break
+    # a candidate the layer sums over a dimension into a later one is the per-slot product, a token
+    # tensor only by its shape: [T, K, H] at T = K = 1 is the [1, 1, H] of a one-token input; the sum
+    # is the output, as on a rank with more tokens (where the product is no candidate)
+    summed = {o.node.args[0] for o in outputs if ops.op_name(o.node) == "sum" and o.node.args}
+    outputs = [o for o in outputs if o.node not in summed]
     if experts is None or not outputs:
         return Skip(label, reason + _graph_break_hint(index, a), router_weight=router.weight)
     region_nodes = set(outputs[0].nodes)
@@ -286,6 +291,7 @@ def _region_with(index: GraphIndex, params: ParamTable, win: _Window, num_expert
         existing_op=existing,
         ids=_expert_ids(index, idx_node, region_nodes, num_tokens * k),
         num_scored=(static_shape(router.anchor.scores) or (num_experts,))[-1],
+        selection=router.anchor.sources,
     )
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from moe_compile.passes.graph_index import GraphIndex
+
 
 @dataclass(frozen=True)
 class WeightRole:
@@ -137,6 +139,14 @@ class MoERegion:
     # classes the router chooses among: E, or more where some are no expert (Zaya's skip class);
     # verification's synthetic routings draw ids from all of them
     num_scored: int = 0
+    # the nodes whose results carry the selection besides ``topk`` (``routing_anchor.Anchor.sources``:
+    # a sort whose values the weights are cut from, the argmaxes whose scores they gather): what
+    # is computed from the routing decision descends from ``topk`` or from these
+    selection: tuple[fx.Node, ...] = ()
+
+    def routed(self, index: GraphIndex) -> set[fx.Node]:
+        """The nodes computed from the routing decision (the ids, and the values chosen with them)."""
+        return index.descendants([self.topk, *self.selection])
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.emit import emit_expert_op, shape_source
-from moe_compile.passes.graph_index import GraphIndex, static_shape, tensor_meta
+from moe_compile.passes.graph_index import GraphIndex, example_value, static_shape, tensor_meta
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights
 
@@ -415,16 +415,28 @@ def _merge_aliases(pairs: list[tuple[int, int]], g_o: list[torch.Tensor | None],
 
 def _routing_values(index: GraphIndex, region: MoERegion, boundary: list[fx.Node]) -> list[bool]:
     """Which boundary values are routing weights: the top-k itself (its values), floats of shape
-    [T, K] computed from it, and the [T, E] scores the weights are gathered from (DeepSeek-V3
-    chooses on biased scores and gathers the weights from the unbiased ones): their gradients are
-    dot products with the expert outputs (``_weights_grad_scale``)."""
-    after = index.descendants([region.topk])
+    [T, K] computed from it, the [T, E] scores the weights are gathered from (DeepSeek-V3
+    chooses on biased scores and gathers the weights from the unbiased ones), and a selection's
+    (values, ids) the weights are read off (a descending sort cut at K: ``sort(s)[0][:, :K]``):
+    their gradients are dot products with the expert outputs (``_weights_grad_scale``)."""
+    after = region.routed(index)
     weighs = index.ancestors([w.node for w in region.weights], stop=set(boundary))  # not past the region's inputs
     per_token = {(region.num_tokens, region.top_k), (region.num_tokens, region.num_scored)}
 
+    def shape(v: object) -> tuple[int, ...] | None:  # static_shape's, of a value
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            return None
+        hints = [s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape]
+        return None if any(h is None for h in hints) else tuple(int(h) for h in hints)
+
     def routing(b: fx.Node) -> bool:
+        if not (b in after or b in weighs):
+            return False
         m = tensor_meta(b)
-        return (b in after or b in weighs) and static_shape(b) in per_token and m is not None and m.is_floating_point()
+        if m is None:  # a (values, ids) tuple: its values
+            v = example_value(b)
+            return isinstance(v, tuple) and len(v) == 2 and shape(v[0]) in per_token
+        return static_shape(b) in per_token and m.is_floating_point()
 
     return [b is region.topk or routing(b) for b in boundary]
 
@@ -519,14 +531,18 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
     positions holding one tensor in two shapes, compared summed: ``alias_pairs``) and at the
     routing weights both return.
 
-    In a 16-bit layer a gradient that misses the tolerance is judged once more against the
-    original graph run in fp32 on the same values (``_widened``): the replacement passes if it is
-    no farther from that reference than the original is, plus the tolerance. Two correct 16-bit
-    computations round differently (a model that rounds a product before adding its bias, where
-    the other rounds once, as nn.Linear does; the op accumulating in fp32 where a model rounds
-    partial sums), and a ReLU's or a clamp's pre-activation within that rounding of its kink
-    takes the other side in one of them, flipping its unit's gradient; the fp32 reference sides
-    with the more exact one, and a wrong interpretation stays O(1) away from it."""
+    A gradient that misses the tolerance is judged once more against the original graph run in
+    a wider dtype on the same values (``_widened``: fp32 for a 16-bit layer, fp64 for an fp32
+    one): the replacement passes if it is no farther from that reference than twice the original
+    is, plus the tolerance (two computations as exact as each other, rounded apart, each land
+    about as far from it; tests/test_fuzz.py judges compiled against eager alike). Two correct computations round differently (a model that rounds a product
+    before adding its bias, where the other rounds once, as nn.Linear does; the op accumulating in
+    fp32 where a model rounds partial sums; another summation order), and a ReLU's or a clamp's
+    pre-activation within that rounding of its kink takes the other side in one of them, flipping
+    its unit's gradient, or a saturated activation's derivative (GELU's tanh form far below 0, 1 -
+    tanh^2 cancelling) moves by far more than the rounding of its input; where such terms are all
+    an expert's gradient holds, it is small and relatively far off in both. The wider reference
+    sides with the more exact one, and a wrong interpretation stays O(1) away from it."""
     g_o, g_n, leaves, compared, floors = _gradients(original, replacement, vals, is_param, via_weights, autocast,
                                                     aliases, routing)
     if g_o is None:
@@ -539,16 +555,17 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
     checked = [i for i, check in enumerate(compared) if check]
     errs = {i: _rel_err(grad(i, g_n), grad(i, g_o), floors[i]) for i in checked}
     failed = [i for i in checked if not _passes(errs[i], grad(i, g_n), grad(i, g_o), compute)]
-    if failed and compute.itemsize < 4:
+    wide = torch.float32 if compute.itemsize < 4 else torch.float64
+    if failed and wide.itemsize > compute.itemsize:
         try:
-            g_r = _gradients(_in_dtype(original, compute, torch.float32), None,
-                             [_widened(v, torch.float32) for v in vals], is_param, via_weights, autocast, aliases)[0]
-        except Exception:  # the original graph cannot run in fp32
+            g_r = _gradients(_in_dtype(original, compute, wide), None,
+                             [_widened(v, wide) for v in vals], is_param, via_weights, autocast, aliases)[0]
+        except Exception:  # the original graph cannot run in the wider dtype
             g_r = None
         if g_r is not None and len(g_r) == len(g_o):
             for i in list(failed):
                 e_n, e_o = (_rel_err(grad(i, g), grad(i, g_r), floors[i]) for g in (g_n, g_o))
-                if e_n <= e_o + _RTOL[compute]:
+                if e_n <= 2 * e_o + _RTOL[compute]:
                     failed.remove(i)
                     errs[i] = e_n
     for i in failed:
