@@ -36,7 +36,12 @@ WEIGHTS_ON = ("output", "input")
 # "sigmoid_bias": experts chosen on sigmoid scores plus a bias buffer, weights gathered from the
 # unbiased scores and renormalized (DeepSeek-V3's e_score_correction_bias)
 ROUTERS = ("softmax_renorm", "softmax", "topk_softmax", "sigmoid_renorm", "sigmoid_bias")
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+# how the K experts are picked from the router's scores: torch.topk; a descending sort cut at K;
+# K rounds of argmax, each masking the one before (PhiMoE's sparsemixer)
+SELECTIONS = ("topk", "sort", "argmax_rounds")
+# "relu2": squared ReLU (Nemotron-H, Primer); "sigmoid_alpha": z * sigmoid(1.702 z) (GPT-OSS's
+# gate): read off the graph as expressions (passes/activation_expr.py)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid_alpha")
 EXTRAS_IN_ACTIVATION = ("clamp_gate", "clamp_up", "up_plus_one", "relu_after")
 EXTRAS_ON_EXPERTS = ("scale_out", "tanh_out", "clamp_out")
 EXTRAS = ("none", "weight_threshold", *EXTRAS_IN_ACTIVATION, *EXTRAS_ON_EXPERTS)
@@ -92,6 +97,11 @@ class FuzzConfig:
     # ints (Megatron's SequentialMLP: unbacked sizes)
     dispatch: str = "where"
     weights_on: str = "output"  # WEIGHTS_ON (loop and gathered idioms)
+    selection: str = "topk"  # SELECTIONS
+    # group-limited routing (DeepSeek-V3's n_group / topk_group): the experts in ``groups`` groups,
+    # each scored by the sum of its best two, all but the best group's scores set to 0 before the
+    # top-k (1: every expert eligible)
+    groups: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +110,10 @@ class FuzzConfig:
 def _act(name: str, z: torch.Tensor) -> torch.Tensor:
     if name == "gelu_tanh":
         return F.gelu(z, approximate="tanh")
+    if name == "relu2":
+        return torch.square(F.relu(z))
+    if name == "sigmoid_alpha":
+        return z * torch.sigmoid(z * 1.702)
     return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[name](z)
 
 
@@ -240,22 +254,48 @@ class FuzzMoE(nn.Module):
                 tok, k = torch.where(idx == e)
             yield e, tok, w[tok, k, None]
 
+    def _select(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) of the top K of the [T, E] scores ``s``, as ``cfg.selection`` and
+        ``cfg.groups`` pick them."""
+        cfg = self.cfg
+        k = cfg.top_k
+        if cfg.groups > 1:
+            per = cfg.num_experts // cfg.groups
+            group_scores = s.view(s.shape[0], cfg.groups, per).topk(2, dim=-1)[0].sum(dim=-1)
+            best = group_scores.topk(1, dim=-1)[1]
+            keep = torch.zeros_like(group_scores).scatter(1, best, 1.0)
+            keep = keep.unsqueeze(-1).expand(-1, -1, per).flatten(1)  # (reshape(T, -1) fails at T = 0)
+            s = s.masked_fill(~keep.bool(), 0.0)
+        if cfg.selection == "sort":
+            vals, order = s.sort(dim=-1, descending=True)
+            return vals[:, :k], order[:, :k]
+        if cfg.selection == "argmax_rounds":
+            vals, ids, rest = [], [], s
+            for _ in range(k):
+                i = rest.argmax(dim=-1, keepdim=True)
+                vals.append(s.gather(1, i))
+                ids.append(i)
+                rest = rest.scatter(1, i, float("-inf"))
+            return torch.cat(vals, dim=-1), torch.cat(ids, dim=-1)
+        vals, ids = torch.topk(s, k, dim=-1)
+        return vals, ids
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         h = x.reshape(-1, cfg.hidden)
         logits = self.router(h)
         if cfg.router == "topk_softmax":
-            vals, idx = torch.topk(logits, cfg.top_k, dim=-1)
+            vals, idx = self._select(logits)
             w = F.softmax(vals, dim=-1, dtype=torch.float32)
         elif cfg.router == "sigmoid_bias":
             scores = torch.sigmoid(logits.float())
-            idx = torch.topk(scores + self.score_bias, cfg.top_k, dim=-1)[1]
+            idx = self._select(scores + self.score_bias)[1]
             w = scores.gather(1, idx)
             w = w / w.sum(dim=-1, keepdim=True)
         else:
             scores = torch.sigmoid(logits.float()) if cfg.router == "sigmoid_renorm" else \
                 F.softmax(logits, dim=-1, dtype=torch.float32)
-            w, idx = torch.topk(scores, cfg.top_k, dim=-1)
+            w, idx = self._select(scores)
             if cfg.router != "softmax":
                 w = w / w.sum(dim=-1, keepdim=True)
         w = w * cfg.route_scale
