@@ -111,8 +111,12 @@ def fake_tensor(node: fx.Node) -> torch.Tensor | None:
 
 def static_shape(node: fx.Node) -> tuple[int, ...] | None:
     """Shape with symbolic sizes replaced by their hints; None for non-tensors."""
-    t = tensor_meta(node)
-    if t is None:
+    return value_shape(tensor_meta(node))
+
+
+def value_shape(t: object) -> tuple[int, ...] | None:
+    """``static_shape`` of a value (a tensor of a node's meta, or an element of a tuple's)."""
+    if not isinstance(t, torch.Tensor):
         return None
     out = []
     for s in t.shape:

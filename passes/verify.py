@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from moe_compile.passes import op_kinds as ops
 from moe_compile.passes.emit import emit_expert_op, shape_source
-from moe_compile.passes.graph_index import GraphIndex, example_value, static_shape, tensor_meta
+from moe_compile.passes.graph_index import GraphIndex, example_value, static_shape, tensor_meta, value_shape
 from moe_compile.passes.graph_params import ParamTable
 from moe_compile.passes.regions import ExpertLayout, MoERegion, OutputCandidate, RoutingWeights
 
@@ -423,19 +423,14 @@ def _routing_values(index: GraphIndex, region: MoERegion, boundary: list[fx.Node
     weighs = index.ancestors([w.node for w in region.weights], stop=set(boundary))  # not past the region's inputs
     per_token = {(region.num_tokens, region.top_k), (region.num_tokens, region.num_scored)}
 
-    def shape(v: object) -> tuple[int, ...] | None:  # static_shape's, of a value
-        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-            return None
-        hints = [s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape]
-        return None if any(h is None for h in hints) else tuple(int(h) for h in hints)
-
     def routing(b: fx.Node) -> bool:
         if not (b in after or b in weighs):
             return False
         m = tensor_meta(b)
         if m is None:  # a (values, ids) tuple: its values
             v = example_value(b)
-            return isinstance(v, tuple) and len(v) == 2 and shape(v[0]) in per_token
+            return isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], torch.Tensor) \
+                and v[0].is_floating_point() and value_shape(v[0]) in per_token
         return static_shape(b) in per_token and m.is_floating_point()
 
     return [b is region.topk or routing(b) for b in boundary]
@@ -535,14 +530,16 @@ def _compare_backward(original: fx.GraphModule, replacement: fx.GraphModule, val
     a wider dtype on the same values (``_widened``: fp32 for a 16-bit layer, fp64 for an fp32
     one): the replacement passes if it is no farther from that reference than twice the original
     is, plus the tolerance (two computations as exact as each other, rounded apart, each land
-    about as far from it; tests/test_fuzz.py judges compiled against eager alike). Two correct computations round differently (a model that rounds a product
-    before adding its bias, where the other rounds once, as nn.Linear does; the op accumulating in
-    fp32 where a model rounds partial sums; another summation order), and a ReLU's or a clamp's
-    pre-activation within that rounding of its kink takes the other side in one of them, flipping
-    its unit's gradient, or a saturated activation's derivative (GELU's tanh form far below 0, 1 -
-    tanh^2 cancelling) moves by far more than the rounding of its input; where such terms are all
-    an expert's gradient holds, it is small and relatively far off in both. The wider reference
-    sides with the more exact one, and a wrong interpretation stays O(1) away from it."""
+    about as far from it; tests/test_fuzz.py judges compiled against eager alike).
+
+    Two correct computations round differently: a model that rounds a product before adding its
+    bias, where the other rounds once, as nn.Linear does; the op accumulating in fp32 where a
+    model rounds partial sums; another summation order. A ReLU's or a clamp's pre-activation
+    within that rounding of its kink takes the other side in one of them, flipping its unit's
+    gradient; a saturated activation's derivative (GELU's tanh form far below 0, 1 - tanh^2
+    cancelling) moves by far more than the rounding of its input, and an expert whose gradient
+    holds only such terms has a small one, relatively far off in both. The wider reference sides
+    with the more exact one, and a wrong interpretation stays O(1) away from it."""
     g_o, g_n, leaves, compared, floors = _gradients(original, replacement, vals, is_param, via_weights, autocast,
                                                     aliases, routing)
     if g_o is None:
